@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Shared set-up for ./scripts/demo and ./scripts/test: create or reuse .venv and install shardwise.
+# torch: keep the one the user has (GPU and NPU users bring their own build); install the pinned CPU
+# release only when torch is missing, so that pip never pulls a multi-GB CUDA build by accident.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PYTHON" -m venv --system-site-packages .venv 2>/dev/null || "$PYTHON" -m venv .venv
+fi
+py=.venv/bin/python
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] torch missing: installing torch==2.13.0"
+  "$py" -m pip install --quiet "torch==2.13.0"
+fi
+stamp=.venv/.shardwise-installed
+extras="${SHARDWISE_EXTRAS:-}"
+want="$(sha1sum pyproject.toml | cut -c1-40) $extras"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing shardwise${extras:+[$extras]} and its dependencies"
+  "$py" -m pip install --quiet -e ".${extras:+[$extras]}"
+  echo "$want" > "$stamp"
+fi

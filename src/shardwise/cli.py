@@ -1,0 +1,135 @@
+"""The `shardwise` command: parses arguments, calls the library, prints user mistakes without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import ShardwiseError
+
+log = logging.getLogger("shardwise")
+
+
+class _TqdmHandler(logging.Handler):
+    """Writes log lines through tqdm so they do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Console logging for the CLI (library code only logs)."""
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+    root = logging.getLogger("shardwise")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    cfg = load_config(args.config, args.set)
+    if args.dry_run:
+        from .train.dry_run import describe_run
+
+        print(describe_run(cfg, args.nproc))
+        return 0
+    from .train.trainer import Trainer
+
+    result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
+    summary = f"done: {result.step} steps, final loss {result.losses.get(result.step, float('nan')):.4f}"
+    if result.eval:
+        summary += f", eval loss {result.eval['loss']:.4f} (perplexity {result.eval['perplexity']:.2f})"
+    if result.last_checkpoint:
+        summary += f"; checkpoint {result.last_checkpoint}"
+    print(summary)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .data.tokenizer import load_tokenizer
+    from .models import generate
+    from .train.checkpoint import find_checkpoint, load_model
+
+    path = find_checkpoint(args.checkpoint)
+    torch.manual_seed(args.seed)
+    model, _ = load_model(path)
+    tokenizer = load_tokenizer(str(path / "tokenizer"))
+    prompts = [tokenizer.encode(p, add_bos=True) for p in args.prompt]
+    stream = not args.no_stream and len(prompts) == 1
+    if stream:
+        print(args.prompt[0], end="", flush=True)
+        generated: list[int] = []
+
+        def on_token(tokens: list[int]) -> None:
+            before = tokenizer.decode(generated)
+            generated.append(tokens[0])
+            print(tokenizer.decode(generated)[len(before):], end="", flush=True)
+    else:
+        on_token = None
+    outputs = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id, on_token=on_token)
+    if stream:
+        print()
+    else:
+        for prompt, out in zip(args.prompt, outputs):
+            print(prompt + tokenizer.decode(out))
+            print("---")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser for every sub-command."""
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split(":")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="pre-train or fine-tune as a YAML config describes",
+                       description="Train as CONFIG describes. Seed-document YAML shapes are accepted.")
+    t.add_argument("config", help="YAML run config")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+    t.add_argument("--resume", metavar="auto|PATH", help="continue from the newest (auto) or a given checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace a previous run in train.output_dir")
+    t.add_argument("--dry-run", action="store_true",
+                   help="validate and print model, layout, tokens and FLOPs per step; touch no device or data")
+    t.add_argument("--nproc", type=int, default=None, help="devices to plan for (dry run)")
+    t.set_defaults(func=_cmd_train)
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint",
+                       description="Generate text with a KV cache from a checkpoint or run directory.")
+    g.add_argument("checkpoint", help="checkpoint directory (step_*) or run directory (newest checkpoint)")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat to batch)")
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-stream", action="store_true", help="print when done instead of token by token")
+    g.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `shardwise` command."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ShardwiseError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""One typed schema for a whole run, YAML loading, the source documents' YAML shapes, and overrides.
+
+A run is described by five sections (`model`, `parallel`, `optimize`, `train`, `data`) and a small
+`run` section (device, eager or compiled). `load_config(path, overrides)` reads YAML, translates the
+keys of the two seed shapes (MindSpore Transformers' `train_config.yaml` and `llm_pretrain.yaml`) to
+ours, applies `--set a.b=value` overrides, and validates everything. Mistakes raise `ConfigError`
+naming the dotted key, what is allowed, and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ParallelConfig(_Section):
+    """How the run is split over devices. The product dp x tp x pp must equal the device count."""
+
+    data_parallel: int = Field(1, description="data-parallel degree; -1 = what the device count leaves")
+    tensor_parallel: int = Field(1, ge=1, description="tensor (model) parallel degree")
+    sequence_parallel: bool = Field(True, description="shard norms/dropout over the sequence with TP")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters"
+    )
+    micro_batch_num: int = Field(1, ge=1, description="pipeline micro-batches per step")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b", description="pipeline schedule"
+    )
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
+    stage_layers: Optional[list[int]] = Field(None, description="layers per pipeline stage")
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _dp(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("must be a positive integer, or -1 for what the device count leaves")
+        return v
+
+    def fixed_degree(self) -> int:
+        """Devices used by TP x PP (and DP when it is given explicitly)."""
+        dp = self.data_parallel if self.data_parallel > 0 else 1
+        return dp * self.tensor_parallel * self.pipeline_parallel
+
+    def world_size(self, devices: int | None = None) -> int:
+        """Number of devices this layout needs (resolving data_parallel=-1 against `devices`)."""
+        tp_pp = self.tensor_parallel * self.pipeline_parallel
+        if self.data_parallel == -1:
+            if devices is None:
+                return tp_pp
+            if devices % tp_pp:
+                raise ConfigError(
+                    f"parallel.data_parallel is -1 but {devices} devices are not divisible by "
+                    f"tensor_parallel x pipeline_parallel = {tp_pp}; use a device count that is a "
+                    f"multiple of {tp_pp} or lower those degrees"
+                )
+            return devices
+        return self.data_parallel * tp_pp
+
+    def dp_degree(self, devices: int | None = None) -> int:
+        """Resolved data-parallel degree."""
+        return self.world_size(devices) // (self.tensor_parallel * self.pipeline_parallel)
+
+
+class OptimizeConfig(_Section):
+    """Memory and speed settings: precision, recompute, accumulation, offload, compile."""
+
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="training dtype")
+    precision_level: Optional[Literal["O0", "O1", "O2", "O3"]] = Field(
+        None,
+        description="O0 fp32; O1 autocast, fp32 weights; O2 16-bit weights + fp32 master copy in the "
+        "optimizer; O3 pure 16-bit. Default: O0 for fp32, O2 otherwise",
+    )
+    loss_scale: Union[Literal["dynamic"], float] = Field(
+        "dynamic", description="fp16 loss scaling: 'dynamic' or a fixed scale"
+    )
+    initial_loss_scale: float = Field(2.0**16, gt=0, description="starting dynamic loss scale")
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recomputation: none, full blocks, or selective (keep matmuls)"
+    )
+    recompute_every: int = Field(1, ge=1, description="recompute every k-th layer (full recompute)")
+    gradient_accumulation_steps: Optional[int] = Field(
+        None, ge=1, description="micro-batches per optimizer step (derived from global_batch_size if unset)"
+    )
+    offload_optimizer: bool = Field(False, description="keep optimizer state in CPU memory")
+    offload_params: bool = Field(False, description="keep parameters in CPU memory between uses")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_bool(cls, v: Any) -> Any:
+        if v is True:
+            return "full"
+        if v is False or v is None:
+            return "none"
+        return v
+
+    def level(self) -> str:
+        """The precision level in force."""
+        if self.mixed_precision == "fp32":
+            return "O0"
+        return self.precision_level or "O2"
+
+
+class TrainConfig(_Section):
+    """Optimizer, schedule, length, batch sizes, logging, evaluation and checkpoints."""
+
+    output_dir: str = Field("runs/default", description="run directory: checkpoints, metrics, logs")
+    seed: int = Field(42, description="seed for weights, data order and dropout")
+    max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps (or give epochs)")
+    epochs: Optional[float] = Field(None, gt=0, description="passes over the training data")
+    micro_batch_size: int = Field(1, ge=1, description="samples per device per micro-batch")
+    global_batch_size: Optional[int] = Field(
+        None, ge=1, description="samples per optimizer step over all devices"
+    )
+    optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="decay")
+    wsd_decay_ratio: float = Field(0.1, gt=0, le=1, description="WSD: fraction of steps spent decaying")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only)")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    max_grad_norm: Optional[float] = Field(1.0, description="gradient clipping norm; null = off")
+    log_steps: int = Field(10, ge=1, description="log metrics every N steps")
+    eval_steps: Optional[int] = Field(None, ge=1, description="evaluate every N steps (and at the end)")
+    eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
+    save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
+    nan_policy: Literal["stop", "skip"] = Field("stop", description="on a NaN/Inf loss")
+    peak_tflops: Optional[float] = Field(None, gt=0, description="device peak for MFU (default: table/measured)")
+    progress_bar: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(True, description="write TensorBoard events when it is installed")
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("give train.max_steps or train.epochs")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
+        return self
+
+
+class DataConfig(_Section):
+    """Where the text comes from and how it becomes samples."""
+
+    train_files: list[str] = Field(default_factory=list, description="globs of training text files")
+    eval_files: Optional[list[str]] = Field(None, description="globs of held-out text files")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the tokens held out for eval")
+    tokenizer: Optional[str] = Field(None, description="tokenizer directory; null = train a BPE one")
+    seq_length: Optional[int] = Field(
+        None, ge=2, description="tokens per sample; default model.max_position_embeddings"
+    )
+    cache_dir: Optional[str] = Field(None, description="tokenizer/token cache (default ~/.cache/shardwise)")
+
+    @field_validator("train_files", "eval_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class RunSection(_Section):
+    """Where and how the run executes."""
+
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device kind")
+    compile: bool = Field(False, description="torch.compile the model (seed: mode graph / mode 0)")
+    num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
+
+
+class RunConfig(_Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optimize: OptimizeConfig = Field(default_factory=OptimizeConfig)
+    train: TrainConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _preset(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("preset"):
+            from .models.registry import get_preset
+
+            return {**get_preset(v["preset"]), **v}
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        m, p = self.model, self.parallel
+        if self.data.seq_length is None:
+            self.data.seq_length = m.max_position_embeddings
+        if self.data.seq_length > m.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_length {self.data.seq_length} is above model.max_position_embeddings "
+                f"{m.max_position_embeddings}; lower seq_length or raise max_position_embeddings"
+            )
+        if p.tensor_parallel > 1:
+            for name, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+                if n % p.tensor_parallel:
+                    raise ValueError(
+                        f"parallel.tensor_parallel {p.tensor_parallel} must divide model.{name} {n}"
+                    )
+        if p.pipeline_parallel * p.virtual_stages > m.num_layers:
+            raise ValueError(
+                f"pipeline_parallel x virtual_stages = {p.pipeline_parallel * p.virtual_stages} "
+                f"exceeds model.num_layers {m.num_layers}"
+            )
+        if p.stage_layers is not None and sum(p.stage_layers) != m.num_layers:
+            raise ValueError(
+                f"parallel.stage_layers sums to {sum(p.stage_layers)}, not model.num_layers {m.num_layers}"
+            )
+        return self
+
+    def gradient_accumulation(self, devices: int | None = None) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        dp = self.parallel.dp_degree(devices)
+        ga = self.optimize.gradient_accumulation_steps
+        gbs = self.train.global_batch_size
+        mbs = self.train.micro_batch_size
+        if gbs is None:
+            return ga or 1
+        if gbs % (mbs * dp):
+            raise ConfigError(
+                f"train.global_batch_size {gbs} is not divisible by micro_batch_size {mbs} x "
+                f"data_parallel {dp} = {mbs * dp}; choose a global batch that is a multiple of {mbs * dp}"
+            )
+        derived = gbs // (mbs * dp)
+        if ga is not None and ga != derived:
+            raise ConfigError(
+                f"optimize.gradient_accumulation_steps {ga} contradicts train.global_batch_size {gbs} "
+                f"= micro_batch_size {mbs} x data_parallel {dp} x {derived}; set only one of them"
+            )
+        return derived
+
+    def global_batch_size(self, devices: int | None = None) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        dp = self.parallel.dp_degree(devices)
+        return self.train.micro_batch_size * dp * self.gradient_accumulation(devices)
+
+
+# --- The source documents' YAML shapes -------------------------------------------------------------
+# Each entry: seed key (dotted) -> (our key, value translation). Applied before validation, so both
+# seed files load as written there.
+
+_DEVICE_NAMES = {"ascend": "npu", "npu": "npu", "gpu": "cuda", "cuda": "cuda", "cpu": "cpu", "auto": "auto"}
+
+
+def _device(v: Any) -> Any:
+    return _DEVICE_NAMES.get(str(v).lower(), v)
+
+
+def _graph_mode(v: Any) -> Any:
+    # MindSpore: mode graph / GRAPH_MODE = 0 compiles; pynative / PYNATIVE_MODE = 1 runs eagerly.
+    text = str(v).lower()
+    if text in ("graph", "graph_mode", "0"):
+        return True
+    if text in ("pynative", "pynative_mode", "1", "eager"):
+        return False
+    raise ConfigError(f"mode {v!r} is not known: use graph (or 0) to compile, pynative (or 1) for eager")
+
+
+_SEED_KEYS: dict[str, tuple[str, Any]] = {
+    # seed 000, train_config.yaml
+    "model_name": ("model.preset", None),
+    "device_target": ("run.device", _device),
+    "mode": ("run.compile", _graph_mode),
+    "seed": ("train.seed", None),
+    "batch_size": ("train.micro_batch_size", None),
+    "seq_length": ("data.seq_length", None),
+    "epochs": ("train.epochs", None),
+    "learning_rate": ("train.lr", None),
+    "save_ckpt": ("train.output_dir", None),
+    "save_steps": ("train.save_steps", None),
+    "parallel.model_parallel": ("parallel.tensor_parallel", None),
+    "parallel.pipeline_stages": ("parallel.pipeline_parallel", None),
+    "optimize.max_grad_norm": ("train.max_grad_norm", None),
+    # seed 002, llm_pretrain.yaml
+    "model.seq_length": ("data.seq_length", None),
+    "train.batch_size": ("train.global_batch_size", None),
+    "train.grad_clip_norm": ("train.max_grad_norm", None),
+    "train.loss_scale": ("optimize.loss_scale", None),
+    "run.mode": ("run.compile", _graph_mode),
+    "run.device_target": ("run.device", _device),
+}
+
+# Accepted so that seed files load, but they change nothing here: the warning says why.
+_NO_EFFECT_KEYS = {
+    "run.enable_graph_kernel": "MindSpore graph-kernel fusion has no PyTorch equivalent; use run.compile",
+    "run.graph_kernel_flags": "MindSpore graph-kernel flags have no PyTorch equivalent; use run.compile",
+    "enable_graph_kernel": "MindSpore graph-kernel fusion has no PyTorch equivalent; use run.compile",
+    "graph_kernel_flags": "MindSpore graph-kernel flags have no PyTorch equivalent; use run.compile",
+    "parallel.auto_parallel": "shardwise applies the layout you give; `shardwise plan` chooses one",
+    "parallel.micro_batch_interleave": "MindSpore's micro-batch interleaving has no PyTorch equivalent",
+}
+
+# Hints for names people commonly try that are neither ours nor a seed key.
+_HINTS = {"learning_rate": "lr", "batch_size": "micro_batch_size", "grad_clip": "max_grad_norm",
+          "n_layers": "num_layers", "n_heads": "num_heads", "steps": "max_steps",
+          "gradient_accumulation_steps": "optimize.gradient_accumulation_steps"}
+
+
+def _get(d: dict, dotted: str) -> tuple[bool, Any]:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return False, None
+        cur = cur[part]
+    return True, cur
+
+
+def _pop(d: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    cur = d
+    for part in parents:
+        cur = cur[part]
+    del cur[last]
+    if parents and not cur:
+        _pop(d, ".".join(parents))
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    cur = d
+    for i, part in enumerate(parents):
+        nxt = cur.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {dotted}: {'.'.join(parents[: i + 1])} is not a section")
+        cur = nxt
+    cur[last] = value
+
+
+def translate_seed_keys(raw: dict) -> tuple[dict, list[str]]:
+    """Rewrite the seed documents' keys into ours; return the new dict and warnings to show."""
+    raw = _deepcopy(raw)
+    warnings: list[str] = []
+    # ZeRO in seed 002: use_zero + zero_level.
+    found_use, use_zero = _get(raw, "parallel.use_zero")
+    found_lvl, level = _get(raw, "parallel.zero_level")
+    if found_use or found_lvl:
+        stage = (int(level) if found_lvl else 1) if (use_zero if found_use else True) else 0
+        for key in ("parallel.use_zero", "parallel.zero_level"):
+            if _get(raw, key)[0]:
+                _pop(raw, key)
+        _merge_into(raw, "parallel.zero_stage", stage, "parallel.use_zero/zero_level")
+    # `batch_size` is the per-device batch at the top level of seed 000 but the global batch under
+    # `train` in seed 002 (next to micro_batch_size): the table keeps the two apart by their paths.
+    for seed_key, (our_key, fn) in _SEED_KEYS.items():
+        found, value = _get(raw, seed_key)
+        if not found:
+            continue
+        _pop(raw, seed_key)
+        _merge_into(raw, our_key, fn(value) if fn else value, seed_key)
+    for key, why in _NO_EFFECT_KEYS.items():
+        found, value = _get(raw, key)
+        if found:
+            _pop(raw, key)
+            warnings.append(f"{key}: {value!r} has no effect in shardwise ({why})")
+    # Seed 002 gives seq_length in the model section: make the model long enough for it.
+    found_seq, seq = _get(raw, "data.seq_length")
+    if found_seq and isinstance(raw.get("model"), dict) and "max_position_embeddings" not in raw["model"]:
+        if raw["model"] and not raw["model"].get("preset"):
+            raw["model"]["max_position_embeddings"] = seq
+    return raw, warnings
+
+
+def _merge_into(raw: dict, our_key: str, value: Any, seed_key: str) -> None:
+    found, existing = _get(raw, our_key)
+    if found and existing != value:
+        raise ConfigError(
+            f"{seed_key} ({value!r}) and {our_key} ({existing!r}) set the same thing differently; "
+            "keep one of them"
+        )
+    _set(raw, our_key, value)
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+# --- Overrides ---------------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` strings (value parsed as YAML) to a canonical raw dict."""
+    raw = _deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+        if key in _SEED_KEYS:
+            our_key, fn = _SEED_KEYS[key]
+            key, value = our_key, (fn(value) if fn else value)
+        _set(raw, key, value)
+    return raw
+
+
+# --- Loading and validation --------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                raw: dict | None = None) -> RunConfig:
+    """Read YAML (or a dict), translate seed keys, apply overrides, validate; warn about no-op keys."""
+    if raw is None:
+        if path is None:
+            raise ConfigError("give a config file")
+        raw = read_yaml(path)
+    canonical, warnings = translate_seed_keys(raw)
+    canonical = apply_overrides(canonical, overrides or [])
+    for w in warnings:
+        log.warning(w)
+    return validate(canonical)
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    """Load a YAML mapping from a file, with clear messages for a missing or malformed file."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist; check the path")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, train:, ...), not a {type(raw).__name__}")
+    return raw
+
+
+def validate(raw: dict) -> RunConfig:
+    """Validate a canonical dict into a RunConfig, turning pydantic's errors into one clear message."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        loc = [str(p) for p in item["loc"]]
+        dotted = ".".join(loc) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"unknown key {dotted}{_suggest(loc)}")
+        elif item["type"] in ("literal_error", "enum"):
+            allowed = item.get("ctx", {}).get("expected", "")
+            lines.append(f"{dotted} = {item.get('input')!r} is not allowed; expected {allowed}")
+        elif item["type"] == "missing":
+            lines.append(f"{dotted} is required" + (" (give at least train.max_steps or train.epochs)" if dotted == "train" else ""))
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            got = f" (got {item['input']!r})" if not isinstance(item.get("input"), dict) else ""
+            lines.append(f"{dotted}: {msg}{got}" if loc else msg)
+    return "invalid config: " + "; ".join(lines)
+
+
+def _section_class(loc: list[str]) -> type[BaseModel] | None:
+    cls: Any = RunConfig
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        cls = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if cls is None:
+            return None
+    return cls
+
+
+def _suggest(loc: list[str]) -> str:
+    name = loc[-1]
+    cls = _section_class(loc)
+    if cls is None:
+        return ""
+    valid = list(cls.model_fields)
+    prefix = ".".join(loc[:-1])
+    if name in _HINTS and _HINTS[name].split(".")[-1] in valid:
+        return f"; did you mean {prefix + '.' if prefix else ''}{_HINTS[name]}?"
+    if name in _HINTS and "." in _HINTS[name]:
+        return f"; did you mean {_HINTS[name]}?"
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    return f"; valid keys here: {', '.join(valid)}"
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The full resolved config as YAML (saved in the run directory)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_reference() -> str:
+    """A Markdown table of every key, its default and what it means (for the README)."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for section, field in RunConfig.model_fields.items():
+        cls = field.annotation
+        for name, f in cls.model_fields.items():  # type: ignore[union-attr]
+            default = f.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = "{...}"
+            text = (f.description or "").replace("|", "/")
+            rows.append(f"| `{section}.{name}` | `{default!r}` | {text} |")
+    return "\n".join(rows)
+
+
+def tokens_per_step(cfg: RunConfig, devices: int | None = None) -> int:
+    """Tokens consumed by one optimizer step over all devices."""
+    return cfg.global_batch_size(devices) * cfg.data.seq_length
+
+
+def human(n: float) -> str:
+    """1234567 -> '1.23M' (for logs and dry runs)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}" if not math.isclose(n, round(n)) else str(int(n))

@@ -1,0 +1,141 @@
+"""Mixed precision levels O0-O3 and dynamic loss scaling.
+
+O0  fp32 everywhere.
+O1  fp32 weights; the forward pass runs under autocast in bf16/fp16.
+O2  16-bit weights and activations; the optimizer steps an fp32 master copy of every trainable
+    weight and copies the result back (the usual "mixed precision" of Megatron and MindSpore).
+O3  pure 16-bit: weights, gradients and optimizer state all in bf16/fp16.
+fp16 at any level uses a loss scale so small gradients survive; an overflow skips the step and
+lowers the scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """What a precision level means for weights, the forward pass and the optimizer."""
+
+    level: str
+    dtype: torch.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype the model's weights are stored in."""
+        return self.dtype if self.level in ("O2", "O3") else torch.float32
+
+    @property
+    def uses_autocast(self) -> bool:
+        """Whether the forward pass runs under autocast."""
+        return self.level == "O1"
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the optimizer steps fp32 copies of the weights."""
+        return self.level == "O2"
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """fp16's narrow range needs a loss scale; bf16 and fp32 do not."""
+        return self.dtype == torch.float16
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """The context the forward pass runs in."""
+        if self.uses_autocast:
+            return torch.autocast(device_type=device_type, dtype=self.dtype)
+        return contextlib.nullcontext()
+
+
+def precision_plan(mixed_precision: str, level: str) -> PrecisionPlan:
+    """Build the plan for `optimize.mixed_precision` and the level in force."""
+    dtype = DTYPES[mixed_precision]
+    if dtype == torch.float32:
+        level = "O0"
+    return PrecisionPlan(level=level, dtype=dtype)
+
+
+class MasterWeights:
+    """fp32 copies of 16-bit trainable weights (level O2); the optimizer steps these copies."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self.model_params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+
+    def named_masters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, fp32 master) pairs, named like the model parameters."""
+        return zip(self.names, self.masters)
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> None:
+        """Move the model's 16-bit gradients into fp32 master gradients."""
+        for p, m in zip(self.model_params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """Copy the updated fp32 weights back into the 16-bit model."""
+        for p, m in zip(self.model_params, self.masters):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def model_to_masters(self) -> None:
+        """Refresh the masters from the model (after loading weights that carry no masters)."""
+        for p, m in zip(self.model_params, self.masters):
+            m.copy_(p)
+
+
+class LossScaler:
+    """Dynamic (or static) loss scaling for fp16: overflow skips the step and halves the scale."""
+
+    def __init__(self, init_scale: float = 2.0**16, dynamic: bool = True, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0) -> None:
+        self.scale = float(init_scale)
+        self.dynamic = dynamic
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    @torch.no_grad()
+    def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
+        """Divide gradients by the scale in place; return True when any is Inf/NaN."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return False
+        torch._foreach_mul_(grads, 1.0 / self.scale)
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        return not bool(finite)
+
+    def update(self, found_inf: bool) -> None:
+        """Lower the scale after an overflow; raise it after `growth_interval` clean steps."""
+        if found_inf:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            if self.dynamic:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            return
+        self.good_steps += 1
+        if self.dynamic and self.good_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from `state_dict()`."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

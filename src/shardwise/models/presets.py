@@ -1,0 +1,95 @@
+"""The built-in model presets, registered on import (imported by `shardwise.models.registry`).
+
+Sizes are the published ones (the Hugging Face `config.json` of each official checkpoint unless a
+comment says otherwise), so `count_parameters` gives the well-known totals (LLaMA-7B 6,738,415,616).
+"""
+
+from __future__ import annotations
+
+from shardwise.models.registry import register_preset
+
+# Family defaults; each preset below lists only its sizes on top of one of these.
+_LLAMA = dict(model_type="llama", norm="rmsnorm", mlp="gated", activation="silu", position="rope")
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, norm_eps=1e-5)
+_QWEN2 = dict(_LLAMA, model_type="qwen2", vocab_size=151936, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6,
+              # Qwen2 was trained at 32K; the 131072 in its config.json needs YaRN, which we do not have.
+              max_position_embeddings=32768)
+_GPT2 = dict(
+    model_type="gpt2", norm="layernorm", norm_eps=1e-5, mlp="plain", activation="gelu_tanh", position="learned",
+    qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True, tie_embeddings=True,
+    vocab_size=50257, max_position_embeddings=1024,
+)
+
+# LLaMA 1 (Touvron et al. 2023). HF's converted configs use rms_norm_eps 1e-6 for 7B/13B, 1e-5 for 65B.
+register_preset("llama_7b", **_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                intermediate_size=11008, max_position_embeddings=2048, norm_eps=1e-6)
+register_preset("llama_13b", **_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+                intermediate_size=13824, max_position_embeddings=2048, norm_eps=1e-6)
+register_preset("llama_65b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                intermediate_size=22016, max_position_embeddings=2048, norm_eps=1e-5)
+
+# LLaMA 2: same shapes as LLaMA 1 at 7B/13B, 4K context; 70B adds grouped-query attention.
+register_preset("llama2_7b", **_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                intermediate_size=11008, max_position_embeddings=4096, norm_eps=1e-5)
+register_preset("llama2_13b", **_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+                intermediate_size=13824, max_position_embeddings=4096, norm_eps=1e-5)
+register_preset("llama2_70b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                num_kv_heads=8, intermediate_size=28672, max_position_embeddings=4096, norm_eps=1e-5)
+
+# LLaMA 3 / 3.1: 128K vocabulary, GQA everywhere; 3.1 stretches RoPE to 128K positions.
+register_preset("llama3_8b", **_LLAMA3, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                intermediate_size=14336)
+register_preset("llama3_70b", **_LLAMA3, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                intermediate_size=28672)
+register_preset("llama3.1_8b", **dict(_LLAMA3, max_position_embeddings=131072), hidden_size=4096, num_layers=32,
+                num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192))
+
+# Qwen2: LLaMA plus bias on q/k/v. The small ones tie embeddings; 7B has a padded 152064 vocabulary.
+register_preset("qwen2_0.5b", **_QWEN2, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                intermediate_size=4864, tie_embeddings=True)
+register_preset("qwen2_1.5b", **_QWEN2, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                intermediate_size=8960, tie_embeddings=True)
+register_preset("qwen2_7b", **dict(_QWEN2, vocab_size=152064), hidden_size=3584, num_layers=28, num_heads=28,
+                num_kv_heads=4, intermediate_size=18944)
+
+# Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
+# is identical up to 4096 tokens.
+register_preset("mistral_7b", **dict(_LLAMA, model_type="mistral"), vocab_size=32000, hidden_size=4096,
+                num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, max_position_embeddings=32768,
+                norm_eps=1e-5)
+
+# Baichuan: LLaMA shapes with a 64K vocabulary (its fused W_pack q/k/v is only a storage layout).
+register_preset("baichuan_7b", **dict(_LLAMA, model_type="baichuan"), vocab_size=64000, hidden_size=4096,
+                num_layers=32, num_heads=32, intermediate_size=11008, max_position_embeddings=4096, norm_eps=1e-6)
+# Baichuan-13B really uses ALiBi position biases; we have no ALiBi, so this preset uses RoPE. The
+# parameter count is unaffected (neither has weights), but official 13B weights will not give its logits.
+register_preset("baichuan_13b", **dict(_LLAMA, model_type="baichuan"), vocab_size=64000, hidden_size=5120,
+                num_layers=40, num_heads=40, intermediate_size=13696, max_position_embeddings=4096, norm_eps=1e-6)
+
+# GPT-2 (Radford et al. 2019), the four released sizes.
+register_preset("gpt2", **_GPT2, hidden_size=768, num_layers=12, num_heads=12)
+register_preset("gpt2_medium", **_GPT2, hidden_size=1024, num_layers=24, num_heads=16)
+register_preset("gpt2_large", **_GPT2, hidden_size=1280, num_layers=36, num_heads=20)
+register_preset("gpt2_xl", **_GPT2, hidden_size=1600, num_layers=48, num_heads=25)
+
+# GPT-3 13B (Brown et al. 2020, table 2.1): d_model 5140 with 40 heads of 128 (so q/k/v are 5140 -> 5120),
+# 2048 context, GPT-2 style blocks. GPT-3's alternating locally-banded sparse attention is not modelled.
+register_preset("gpt_13b", **dict(_GPT2, model_type="gpt", max_position_embeddings=2048), hidden_size=5140,
+                num_layers=40, num_heads=40, head_dim=128, intermediate_size=4 * 5140)
+
+# The model section of seed 002's llm_pretrain.yaml (FFN width by the LLaMA rule: 22016). With those
+# sizes it has about 65B parameters, not 100B; the name follows the document.
+register_preset("llm_100b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                max_position_embeddings=4096, use_flash_attention=True)
+
+# Small models for tests, demos and benchmarks.
+register_preset("tiny_llama", **_LLAMA, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=160, max_position_embeddings=256)
+register_preset("tiny_gpt2", **dict(_GPT2, vocab_size=512, max_position_embeddings=256), hidden_size=64,
+                num_layers=2, num_heads=4, intermediate_size=256)
+register_preset("demo_llama", **_LLAMA, vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4,
+                intermediate_size=688, max_position_embeddings=512)
+register_preset("bench_llama", **_LLAMA, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
+                intermediate_size=1408, max_position_embeddings=512)

@@ -1,0 +1,405 @@
+"""One decoder-only transformer for every family (LLaMA, Qwen2, Mistral, Baichuan, GPT-2/3), chosen by flags.
+
+Plain PyTorch with no knowledge of parallelism, in the torchtitan style: FSDP, tensor parallel and
+pipeline splitting are applied from outside. What that relies on:
+- attention reshapes with `view(B, T, -1, head_dim)`, so column-sharded q/k/v give the local heads;
+- `layers` is a ModuleDict keyed "0", "1", ... so a pipeline stage can delete the layers it does not
+  own, and `tok_embeddings`, `norm`, `output` may be set to None off their stage (forward then takes
+  or returns hidden states);
+- the model builds on the meta device and `init_weights()` fills every parameter and buffer.
+
+Names and RoPE follow Hugging Face LLaMA (rotate_half convention), so weights map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 as in Hugging Face LLaMA so logits match."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        """Set the scale to one."""
+        nn.init.ones_(self.weight)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm layer the config asks for."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """RoPE inverse frequencies (fp32) with optional linear or LLaMA-3 scaling, as Hugging Face computes them."""
+    # int64 arange then float, exactly as transformers does, so the tables agree bit for bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # LLaMA 3.1: long wavelengths are divided by `factor`, short ones kept, the middle band interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [max_position_embeddings, head_dim], fp32."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    positions = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Swap the two halves of the last dimension, negating the second (HF LLaMA convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x of shape [B, T, heads, head_dim] by cos/sin of shape [B, T, 1, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class KVCache:
+    """Preallocated keys and values for incremental decoding: per layer [B, kv_heads, max_len, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0  # tokens already stored; the next forward's positions start here
+
+    @classmethod
+    def for_model(cls, model: "Transformer", batch_size: int, max_len: Optional[int] = None) -> "KVCache":
+        """A cache sized for `model` (layer count, kv heads, dtype and device of its weights)."""
+        cfg = model.cfg
+        weight = next(model.parameters())
+        return cls(
+            num_layers=cfg.num_layers,
+            batch_size=batch_size,
+            max_len=max_len or cfg.max_position_embeddings,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, T, head_dim] after the cached ones and return all keys and values so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache is full: {end} tokens do not fit its max_len {self.max_len}")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        """Mark `num_tokens` more positions as stored (called once per forward, after every layer)."""
+        self.length += num_tokens
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are kept)."""
+        self.length = 0
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query heads, optional RoPE and biases."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+        mask: Optional[torch.Tensor],
+        is_causal: bool,
+        kv_cache: Optional[KVCache],
+    ) -> torch.Tensor:
+        """Attend over x [B, T, hidden]; `mask` is boolean [B, 1, T, S] (True = may attend) or None."""
+        bsz, seqlen, _ = x.shape
+        # -1 rather than num_heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_id, k, v)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # Repeating kv heads keeps every SDPA backend available (enable_gqa narrows the choice).
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+        )
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.resid_dropout(self.wo(out))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Normal weights, zero biases; the output projection gets the depth-scaled std."""
+        for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
+            nn.init.normal_(lin.weight, mean=0.0, std=s)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+
+class FeedForward(nn.Module):
+    """Gated MLP (w2(act(w1 x) * w3 x), SwiGLU) or plain MLP (w2(act(w1 x)), GPT-2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.act = _ACTIVATIONS[cfg.activation]
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to x [B, T, hidden]."""
+        h = self.act(self.w1(x))
+        if self.w3 is not None:
+            h = h * self.w3(x)
+        return self.dropout(self.w2(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Normal weights, zero biases; the down projection gets the depth-scaled std."""
+        for lin, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+            if lin is None:
+                continue
+            nn.init.normal_(lin.weight, mean=0.0, std=s)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(...))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attention_norm = build_norm(cfg)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = build_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+        mask: Optional[torch.Tensor],
+        is_causal: bool,
+        kv_cache: Optional[KVCache],
+    ) -> torch.Tensor:
+        """Run one block on x [B, T, hidden]."""
+        h = x + self.attention(self.attention_norm(x), rope, mask, is_causal, kv_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Initialise the block's norms and linears."""
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+
+class Transformer(nn.Module):
+    """Decoder-only causal LM: embeddings, `layers` of TransformerBlock, final norm, output projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embeddings = (
+            nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = build_norm(cfg)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if cfg.position == "rope":
+            # Not saved in checkpoints: they are a function of the config, rebuilt by init_weights.
+            shape = (cfg.max_position_embeddings, cfg.head_dim)
+            self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+        else:
+            self.rope_cos = None
+            self.rope_sin = None
+
+    def tie_weights(self) -> None:
+        """Make `output.weight` the very tensor of `tok_embeddings.weight` when the config ties them."""
+        # Module.to_empty() gives each module a fresh parameter, which silently unties shared weights.
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            if self.output.weight is not self.tok_embeddings.weight:
+                self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter from the global RNG and rebuild the RoPE tables (in fp32)."""
+        self.tie_weights()
+        cfg = self.cfg
+        std = cfg.initializer_range
+        # GPT-2's scheme: projections that write into the residual stream shrink with depth.
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        if self.pos_embeddings is not None:
+            nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        # A tied output on a pipeline stage without the embedding owns its own copy, so it needs init.
+        if self.output is not None and (not cfg.tie_embeddings or self.tok_embeddings is None):
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        if cfg.position == "rope":
+            device = self.rope_cos.device
+            cos, sin = rope_tables(cfg, device=device)
+            self.rope_cos, self.rope_sin = cos, sin  # assigning to a buffer name replaces the buffer
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab] for tokens [B, T] (or hidden states in and out on a pipeline's middle stages).
+
+        `position_ids` [B, T] default to 0..T-1 (continuing from the cache length with a KV cache).
+        `attention_mask` is boolean [B, 1, T, S] or [B, T, S], True where a query may attend to a key
+        (S = cached + new tokens); every query must be allowed at least one key. Without a mask the
+        attention is causal.
+        """
+        past = kv_cache.length if kv_cache is not None else 0
+        seqlen = tokens.shape[1]
+        if position_ids is None:
+            # Checked only here: checking given ids would need a device sync on every step.
+            if past + seqlen > self.cfg.max_position_embeddings:
+                raise ValueError(
+                    f"{past + seqlen} positions exceed max_position_embeddings="
+                    f"{self.cfg.max_position_embeddings}; use shorter sequences or a larger model config"
+                )
+            position_ids = torch.arange(past, past + seqlen, device=tokens.device).unsqueeze(0)
+
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(position_ids)
+            h = self.emb_dropout(h)
+        else:
+            h = tokens  # a later pipeline stage receives hidden states
+
+        rope = None
+        if self.rope_cos is not None:
+            cos = self.rope_cos[position_ids].unsqueeze(2).to(h.dtype)
+            sin = self.rope_sin[position_ids].unsqueeze(2).to(h.dtype)
+            rope = (cos, sin)
+
+        mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask, is_causal, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(seqlen)
+
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @staticmethod
+    def _attention_mask(
+        attention_mask: Optional[torch.Tensor], seqlen: int, past: int, device: torch.device
+    ) -> tuple[Optional[torch.Tensor], bool]:
+        """The boolean mask to give SDPA, and whether to use its built-in causal mask instead."""
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be boolean (True = may attend), got {attention_mask.dtype}")
+            if attention_mask.dim() == 3:
+                attention_mask = attention_mask.unsqueeze(1)
+            return attention_mask, False
+        if past == 0:
+            return None, True
+        if seqlen == 1:
+            return None, False  # one new token may see everything cached
+        # SDPA's is_causal aligns to the top left, which is wrong when keys include cached tokens.
+        mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=device).tril(diagonal=past)
+        return mask, False
+
+
+def build_model(
+    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Build on the meta device, allocate on `device` in `dtype`, and initialise (RoPE tables stay fp32)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.to(dtype=dtype)
+    model.init_weights()
+    return model

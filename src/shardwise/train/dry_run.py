@@ -1,0 +1,38 @@
+"""What a run would do, resolved from its config alone: no device, no data touched."""
+
+from __future__ import annotations
+
+from ..config import RunConfig, human
+from ..models import count_parameters, flops_per_token
+
+
+def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
+    """A short report: model size, layout, batch, tokens and FLOPs per step."""
+    m, p, o, t = cfg.model, cfg.parallel, cfg.optimize, cfg.train
+    world = p.world_size(devices)
+    dp = p.dp_degree(devices)
+    params = count_parameters(m)
+    tokens = cfg.global_batch_size(devices) * cfg.data.seq_length
+    flops_tok = flops_per_token(m, cfg.data.seq_length)
+    dp_note = " (data_parallel -1: what the devices leave; pass --nproc to resolve it)" if (
+        p.data_parallel == -1 and devices is None) else ""
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epochs (steps follow from the data)"
+    lines = [
+        f"model        {m.preset or m.model_type}: {params:,} parameters ({human(params)}), "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
+        f"FFN {m.intermediate_size}, vocab {m.vocab_size}, {m.position} positions, {m.norm}",
+        f"layout       {world} device(s) = data {dp} x tensor {p.tensor_parallel} x pipeline "
+        f"{p.pipeline_parallel}{dp_note}; ZeRO stage {p.zero_stage}"
+        + (f"; {p.schedule} schedule, {p.micro_batch_num} micro-batches" if p.pipeline_parallel > 1 else ""),
+        f"device       {cfg.run.device}; {'compiled (torch.compile)' if cfg.run.compile else 'eager'}",
+        f"precision    {o.mixed_precision} level {o.level()}; recompute {o.recompute}"
+        + (f" every {o.recompute_every} layer(s)" if o.recompute == "full" and o.recompute_every > 1 else ""),
+        f"batch        micro-batch {t.micro_batch_size} x accumulation {cfg.gradient_accumulation(devices)} x "
+        f"data parallel {dp} = {cfg.global_batch_size(devices)} samples of {cfg.data.seq_length} tokens",
+        f"per step     {tokens:,} tokens, {flops_tok * tokens:.3e} FLOPs "
+        f"({flops_tok:.3e} FLOPs per token, training = 3 x forward)",
+        f"length       {length}; lr {t.lr:g} -> {t.min_lr:g} ({t.decay_style}, {t.warmup_steps} warmup), "
+        f"{t.optimizer}",
+        f"output       {t.output_dir}",
+    ]
+    return "\n".join(lines)

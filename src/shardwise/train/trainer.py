@@ -1,0 +1,420 @@
+"""The training loop on one device: from a validated config to optimizer steps, metrics and checkpoints.
+
+Read `Trainer.train()` top to bottom: it prepares the run directory, data, model, precision,
+optimizer and loader, resumes if asked, then runs steps (micro-batches -> forward/backward ->
+unscale -> clip -> step), logging, evaluating and checkpointing on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from ..config import RunConfig, to_yaml
+from ..data.loader import StatefulLoader
+from ..errors import CheckpointError, ConfigError, TrainingError
+from ..memory.precision import LossScaler, MasterWeights, precision_plan
+from ..memory.recompute import apply_recompute
+from ..models import build_model, flops_per_token
+from ..parallel.launch import resolve_device
+from . import checkpoint as ckpt
+from .metrics import MetricsWriter, peak_flops, peak_memory_gb, reset_peak_memory
+from .optim import LRSchedule, build_optimizer
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml", "tokenizer")
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run reports back."""
+
+    run_dir: Path
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    eval: dict[str, float] | None = None
+    last_checkpoint: Path | None = None
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the real (not ignored) label positions."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def _model_extras(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Document-aware position ids and attention masks, when the data provides them."""
+    return {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask") if k in mb}
+
+
+def count_target_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
+    """Label positions that carry a loss, over all micro-batches of one step."""
+    return int(sum((mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches))
+
+
+class Trainer:
+    """Pre-trains (or continues training) a model on one device as a RunConfig describes."""
+
+    def __init__(self, config: RunConfig, model: nn.Module | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.model = model
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.tokenizer = tokenizer
+
+    # --- the run, top to bottom -------------------------------------------------------------------
+
+    def train(self, resume: str | None = None, overwrite: bool = False) -> TrainResult:
+        """Run training to `max_steps` (or the epochs' worth), resuming when asked."""
+        cfg = self.config
+        run_dir = Path(cfg.train.output_dir)
+        prepare_run_dir(run_dir, resume, overwrite)
+        if cfg.parallel.world_size() != 1:
+            raise ConfigError(
+                f"this config asks for {cfg.parallel.world_size()} devices (data_parallel x "
+                "tensor_parallel x pipeline_parallel), but shardwise trains on one device for now; set "
+                "parallel.data_parallel, tensor_parallel and pipeline_parallel to 1 (or use --dry-run)"
+            )
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
+        device = resolve_device(cfg.run.device)
+        torch.manual_seed(cfg.train.seed)
+
+        self._prepare_data(run_dir)
+        plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
+        model = self._prepare_model(device, plan.param_dtype)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        masters = MasterWeights(trainable) if plan.master_weights else None
+        opt_named = list(masters.named_masters()) if masters else trainable
+        optimizer = build_optimizer(opt_named, cfg.train.optimizer, cfg.train.lr, cfg.train.weight_decay,
+                                    (cfg.train.beta1, cfg.train.beta2), cfg.train.eps)
+        scaler = None
+        if plan.needs_loss_scaling:
+            dynamic = cfg.optimize.loss_scale == "dynamic"
+            scaler = LossScaler(cfg.optimize.initial_loss_scale if dynamic else float(cfg.optimize.loss_scale),
+                                dynamic=dynamic)
+        grad_accum = cfg.gradient_accumulation()
+        loader = StatefulLoader(self.train_dataset, cfg.train.micro_batch_size, grad_accum, cfg.train.seed)
+        total_steps = self._total_steps(loader)
+        schedule = LRSchedule(cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, total_steps,
+                              cfg.train.decay_style, cfg.train.wsd_decay_ratio)
+
+        state = _TrainState(model=model, optimizer=optimizer, opt_named=opt_named, masters=masters,
+                            scaler=scaler, loader=loader)
+        start = self._resume(resume, run_dir, state)
+        if start == 0:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+
+        tokens_per_step = cfg.global_batch_size() * cfg.data.seq_length
+        flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
+        peak = peak_flops(device, plan.dtype, cfg.train.peak_tflops)
+        writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard)
+        log.info("training %s on %s: %d steps of %d tokens, precision %s %s, recompute %s",
+                 cfg.model.preset or cfg.model.model_type, device, total_steps, tokens_per_step,
+                 cfg.optimize.mixed_precision, plan.level, cfg.optimize.recompute)
+
+        result = TrainResult(run_dir=run_dir, step=start)
+        bar = tqdm(total=total_steps, initial=start, disable=not cfg.train.progress_bar, unit="step",
+                   dynamic_ncols=True, desc="train")
+        window = _Window(time.perf_counter())
+        reset_peak_memory(device)
+        try:
+            for step in range(start, total_steps):
+                lr = schedule.apply(optimizer, step)
+                micro_batches = loader.next_step()
+                loss, grad_norm, skipped = self._step(state, plan, micro_batches, device, step)
+                done = step + 1
+                result.step = done
+                result.losses[done] = loss
+                window.add(loss, tokens_per_step, skipped)
+                bar.update(1)
+                if done % cfg.train.log_steps == 0 or done == total_steps:
+                    record = window.record(done, lr, grad_norm, scaler, flops_tok, peak, device)
+                    writer.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    log.info(_format_record(record))
+                    window = _Window(time.perf_counter())
+                if self.eval_dataset is not None and cfg.train.eval_steps and (
+                        done % cfg.train.eval_steps == 0 or done == total_steps):
+                    result.eval = self.evaluate(model, plan, device)
+                    writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
+                    log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
+                             result.eval["perplexity"])
+                    window.start = time.perf_counter()
+                if (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == total_steps:
+                    result.last_checkpoint = self._save(run_dir, done, state)
+                    window.start = time.perf_counter()
+        finally:
+            bar.close()
+            writer.close()
+        return result
+
+    # --- pieces of the run ------------------------------------------------------------------------
+
+    def _prepare_data(self, run_dir: Path) -> None:
+        cfg = self.config
+        if self.train_dataset is None:
+            from ..data.pretrain import build_pretrain_data
+
+            if not cfg.data.train_files:
+                raise ConfigError("data.train_files is empty: give globs of text files to train on")
+            cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
+            self.tokenizer, self.train_dataset, eval_ds = build_pretrain_data(
+                cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer, cfg.model.vocab_size, cache,
+                eval_files=cfg.data.eval_files, eval_fraction=cfg.data.eval_fraction)
+            if self.eval_dataset is None:
+                self.eval_dataset = eval_ds
+        elif hasattr(self.train_dataset, "dataset") and hasattr(self.train_dataset, "next_step"):
+            self.train_dataset = self.train_dataset.dataset  # a loader from create_dataset
+        if self.tokenizer is not None:
+            if self.tokenizer.vocab_size > cfg.model.vocab_size:
+                raise ConfigError(
+                    f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
+                    f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}"
+                )
+            tok_dir = run_dir / "tokenizer"
+            if not tok_dir.exists():
+                self.tokenizer.save(str(tok_dir))
+
+    def _prepare_model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        cfg = self.config
+        if self.model is None:
+            model = build_model(cfg.model, device=device, dtype=dtype)
+        elif any(p.is_meta for p in self.model.parameters()):
+            model = self.model.to_empty(device=device)
+            model.init_weights()
+            model = model.to(dtype=dtype)
+        else:
+            model = self.model.to(device=device, dtype=dtype)
+        apply_recompute(model, cfg.optimize.recompute, cfg.optimize.recompute_every)
+        if cfg.run.compile:
+            for block in model.layers.values():
+                block.compile()
+        self.model = model
+        return model
+
+    def _total_steps(self, loader: StatefulLoader) -> int:
+        train = self.config.train
+        if train.max_steps is not None:
+            return train.max_steps
+        if loader.steps_per_epoch == 0:
+            raise ConfigError(
+                "the training data holds less than one global batch; lower train.micro_batch_size, "
+                "the gradient accumulation or data.seq_length, or add data"
+            )
+        return max(1, math.ceil(train.epochs * loader.steps_per_epoch))
+
+    def _step(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
+              device: torch.device, step: int) -> tuple[float, float, bool]:
+        """One optimizer step; returns (loss, grad norm, skipped)."""
+        cfg = self.config
+        model, optimizer = s.model, s.optimizer
+        n_tokens = count_target_tokens(micro_batches)
+        if n_tokens == 0:
+            raise TrainingError(f"step {step + 1}: the batch has no target tokens (all labels are ignored)")
+        scale = s.scaler.scale if s.scaler else 1.0
+        total = torch.zeros((), device=device)
+        for mb in micro_batches:
+            ids = mb["input_ids"].to(device, non_blocking=True)
+            labels = mb["labels"].to(device, non_blocking=True)
+            with plan.autocast(device.type):
+                logits = model(ids, **_model_extras(mb, device))
+                loss = token_loss_sum(logits, labels) / n_tokens
+            (loss * scale if s.scaler else loss).backward()
+            total += loss.detach()
+        if s.masters is not None:
+            s.masters.grads_to_masters()
+        params = [p for _, p in s.opt_named]
+        if s.scaler is not None and s.scaler.unscale_and_check(params):
+            s.scaler.update(found_inf=True)
+            optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale lowered to %g",
+                        step + 1, s.scaler.scale)
+            return float(total), float("nan"), True
+        max_norm = cfg.train.max_grad_norm
+        if max_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                                      foreach=True)
+        loss_value, norm_value = (float(v) for v in torch.stack([total, grad_norm.to(total)]).tolist())
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            optimizer.zero_grad(set_to_none=True)
+            if cfg.train.nan_policy == "stop":
+                raise TrainingError(
+                    f"step {step + 1}: loss is {loss_value} and gradient norm {norm_value}; training "
+                    "stopped before the weights were touched. Lower train.lr, raise warmup, use bf16 "
+                    "instead of fp16, or set train.nan_policy: skip to skip such steps"
+                )
+            log.warning("step %d: loss %s is not finite; step skipped (nan_policy: skip)", step + 1, loss_value)
+            return loss_value, norm_value, True
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if s.masters is not None:
+            s.masters.masters_to_model()
+        if s.scaler is not None:
+            s.scaler.update(found_inf=False)
+        return loss_value, norm_value, False
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module | None = None, plan: Any = None,
+                 device: torch.device | None = None) -> dict[str, float]:
+        """Token-weighted loss and perplexity over the held-out data."""
+        cfg = self.config
+        model = model or self.model
+        device = device or next(model.parameters()).device
+        plan = plan or precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
+        was_training = model.training
+        model.eval()
+        loader = StatefulLoader(self.eval_dataset, cfg.train.micro_batch_size, 1, cfg.train.seed, shuffle=False)
+        n_batches = loader.steps_per_epoch
+        if cfg.train.eval_batches:
+            n_batches = min(n_batches, cfg.train.eval_batches)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = 0
+        for _ in range(n_batches):
+            (mb,) = loader.next_step()
+            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
+            with plan.autocast(device.type):
+                logits = model(ids, **_model_extras(mb, device))
+            loss_sum += token_loss_sum(logits, labels).double()
+            tokens += int((mb["labels"] != IGNORE_INDEX).sum())
+        model.train(was_training)
+        if tokens == 0:
+            raise ConfigError("the evaluation data holds less than one micro-batch; give more eval data")
+        loss = float(loss_sum) / tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+    def _resume(self, resume: str | None, run_dir: Path, s: "_TrainState") -> int:
+        if resume is None:
+            return 0
+        path = ckpt.resolve_resume(resume, run_dir)
+        if path is None:
+            log.info("--resume auto: no checkpoint in %s yet, starting from step 0", run_dir)
+            return 0
+        init_optimizer_state(s.optimizer)
+        state = ckpt.load_checkpoint(path, s.checkpoint_tensors())
+        s.loader.load_state_dict(state["loader"])
+        if s.scaler is not None and state.get("scaler"):
+            s.scaler.load_state_dict(state["scaler"])
+        log.info("resumed from %s at step %d", path, state["step"])
+        return int(state["step"])
+
+    def _save(self, run_dir: Path, step: int, s: "_TrainState") -> Path:
+        extra = {"config.yaml": run_dir / "config.yaml"}
+        if (run_dir / "tokenizer").is_dir():
+            extra["tokenizer"] = run_dir / "tokenizer"
+        trainer_state = {"loader": s.loader.state_dict(),
+                         "scaler": s.scaler.state_dict() if s.scaler else None}
+        return ckpt.save_checkpoint(run_dir, step, s.checkpoint_tensors(), trainer_state, extra,
+                                    keep=self.config.train.keep_checkpoints)
+
+
+@dataclass
+class _TrainState:
+    """Everything a checkpoint must capture, in one place."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    opt_named: list[tuple[str, torch.Tensor]]
+    masters: MasterWeights | None
+    scaler: LossScaler | None
+    loader: StatefulLoader
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Flat name -> tensor groups for DCP (optimizer state keyed by parameter name)."""
+        groups = {"model": dict(self.model.state_dict()),
+                  "optim": optimizer_state_by_name(self.optimizer, self.opt_named)}
+        if self.masters is not None:
+            groups["master"] = dict(self.masters.named_masters())
+        return groups
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
+                            named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as `param_name.key` -> tensor (no pickled objects)."""
+    out = {}
+    for name, p in named:
+        for key, value in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                out[f"{name}.{key}"] = value
+    return out
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy state (zero step with lr 0) so a checkpoint can load into it."""
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, saved_lrs):
+        g["lr"] = lr
+
+
+class _Window:
+    """Accumulates the steps between two log lines."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.skipped = 0
+
+    def add(self, loss: float, tokens: int, skipped: bool) -> None:
+        """Count one step."""
+        if not skipped:
+            self.losses.append(loss)
+        self.skipped += int(skipped)
+        self.tokens += tokens
+
+    def record(self, step: int, lr: float, grad_norm: float, scaler: LossScaler | None, flops_tok: float,
+               peak: float, device: torch.device) -> dict[str, Any]:
+        """The metrics of this window as one JSON-ready record."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tps = self.tokens / elapsed
+        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "loss_scale": scaler.scale if scaler else 1.0, "tokens_per_s": tps,
+                "tokens_per_s_per_device": tps, "mfu": tps * flops_tok / peak if peak else float("nan"),
+                "peak_memory_gb": peak_memory_gb(device), "skipped_steps": self.skipped}
+
+
+def _format_record(r: dict[str, Any]) -> str:
+    return (f"step {r['step']} loss {r['loss']:.4f} lr {r['lr']:.3g} grad_norm {r['grad_norm']:.3f} "
+            f"loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f} mfu {r['mfu'] * 100:.1f}% "
+            f"peak_mem {r['peak_memory_gb']:.2f}GiB")
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Refuse to write into a directory that holds another run, unless resuming or overwriting."""
+    existing = [name for name in _RUN_FILES if (run_dir / name).exists()]
+    if existing and resume is None:
+        if not overwrite:
+            raise ConfigError(
+                f"{run_dir} already holds a run ({', '.join(existing)}); pass --resume auto to continue "
+                "it, --overwrite to replace it, or choose another train.output_dir"
+            )
+        for name in existing:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        log.warning("--overwrite: removed the previous run's %s from %s", ", ".join(existing), run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,18 @@
+"""Shared test settings: small thread counts so tests behave the same on a busy 2-core machine."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Keep each test session's caches out of the user's home directory."""
+    cache = tmp_path_factory.getbasetemp() / "cache"
+    monkeypatch.setenv("SHARDWISE_CACHE", str(cache))
+    yield
