@@ -9,16 +9,17 @@ hyper-parameters; together they become a `RunConfig`, validated like a YAML file
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from .config import RunConfig, translate_seed_keys, validate
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .models import build_model, resolve_model_config
 from .train.trainer import Trainer as _LoopTrainer
 from .train.trainer import TrainResult
@@ -42,6 +43,11 @@ class AutoModelForCausalLM:
 
             model, cfg = load_model(name_or_path, device=device)
             layout = {"parallel": cfg.parallel.model_dump(), "optimize": cfg.optimize.model_dump()}
+        elif _looks_like_path(name_or_path):
+            raise CheckpointError(
+                f"{name_or_path} does not exist; give a run directory or checkpoint saved by shardwise "
+                "(train.output_dir), or a preset name such as llama_7b"
+            )
         else:
             model = build_model(resolve_model_config({"preset": name_or_path, **model_overrides}), device=device)
             layout = {}
@@ -55,7 +61,9 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_config(config: dict, device: str | torch.device = "cpu") -> nn.Module:
         """A model from a whole seed-shaped (or shardwise) config dict; its layout is remembered."""
-        canonical, _ = translate_seed_keys(config)
+        canonical, warnings = translate_seed_keys(config)
+        for w in warnings:
+            log.warning(w)
         model_cfg = resolve_model_config(canonical.get("model") or {})
         model = build_model(model_cfg, device=device)
         model.shardwise_layout = {k: canonical[k] for k in ("parallel", "optimize", "train", "data", "run")
@@ -63,9 +71,61 @@ class AutoModelForCausalLM:
         return model
 
 
+def _looks_like_path(name: str) -> bool:
+    """True for names a user means as a directory (./ckpt, /data/run, ~/x), never for preset names."""
+    text = str(name)
+    return os.sep in text or text.startswith((".", "~")) or (os.altsep is not None and os.altsep in text)
+
+
+# Which arguments fields decide which `train` / `parallel` key. A key the user did not pass
+# explicitly keeps the value of the seed YAML the model was made from (seed 002 puts min_lr,
+# warmup_steps, decay_style, optimizer, micro_batch_size and grad_clip_norm there, not in
+# LLMArguments), and only falls back to the arguments' default when the YAML does not give it.
+_TRAIN_KEY_FIELDS = {
+    "output_dir": ("output_dir",), "epochs": ("num_train_epochs", "epochs"), "max_steps": ("max_steps",),
+    "micro_batch_size": ("per_device_train_batch_size", "micro_batch_size"),
+    "lr": ("learning_rate", "lr"), "log_steps": ("log_steps", "logging_steps"),
+    "warmup_steps": ("warmup_steps",), "weight_decay": ("weight_decay",), "max_grad_norm": ("max_grad_norm",),
+    "optimizer": ("optimizer",), "decay_style": ("lr_scheduler_type",), "min_lr": ("min_lr",),
+    "seed": ("seed",), "save_steps": ("save_steps", "save_strategy"), "eval_steps": ("eval_steps",),
+    "global_batch_size": ("batch_size",),
+}
+_PARALLEL_KEY_FIELDS = {
+    "tensor_parallel": ("tensor_parallel",), "pipeline_parallel": ("pipeline_parallel",),
+    "zero_stage": ("use_zero", "zero_level"), "data_parallel": ("data_parallel",),
+}
+
+
+def _track_explicit(cls: type) -> type:
+    """Record which fields a dataclass instance was given (in the call, or assigned later)."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_explicit", set(names[: len(args)]) | set(kwargs))
+        object.__setattr__(self, "_tracking", False)
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "_tracking", True)
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if getattr(self, "_tracking", False):
+            self._explicit.add(name)
+        object.__setattr__(self, name, value)
+
+    cls.__init__ = __init__
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+@_track_explicit
 @dataclass
 class TrainingArguments:
-    """Training hyper-parameters in the names of the documents (and of Hugging Face)."""
+    """Training hyper-parameters in the names of the documents (and of Hugging Face).
+
+    Fields left at their defaults do not override what the model's config (a seed YAML given to
+    `from_config`, or `optimize_config` given to `from_pretrained`) already says.
+    """
 
     output_dir: str = "runs/default"
     num_train_epochs: Optional[float] = None
@@ -118,6 +178,8 @@ class TrainingArguments:
             raise ConfigError("TrainingArguments: fp16 and bf16 are both True; choose one")
         if self.fp16 or self.bf16:
             section["mixed_precision"] = "fp16" if self.fp16 else "bf16"
+        elif self.sets_precision() and self.mixed_precision is None:
+            section["mixed_precision"] = "fp32"  # fp16=False, bf16=False given: full precision
         mp = self.mixed_precision
         if mp in ("O0", "O1", "O2", "O3"):
             section["precision_level"] = mp
@@ -130,7 +192,17 @@ class TrainingArguments:
         """Layout settings these arguments describe (none for the seed-000 shape)."""
         return {}
 
+    def explicit_keys(self, table: dict[str, tuple[str, ...]]) -> set[str]:
+        """Config keys (of `_TRAIN_KEY_FIELDS` or `_PARALLEL_KEY_FIELDS`) the user set explicitly."""
+        given = getattr(self, "_explicit", set())
+        return {key for key, names in table.items() if given.intersection(names)}
 
+    def sets_precision(self) -> bool:
+        """True when fp16 / bf16 / mixed_precision were given, so the arguments decide the dtype."""
+        return bool(getattr(self, "_explicit", set()) & {"fp16", "bf16", "mixed_precision"})
+
+
+@_track_explicit
 @dataclass
 class LLMArguments(TrainingArguments):
     """Seed 002's arguments: layout plus `epochs`, `batch_size` (global) and `lr`."""
@@ -158,8 +230,8 @@ class LLMArguments(TrainingArguments):
         section = super().train_section()
         if self.batch_size is not None:
             section["global_batch_size"] = self.batch_size
-            if self.micro_batch_size is None:
-                section["micro_batch_size"] = 1
+            if self.micro_batch_size is None and "per_device_train_batch_size" not in self._explicit:
+                section["micro_batch_size"] = 1  # seed 002's default micro-batch
         return section
 
     def parallel_section(self) -> dict:
@@ -171,27 +243,50 @@ class LLMArguments(TrainingArguments):
         return section
 
 
-def run_config_from(model: nn.Module, args: TrainingArguments) -> RunConfig:
-    """Combine the model's remembered layout with the arguments into one validated RunConfig."""
+def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int | None = None) -> RunConfig:
+    """Combine the model's remembered layout with the arguments into one validated RunConfig.
+
+    `seq_length` is the length of the dataset's samples, which is what the run really trains on.
+    """
     layout = getattr(model, "shardwise_layout", {}) or {}
-    raw: dict[str, Any] = {"model": model.config.model_dump()}
-    for section in ("parallel", "optimize", "run", "data"):
+    raw: dict[str, Any] = {"model": model.cfg.model_dump()}
+    for section in ("parallel", "optimize", "train", "run", "data"):
         if section in layout:
             raw[section] = dict(layout[section])
-    raw, warnings = translate_seed_keys(raw)
+    raw, warnings = translate_seed_keys(raw)  # e.g. optimize.max_grad_norm (seed 000) -> train
     for w in warnings:
         log.warning(w)
-    raw.pop("train", None)
-    raw["train"] = {**{k: v for k, v in (layout.get("train") or {}).items() if k in ("min_lr", "warmup_steps",
-                                                                                    "decay_style")},
-                    **args.train_section()}
-    if "max_grad_norm" in (layout.get("optimize") or {}):
-        raw["train"]["max_grad_norm"] = layout["optimize"]["max_grad_norm"]
-    raw.setdefault("optimize", {}).update(args.optimize_section())
-    raw.setdefault("parallel", {}).update(args.parallel_section())
+    raw["train"] = _merge_arguments(raw.get("train") or {}, args.train_section(),
+                                    args.explicit_keys(_TRAIN_KEY_FIELDS))
+    if args.save_strategy != "steps":
+        raw["train"].pop("save_steps", None)  # save_strategy "no"/"epoch": no periodic saves
+    raw["parallel"] = _merge_arguments(raw.get("parallel") or {}, args.parallel_section(),
+                                       args.explicit_keys(_PARALLEL_KEY_FIELDS))
+    optimize = args.optimize_section()
+    if not args.sets_precision():  # fp16/bf16 left at False: the model's optimize_config decides
+        for key in ("mixed_precision", "precision_level"):
+            if key in (raw.get("optimize") or {}):
+                optimize.pop(key, None)
+    raw.setdefault("optimize", {}).update(optimize)
     _fold_data_parallel_on_one_process(raw)
-    raw.setdefault("data", {})["seq_length"] = raw.get("data", {}).get("seq_length") or model.config.max_position_embeddings
+    data = raw.setdefault("data", {})
+    if seq_length is not None:
+        if data.get("seq_length") not in (None, seq_length):
+            log.warning("the config says seq_length %s but the dataset's samples are %d tokens long; "
+                        "training on %d", data["seq_length"], seq_length, seq_length)
+        data["seq_length"] = seq_length
+    data["seq_length"] = data.get("seq_length") or model.cfg.max_position_embeddings
     return validate(raw)
+
+
+def _merge_arguments(from_config: dict, from_args: dict, explicit: set[str]) -> dict:
+    """The config's section overlaid by the arguments the user passed, then by the arguments' defaults
+    for keys the config does not give."""
+    merged = dict(from_config)
+    for key, value in from_args.items():
+        if key in explicit or key not in merged:
+            merged[key] = value
+    return merged
 
 
 def _fold_data_parallel_on_one_process(raw: dict) -> None:
@@ -228,16 +323,36 @@ class Trainer(_LoopTrainer):
         super().__init__(config, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          tokenizer=tokenizer)
         self.args = args
+        self._given_tokenizer = tokenizer
 
     def train(self, resume: str | None = None, overwrite: bool | None = None) -> TrainResult:
         """Train; arguments are turned into a config now, so a changed train_dataset is used."""
-        if self.args is not None:
-            self.config = run_config_from(self.model, self.args)
-            if overwrite is None:
-                overwrite = self.args.overwrite_output_dir
         if self.train_dataset is None:
             raise ConfigError("Trainer has no train_dataset; pass one (TextDataset or create_dataset(...))")
+        dataset = _underlying_dataset(self.train_dataset)
+        if self.args is not None:
+            self.config = run_config_from(self.model, self.args, getattr(dataset, "seq_length", None))
+            if overwrite is None:
+                overwrite = self.args.overwrite_output_dir
+            _check_loader_batch(self.train_dataset, self.config.train.micro_batch_size)
+        # The dataset's tokenizer is saved with the run, so `shardwise generate RUN_DIR` can use it.
+        self.tokenizer = self._given_tokenizer or getattr(dataset, "tokenizer", None)
         return super().train(resume=resume, overwrite=bool(overwrite))
+
+
+def _underlying_dataset(data: Any) -> Any:
+    """The dataset itself, also when `create_dataset` wrapped it in a loader."""
+    if hasattr(data, "dataset") and hasattr(data, "next_step"):
+        return data.dataset
+    return data
+
+
+def _check_loader_batch(data: Any, micro_batch_size: int) -> None:
+    """The trainer batches samples itself: say so when create_dataset was given another batch size."""
+    loader_batch = getattr(data, "micro_batch_size", None) if hasattr(data, "next_step") else None
+    if loader_batch is not None and loader_batch != micro_batch_size:
+        log.warning("create_dataset(batch_size=%d) differs from the arguments' per-device batch size %d; "
+                    "training uses %d samples per micro-batch", loader_batch, micro_batch_size, micro_batch_size)
 
 
 class LLMTrainer(Trainer):

@@ -6,9 +6,20 @@ import argparse
 import logging
 import sys
 
-from .errors import ShardwiseError
+from .errors import ConfigError, ShardwiseError
 
 log = logging.getLogger("shardwise")
+
+DESCRIPTION = ("shardwise: pre-train and fine-tune large language models under compute and memory limits. "
+               "A run is one YAML file (the seed documents' train_config.yaml and llm_pretrain.yaml shapes "
+               "are accepted).")
+EPILOG = """examples:
+  shardwise train configs/demo.yaml                          train as the config describes
+  shardwise train configs/seed_train_config.yaml --dry-run   size, layout, tokens and FLOPs per step
+  shardwise train cfg.yaml --set train.lr=1e-4               override a key of the config
+  shardwise generate runs/demo --prompt "It is" --max-new-tokens 50
+
+`shardwise COMMAND --help` describes each command's options."""
 
 
 class _TqdmHandler(logging.Handler):
@@ -34,11 +45,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .config import load_config
 
     cfg = load_config(args.config, args.set)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: give a device count of at least 1")
     if args.dry_run:
         from .train.dry_run import describe_run
 
         print(describe_run(cfg, args.nproc))
         return 0
+    if args.nproc not in (None, 1):
+        raise ConfigError(
+            f"--nproc {args.nproc}: launching several processes is not available yet, so a real run uses "
+            "one device; drop --nproc (and set the parallel degrees to 1), or add --dry-run to plan for "
+            f"{args.nproc} devices"
+        )
     from .train.trainer import Trainer
 
     result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
@@ -59,9 +78,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .train.checkpoint import find_checkpoint, load_model
 
     path = find_checkpoint(args.checkpoint)
+    tokenizer_dir = args.tokenizer or path / "tokenizer"
+    if args.tokenizer is None and not tokenizer_dir.is_dir():
+        raise ConfigError(
+            f"checkpoint {path} holds no tokenizer/ (the run was given none); pass the tokenizer "
+            "directory it was trained with: --tokenizer DIR"
+        )
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     torch.manual_seed(args.seed)
     model, _ = load_model(path)
-    tokenizer = load_tokenizer(str(path / "tokenizer"))
+    tokenizer = load_tokenizer(str(tokenizer_dir))
     prompts = [tokenizer.encode(p, add_bos=True) for p in args.prompt]
     stream = not args.no_stream and len(prompts) == 1
     if stream:
@@ -87,7 +114,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser for every sub-command."""
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.split(":")[0])
+    parser = argparse.ArgumentParser(prog="shardwise", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -100,18 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace a previous run in train.output_dir")
     t.add_argument("--dry-run", action="store_true",
                    help="validate and print model, layout, tokens and FLOPs per step; touch no device or data")
-    t.add_argument("--nproc", type=int, default=None, help="devices to plan for (dry run)")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="devices to plan for with --dry-run (resolves data_parallel: -1)")
     t.set_defaults(func=_cmd_train)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint",
                        description="Generate text with a KV cache from a checkpoint or run directory.")
     g.add_argument("checkpoint", help="checkpoint directory (step_*) or run directory (newest checkpoint)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat to batch)")
-    g.add_argument("--max-new-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="tokenizer directory (default: the one saved in the checkpoint)")
+    g.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this mass")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     g.add_argument("--no-stream", action="store_true", help="print when done instead of token by token")
     g.set_defaults(func=_cmd_generate)
     return parser

@@ -25,6 +25,11 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def canonical_name(name: str) -> str:
+    """A parameter name without the wrappers' prefixes, so checkpoints do not depend on recompute."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def apply_recompute(model: nn.Module, mode: str, every: int = 1) -> list[str]:
     """Wrap blocks of `model.layers` for recomputation; return the names of the wrapped layers.
 

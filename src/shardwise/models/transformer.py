@@ -316,9 +316,12 @@ class Transformer(nn.Module):
         # A tied output on a pipeline stage without the embedding owns its own copy, so it needs init.
         if self.output is not None and (not cfg.tie_embeddings or self.tok_embeddings is None):
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
-        if cfg.position == "rope":
-            device = self.rope_cos.device
-            cos, sin = rope_tables(cfg, device=device)
+        self.reset_rope_tables()
+
+    def reset_rope_tables(self) -> None:
+        """Rebuild the RoPE cos/sin tables in fp32 on their device (after to_empty or a dtype cast)."""
+        if self.cfg.position == "rope":
+            cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin  # assigning to a buffer name replaces the buffer
 
     def forward(

@@ -25,7 +25,7 @@ from ..config import RunConfig, to_yaml
 from ..data.loader import StatefulLoader
 from ..errors import CheckpointError, ConfigError, TrainingError
 from ..memory.precision import LossScaler, MasterWeights, precision_plan
-from ..memory.recompute import apply_recompute
+from ..memory.recompute import apply_recompute, canonical_name
 from ..models import build_model, flops_per_token
 from ..parallel.launch import resolve_device
 from . import checkpoint as ckpt
@@ -97,7 +97,7 @@ class Trainer:
         self._prepare_data(run_dir)
         plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
         model = self._prepare_model(device, plan.param_dtype)
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        trainable = [(canonical_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         masters = MasterWeights(trainable) if plan.master_weights else None
         opt_named = list(masters.named_masters()) if masters else trainable
         optimizer = build_optimizer(opt_named, cfg.train.optimizer, cfg.train.lr, cfg.train.weight_decay,
@@ -196,10 +196,12 @@ class Trainer:
             model = build_model(cfg.model, device=device, dtype=dtype)
         elif any(p.is_meta for p in self.model.parameters()):
             model = self.model.to_empty(device=device)
+            model.tie_weights()
+            model.to(dtype=dtype)
             model.init_weights()
-            model = model.to(dtype=dtype)
         else:
             model = self.model.to(device=device, dtype=dtype)
+            model.reset_rope_tables()  # keep RoPE tables in fp32 when the weights became 16-bit
         apply_recompute(model, cfg.optimize.recompute, cfg.optimize.recompute_every)
         if cfg.run.compile:
             for block in model.layers.values():
@@ -260,7 +262,8 @@ class Trainer:
                     "stopped before the weights were touched. Lower train.lr, raise warmup, use bf16 "
                     "instead of fp16, or set train.nan_policy: skip to skip such steps"
                 )
-            log.warning("step %d: loss %s is not finite; step skipped (nan_policy: skip)", step + 1, loss_value)
+            log.warning("step %d: loss %s / gradient norm %s is not finite; step skipped (nan_policy: skip)",
+                        step + 1, loss_value, norm_value)
             return loss_value, norm_value, True
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,482 @@
+#!/usr/bin/env python
+"""Training throughput: the shardwise Trainer against a hand-written PyTorch loop, in one process.
+
+    python bench/train_throughput.py bench/bench_llama.yaml [--set k=v ...] [--steps N] [--warmup W]
+                                     [--rounds R] [--threads T] [--data synthetic|config] [--no-memory]
+
+Both sides train the same model (`build_model(cfg.model)` after `torch.manual_seed(train.seed)`), on
+the same batches (a `StatefulLoader` over the same dataset and seed), with the same AdamW
+(`build_optimizer`: foreach, the same weight-decay groups), the same LR schedule, gradient clipping,
+precision, micro-batch and accumulation. Rounds interleave the sides (shardwise, plain, shardwise,
+plain, ...); each round starts both from fresh weights and runs W unmeasured warm-up steps, then N
+measured steps.
+
+Timing (identical on both sides): a global optimizer step post-hook
+(`torch.optim.optimizer.register_optimizer_step_post_hook`) stamps the end of every optimizer step;
+step k takes hook(k) - hook(k-1), so a measured step covers everything the loop does between two
+updates (LR update, data loading, forward/backward, clipping, the per-step sync, the trainer's
+per-step logging) and nothing outside the steady state (model build, the trainer's final checkpoint,
+process start). On CUDA the boundary stamps of the measured window synchronize first.
+
+Data loading: `StatefulLoader.next_step` is wrapped (the Trainer's module-level name is patched for
+the duration of its run) to time each call.
+
+Memory: on CUDA, `max_memory_allocated` over the round (reset before the first step on both sides).
+On CPU (and also on CUDA), a separate untimed probe runs 2 steps of each side under a
+TorchDispatchMode that counts the bytes of every live tensor storage (params, grads, optimizer state,
+activations, temporaries) and reports the peak over those two steps.
+
+Prints one JSON line on stdout; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:
+    import shardwise  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from shardwise.config import RunConfig, load_config, validate
+from shardwise.data.loader import StatefulLoader
+from shardwise.data.pretrain import PackedDataset, token_dtype
+from shardwise.memory.precision import precision_plan
+from shardwise.models import build_model, count_parameters, flops_per_token
+from shardwise.parallel.launch import resolve_device
+from shardwise.train import trainer as trainer_mod
+from shardwise.train.metrics import device_name, peak_flops
+from shardwise.train.optim import LRSchedule, build_optimizer
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- measuring hooks --------------------------------------------------------------------------------
+
+
+class StepClock:
+    """Stamps the end of every optimizer step (global post-hook), for whichever side is running."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stamps: list[float] = []
+        self.sync_at: set[int] = set()  # step indices whose stamp synchronizes the device first
+        self.cuda_peak_at: int | None = None  # step index at which to read max_memory_allocated
+        self.cuda_peak: float | None = None
+        self.on_step: Any = None  # optional callback(step_index) (memory probe window)
+        self._handle = None
+
+    def start(self, sync_at: set[int], cuda_peak_at: int | None = None, on_step: Any = None) -> None:
+        self.stamps, self.sync_at, self.cuda_peak_at, self.cuda_peak = [], sync_at, cuda_peak_at, None
+        self.on_step = on_step
+        self._handle = register_optimizer_step_post_hook(self._hook)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.on_step = None
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        k = len(self.stamps)
+        if k in self.sync_at and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        if k == self.cuda_peak_at and self.device.type == "cuda":
+            self.cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        if self.on_step is not None:
+            self.on_step(k)
+
+
+class TimedLoader(StatefulLoader):
+    """StatefulLoader that times each next_step() call (same batches, same order)."""
+
+    last: "TimedLoader | None" = None
+    on_first_call: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.load_s: list[float] = []
+        TimedLoader.last = self
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        if not self.load_s and TimedLoader.on_first_call is not None:
+            TimedLoader.on_first_call()
+        t0 = time.perf_counter()
+        out = super().next_step()
+        self.load_s.append(time.perf_counter() - t0)
+        return out
+
+
+@contextlib.contextmanager
+def patched_trainer_loader():
+    """Make the Trainer build a TimedLoader instead of a StatefulLoader, for the duration."""
+    original = trainer_mod.StatefulLoader
+    trainer_mod.StatefulLoader = TimedLoader
+    try:
+        yield
+    finally:
+        trainer_mod.StatefulLoader = original
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created by any op; the peak while `recording`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.recording = False
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta" or t.is_sparse or getattr(t, "is_nested", False):
+            return
+        try:
+            st = t.untyped_storage()
+        except Exception:  # noqa: BLE001 - tensors without a storage
+            return
+        key = st._cdata
+        size = st.nbytes()
+        old = self._sizes.get(key)
+        if old is None:
+            self._sizes[key] = size
+            self.live += size
+            weakref.finalize(st, self._free, key)
+        elif size != old:  # resized in place
+            self._sizes[key] = size
+            self.live += size - old
+        if self.recording and self.live > self.peak:
+            self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+# --- the two sides ----------------------------------------------------------------------------------
+
+
+def round_config(base: RunConfig, output_dir: str, max_steps: int) -> RunConfig:
+    """The config for one shardwise run: fresh run dir, exact length, no eval/periodic saves/bars."""
+    raw = base.model_dump(mode="json")
+    raw["train"].update(output_dir=output_dir, max_steps=max_steps, save_steps=None, eval_steps=None,
+                        log_steps=1, progress_bar=False, tensorboard=False)
+    return validate(raw)
+
+
+def run_shardwise(base: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
+                  cuda_peak_at: int | None, on_step: Any = None) -> dict[str, Any]:
+    """Trainer(cfg, train_dataset=ds).train() for n_steps; returns stamps, loader times, losses, metrics."""
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
+        cfg = round_config(base, tmp, n_steps)
+        trainer = trainer_mod.Trainer(cfg, train_dataset=ds)
+        clock.start(sync_at, cuda_peak_at, on_step)
+        try:
+            with patched_trainer_loader():
+                result = trainer.train(overwrite=True)
+        finally:
+            clock.stop()
+        metrics = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        loader = TimedLoader.last
+    out = {"stamps": list(clock.stamps), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
+           "losses": [result.losses[s] for s in range(1, n_steps + 1)],
+           "metrics_tps": {m["step"]: m["tokens_per_s"] for m in metrics if "tokens_per_s" in m}}
+    del trainer, result, loader
+    return out
+
+
+def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
+              cuda_peak_at: int | None, device: torch.device, on_step: Any = None) -> dict[str, Any]:
+    """The loop an engineer writes by hand, doing the same work as the Trainer."""
+    t = cfg.train
+    plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
+    if plan.needs_loss_scaling:
+        raise SystemExit("the plain loop has no fp16 loss scaling: bench with fp32 or bf16")
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, device=device, dtype=plan.param_dtype)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = None
+    if plan.master_weights:  # O2: 16-bit model, fp32 copies stepped by the optimizer
+        masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+        named = [(n, m) for (n, _), m in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad),
+                                             masters)]
+    else:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = build_optimizer(named, t.optimizer, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    opt_params = [p for _, p in named]
+    grad_accum = cfg.gradient_accumulation()
+    sched = LRSchedule(t.lr, t.min_lr, t.warmup_steps, n_steps, t.decay_style, t.wsd_decay_ratio)
+    loader = TimedLoader(ds, t.micro_batch_size, grad_accum, t.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    clock.start(sync_at, cuda_peak_at, on_step)
+    try:
+        for step in range(n_steps):
+            for g in opt.param_groups:
+                g["lr"] = sched.lr_at(step)
+            total = torch.zeros((), device=device)
+            for mb in loader.next_step():
+                x = mb["input_ids"].to(device, non_blocking=True)
+                y = mb["labels"].to(device, non_blocking=True)
+                extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask")
+                          if k in mb}
+                with plan.autocast(device.type):
+                    logits = model(x, **extras)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / grad_accum
+                loss.backward()
+                total += loss.detach()
+            if masters is not None:
+                for p, m in zip(params, masters):
+                    m.grad = p.grad.float() if p.grad is not None else None
+                    p.grad = None
+            if t.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(opt_params, t.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if masters is not None:
+                with torch.no_grad():
+                    for p, m in zip(params, masters):
+                        p.copy_(m)
+            losses.append(total.item())  # one host sync per step, as the Trainer does
+    finally:
+        clock.stop()
+    out = {"stamps": list(clock.stamps), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
+           "losses": losses}
+    del model, opt, params, masters, named, opt_params, loader
+    return out
+
+
+def summarize(run: dict[str, Any], warmup: int, steps: int, tokens_per_step: int) -> dict[str, float]:
+    """Tokens/s and data-loading time over the measured steps warmup .. warmup+steps-1."""
+    stamps = run["stamps"]
+    step_s = [stamps[k] - stamps[k - 1] for k in range(warmup, warmup + steps)]
+    elapsed = stamps[warmup + steps - 1] - stamps[warmup - 1]
+    load = sum(run["load_s"][warmup:warmup + steps])
+    return {"tokens_per_s": steps * tokens_per_step / elapsed, "step_s_median": statistics.median(step_s),
+            "step_s": [round(s, 4) for s in step_s], "data_load_share": load / elapsed}
+
+
+# --- memory probe -----------------------------------------------------------------------------------
+
+
+def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepClock) -> dict[str, int]:
+    """Peak live tensor bytes over the first 2 steps of each side (untimed, under a dispatch mode).
+
+    The counter runs from before the model is built (so parameters, gradients and optimizer state
+    count on both sides); the peak is taken from the first next_step() call to the end of step 2,
+    which excludes model initialisation temporaries and the Trainer's final checkpoint.
+    """
+    peaks = {}
+    for side in ("shardwise", "plain"):
+        gc.collect()
+        mode = LiveTensorBytes()
+
+        def open_window() -> None:
+            mode.recording = True
+            mode.peak = max(mode.peak, mode.live)
+
+        def close_after(k: int) -> None:
+            if k == 1:
+                mode.recording = False
+
+        TimedLoader.on_first_call = open_window
+        try:
+            with mode:
+                if side == "shardwise":
+                    run_shardwise(base, ds, 2, clock, set(), None, close_after)
+                else:
+                    run_plain(base, ds, 2, clock, set(), None, device, close_after)
+        finally:
+            TimedLoader.on_first_call = None
+        peaks[side] = mode.peak
+        del mode
+        gc.collect()
+    return peaks
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+
+def synthetic_dataset(cfg: RunConfig, samples: int) -> PackedDataset:
+    """Random tokens in [0, vocab) cut into `samples` packed samples of data.seq_length."""
+    seq = cfg.data.seq_length
+    rng = np.random.default_rng(cfg.train.seed)
+    dtype = token_dtype(cfg.model.vocab_size)
+    tokens = rng.integers(0, cfg.model.vocab_size, size=samples * seq + 1, dtype=np.int64).astype(dtype)
+    return PackedDataset(tokens, seq)
+
+
+def config_dataset(cfg: RunConfig) -> Any:
+    """The config's training text through the normal tokenize-and-pack path (cached)."""
+    from shardwise.data.pretrain import build_pretrain_data
+
+    cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
+    _, ds, _ = build_pretrain_data(cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer,
+                                   cfg.model.vocab_size, cache, eval_files=cfg.data.eval_files,
+                                   eval_fraction=cfg.data.eval_fraction)
+    return ds
+
+
+def cpu_model() -> str:
+    return device_name(torch.device("cpu"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per round and side (default 4)")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps before them (>= 1, default 1)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: run.num_threads)")
+    ap.add_argument("--data", choices=["synthetic", "config"], default="synthetic",
+                    help="random tokens (default) or the config's data.train_files")
+    ap.add_argument("--no-memory", action="store_true", help="skip the (untimed) CPU memory probe")
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        ap.error("--warmup, --steps and --rounds must be at least 1 (the first step's end starts the clock)")
+
+    overrides = list(args.overrides)
+    if args.threads:
+        overrides.append(f"run.num_threads={args.threads}")
+    cfg = load_config(args.config, overrides)
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    device = resolve_device(cfg.run.device)
+    plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
+    n_steps = args.warmup + args.steps
+    tokens_per_step = cfg.global_batch_size() * cfg.data.seq_length
+    if args.data == "synthetic":
+        ds = synthetic_dataset(cfg, max(cfg.global_batch_size() * (n_steps + 1), 64))
+    else:
+        ds = config_dataset(cfg)
+    peak = peak_flops(device, plan.dtype, cfg.train.peak_tflops)  # measured (and cached) once, up front
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
+    threads = torch.get_num_threads()
+    log(f"{args.config}: {count_parameters(cfg.model) / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
+        f"{device} ({device_name(device)}), {threads} threads, peak {peak / 1e9:.1f} GFLOP/s, "
+        f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured) steps per side")
+
+    clock = StepClock(device)
+    sync_at = {args.warmup - 1, n_steps - 1}
+    rounds: dict[str, list[dict[str, Any]]] = {"shardwise": [], "plain": []}
+    cuda_peaks: dict[str, list[float]] = {"shardwise": [], "plain": []}
+    metrics_tps: list[float] = []
+    loss_diff = 0.0
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        losses = {}
+        for side in ("shardwise", "plain"):
+            gc.collect()
+            if side == "shardwise":
+                run = run_shardwise(cfg, ds, n_steps, clock, sync_at, n_steps - 1)
+                metrics_tps += [run["metrics_tps"][s] for s in range(args.warmup + 1, n_steps + 1)
+                                if s in run["metrics_tps"]]
+            else:
+                run = run_plain(cfg, ds, n_steps, clock, sync_at, n_steps - 1, device)
+            s = summarize(run, args.warmup, args.steps, tokens_per_step)
+            s["mfu"] = s["tokens_per_s"] * flops_tok / peak if peak and not math.isnan(peak) else float("nan")
+            rounds[side].append(s)
+            if run["cuda_peak"] is not None:
+                cuda_peaks[side].append(run["cuda_peak"])
+            losses[side] = run["losses"]
+            log(f"round {r + 1} {side:9s}: {s['tokens_per_s']:8.1f} tok/s  mfu {s['mfu'] * 100:5.1f}%  "
+                f"step {s['step_s_median']:.3f}s  data {s['data_load_share'] * 100:.2f}%  "
+                f"loss {run['losses'][-1]:.4f}")
+        loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(losses["shardwise"], losses["plain"])))
+    timed_s = time.perf_counter() - t_start
+
+    mem_peaks = None
+    if not args.no_memory:
+        log("memory probe: 2 untimed steps per side under a live-tensor counter")
+        mem_peaks = probe_memory(cfg, ds, device, clock)
+
+    def side_summary(side: str) -> dict[str, Any]:
+        rs = rounds[side]
+        tps = [x["tokens_per_s"] for x in rs]
+        out: dict[str, Any] = {
+            "tokens_per_s_median": round(statistics.median(tps), 2),
+            "mfu_median": round(statistics.median(x["mfu"] for x in rs), 4),
+            "step_s_median": round(statistics.median(x["step_s_median"] for x in rs), 4),
+            "data_load_share_median": round(statistics.median(x["data_load_share"] for x in rs), 5),
+            "peak_tensor_mem_gb": round(mem_peaks[side] / 2**30, 3) if mem_peaks else None,
+            "rounds": [{"tokens_per_s": round(x["tokens_per_s"], 2), "mfu": round(x["mfu"], 4),
+                        "step_s": x["step_s"], "data_load_share": round(x["data_load_share"], 5)} for x in rs],
+        }
+        if cuda_peaks[side]:
+            out["cuda_max_memory_allocated_gb"] = round(max(cuda_peaks[side]) / 2**30, 3)
+        return out
+
+    result = {
+        "bench": "train_throughput",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "config": os.path.basename(args.config),
+        "overrides": overrides,
+        "model": cfg.model.preset or cfg.model.model_type,
+        "params": count_parameters(cfg.model),
+        "seq_length": cfg.data.seq_length,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.gradient_accumulation(),
+        "tokens_per_step": tokens_per_step,
+        "precision": f"{cfg.optimize.mixed_precision}/{plan.level}",
+        "data": args.data,
+        "device": str(device),
+        "device_name": device_name(device),
+        "nproc": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "flops_per_token": flops_tok,
+        "peak_flops": peak,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "shardwise": side_summary("shardwise"),
+        "plain": side_summary("plain"),
+        "shardwise_metrics_jsonl_tokens_per_s_median": round(statistics.median(metrics_tps), 2)
+        if metrics_tps else None,
+        "max_abs_loss_diff": loss_diff,
+        "timed_phase_s": round(timed_s, 1),
+    }
+    result["ratio"] = round(result["shardwise"]["tokens_per_s_median"] / result["plain"]["tokens_per_s_median"], 4)
+    print(json.dumps(result), flush=True)
+    log(f"ratio shardwise/plain = {result['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from shardwise.memory.precision import LossScaler, MasterWeights, precision_plan
+from shardwise.train.trainer import Trainer
+
+from tests.train.conftest import SEQ, make_tokens, read_metrics, tiny_config, with_changes
+
+
+def _dataset():
+    from shardwise.data.pretrain import PackedDataset
+
+    return PackedDataset(make_tokens(), SEQ)
+
+
+def test_levels_mean_what_seed_003_says():
+    assert precision_plan("fp32", "O2").level == "O0"
+    o1, o2, o3 = (precision_plan("bf16", lvl) for lvl in ("O1", "O2", "O3"))
+    assert o1.param_dtype == torch.float32 and o1.uses_autocast and not o1.master_weights
+    assert o2.param_dtype == torch.bfloat16 and o2.master_weights and not o2.uses_autocast
+    assert o3.param_dtype == torch.bfloat16 and not o3.master_weights
+    assert precision_plan("fp16", "O1").needs_loss_scaling and not o2.needs_loss_scaling
+
+
+@pytest.mark.parametrize("dtype,level", [("bf16", "O1"), ("bf16", "O2"), ("bf16", "O3"), ("fp16", "O2")])
+def test_16_bit_levels_train_close_to_fp32(tmp_path, dtype, level):
+    ds = _dataset()
+    ref = Trainer(tiny_config(tmp_path / "ref", max_steps=6), train_dataset=ds).train()
+    cfg = with_changes(tiny_config(tmp_path / "mp", max_steps=6),
+                       optimize={"mixed_precision": dtype, "precision_level": level})
+    trainer = Trainer(cfg, train_dataset=ds)
+    result = trainer.train()
+    assert result.losses[1] == pytest.approx(ref.losses[1], abs=0.02)
+    assert result.losses[6] < result.losses[1] - 0.3
+    assert abs(result.losses[6] - ref.losses[6]) < 0.25
+    expected = torch.float32 if level == "O1" else {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert trainer.model.layers["0"].attention.wq.weight.dtype == expected
+    assert trainer.model.rope_cos.dtype == torch.float32
+
+
+def test_o2_resumes_from_its_fp32_masters(tmp_path):
+    ds = _dataset()
+    cfg = with_changes(tiny_config(tmp_path, max_steps=4, save_steps=2),
+                       optimize={"mixed_precision": "bf16", "precision_level": "O2"})
+    full = Trainer(cfg, train_dataset=ds).train(overwrite=True).losses
+    part = with_changes(cfg, train={"output_dir": str(tmp_path / "part")})
+    Trainer(with_changes(part, train={"max_steps": 4}), train_dataset=ds).train()
+    import shutil
+
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step_00000004")
+    resumed = Trainer(part, train_dataset=ds).train(resume="auto").losses
+    assert resumed[3] == full[3] and resumed[4] == full[4]
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path):
+    cfg = with_changes(tiny_config(tmp_path, max_steps=12),
+                       optimize={"mixed_precision": "fp16", "precision_level": "O1", "initial_loss_scale": 2.0**20})
+    result = Trainer(cfg, train_dataset=_dataset()).train()
+    records = [r for r in read_metrics(tmp_path / "run") if "loss_scale" in r]
+    assert records[0]["skipped_steps"] == 1 and records[0]["loss_scale"] == 2.0**19
+    skipped = sum(r["skipped_steps"] for r in records)
+    assert 1 <= skipped < 10  # it lowers the scale until gradients fit, then trains
+    assert records[-1]["loss_scale"] == 2.0 ** (20 - skipped)
+    assert result.losses[12] < result.losses[1]
+
+
+def test_loss_scaler_grows_after_clean_steps_and_round_trips():
+    s = LossScaler(init_scale=8.0, growth_interval=2)
+    s.update(found_inf=False)
+    s.update(found_inf=False)
+    assert s.scale == 16.0
+    s.update(found_inf=True)
+    assert s.scale == 8.0 and s.skipped_steps == 1
+    t = LossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict() == s.state_dict()
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([8.0, float("inf"), 1.0])
+    assert s.unscale_and_check([p]) is True
+
+
+def test_master_weights_step_in_fp32():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    mw = MasterWeights([("w", p)])
+    p.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+    mw.grads_to_masters()
+    assert p.grad is None and mw.masters[0].grad.dtype == torch.float32
+    with torch.no_grad():
+        mw.masters[0] -= mw.masters[0].grad  # 1 - 1e-3 is not representable in bf16 ...
+    mw.masters_to_model()
+    assert mw.masters[0][0].item() == pytest.approx(0.999, abs=1e-6)  # ... but the master keeps it

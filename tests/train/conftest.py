@@ -1,0 +1,66 @@
+"""Tiny models and synthetic token data for trainer tests (seconds, not minutes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardwise.config import validate
+from shardwise.data.pretrain import PackedDataset
+
+SEQ = 32
+
+
+def make_tokens(n: int = 20000, vocab: int = 512, seed: int = 0) -> np.ndarray:
+    """A learnable token stream: a repeating pattern with noise, so the loss falls quickly."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(3, vocab, size=97)
+    tokens = np.resize(pattern, n)
+    noise = rng.random(n) < 0.1
+    tokens[noise] = rng.integers(3, vocab, size=int(noise.sum()))
+    return tokens.astype(np.uint16)
+
+
+class MaskedDataset(PackedDataset):
+    """Packed samples where a sample-dependent number of labels is ignored (-100)."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        labels = item["labels"].clone()
+        labels[: (index * 7) % (SEQ - 1)] = -100
+        return {"input_ids": item["input_ids"], "labels": labels}
+
+    def get_batch(self, indices):  # noqa: ANN001
+        items = [self[int(i)] for i in indices]
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def tiny_config(tmp_path: Path, **train) -> "RunConfig":  # noqa: F821
+    """A tiny LLaMA run config writing into tmp_path/run."""
+    section = {"output_dir": str(tmp_path / "run"), "max_steps": 4, "micro_batch_size": 4, "lr": 3e-3,
+               "warmup_steps": 1, "log_steps": 1, "progress_bar": False, "tensorboard": False, "seed": 7}
+    section.update(train)
+    return validate({"model": {"preset": "tiny_llama"}, "data": {"seq_length": SEQ}, "train": section,
+                     "run": {"num_threads": 1}})
+
+
+def with_changes(cfg, **sections):  # noqa: ANN001, ANN201
+    """A copy of a config with some section fields replaced, validated again."""
+    raw = cfg.model_dump()
+    for section, values in sections.items():
+        raw[section].update(values)
+    return validate(raw)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Records of metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def dataset() -> PackedDataset:
+    return PackedDataset(make_tokens(), SEQ)

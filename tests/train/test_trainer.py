@@ -1,0 +1,115 @@
+import math
+
+import pytest
+import torch
+
+from shardwise.errors import CheckpointError, TrainingError
+from shardwise.train.trainer import Trainer
+
+from .conftest import SEQ, MaskedDataset, make_tokens, read_metrics, tiny_config, with_changes
+
+
+def _run(cfg, ds, **kw):
+    return Trainer(cfg, train_dataset=ds, **kw).train(**({"overwrite": True}))
+
+
+def test_loss_falls_and_metrics_are_logged(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, max_steps=12)
+    result = _run(cfg, dataset)
+    assert result.step == 12
+    assert result.losses[12] < result.losses[1] - 0.5
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gb"):
+        assert all(key in r for r in records)
+    assert records[-1]["tokens_per_s"] > 0 and 0 < records[-1]["mfu"] < 5
+    assert records[0]["lr"] == pytest.approx(3e-3)  # warmup 1 step reaches the peak
+
+
+def test_same_seed_same_losses(tmp_path, dataset):
+    a = _run(tiny_config(tmp_path / "a"), dataset).losses
+    b = _run(tiny_config(tmp_path / "b"), dataset).losses
+    assert a == b
+
+
+def test_grad_accumulation_is_normalised_by_tokens(tmp_path):
+    ds = MaskedDataset(make_tokens(), SEQ)
+    one = _run(tiny_config(tmp_path / "one", micro_batch_size=4), ds)
+    four = _run(with_changes(tiny_config(tmp_path / "four", micro_batch_size=1),
+                             optimize={"gradient_accumulation_steps": 4}), ds)
+    two = _run(with_changes(tiny_config(tmp_path / "two", micro_batch_size=2),
+                            optimize={"gradient_accumulation_steps": 2}), ds)
+    for step, loss in one.losses.items():
+        assert four.losses[step] == pytest.approx(loss, abs=1e-5)
+        assert two.losses[step] == pytest.approx(loss, abs=1e-5)
+
+
+def test_nan_loss_stops_naming_the_step(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, lr=1e30, warmup_steps=0, max_grad_norm=None)
+    with pytest.raises(TrainingError, match=r"step \d+: loss is"):
+        _run(cfg, dataset)
+
+
+def test_nan_loss_skipped_when_configured(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, lr=1e30, warmup_steps=0, max_grad_norm=None, nan_policy="skip", max_steps=4)
+    result = _run(cfg, dataset)
+    assert result.step == 4
+    records = [r for r in read_metrics(tmp_path / "run") if "skipped_steps" in r]
+    assert sum(r["skipped_steps"] for r in records) >= 1
+    assert any(not math.isfinite(r["grad_norm"]) for r in records)
+
+
+def test_evaluation_reports_loss_and_perplexity(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, max_steps=3, eval_steps=3)
+    ds_eval = type(dataset)(make_tokens(2000, seed=1), SEQ)
+    result = Trainer(cfg, train_dataset=dataset, eval_dataset=ds_eval).train()
+    assert result.eval["perplexity"] == pytest.approx(math.exp(result.eval["loss"]))
+    assert result.eval["tokens"] == (len(ds_eval) // 4) * 4 * SEQ
+    assert any("eval_loss" in r for r in read_metrics(tmp_path / "run"))
+
+
+def test_lr_follows_the_schedule_in_the_run(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, max_steps=6, warmup_steps=2, lr=1e-3, min_lr=1e-4, decay_style="linear")
+    _run(cfg, dataset)
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run") if "lr" in r]
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3])
+    assert lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_checkpoint_of_another_shape_names_the_tensor(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, max_steps=2)
+    _run(cfg, dataset)
+    other = with_changes(cfg, model={"intermediate_size": 128}, train={"max_steps": 4})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.feed_forward\.w\d\.weight has shape"):
+        Trainer(other, train_dataset=dataset).train(resume="auto")
+
+
+def test_keeps_the_newest_k_checkpoints(tmp_path, dataset):
+    from shardwise.train.checkpoint import list_checkpoints
+
+    cfg = tiny_config(tmp_path, max_steps=5, save_steps=1, keep_checkpoints=2)
+    _run(cfg, dataset)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000004", "step_00000005"]
+
+
+def test_resume_from_a_finished_run_trains_nothing_more(tmp_path, dataset):
+    cfg = tiny_config(tmp_path, max_steps=3)
+    _run(cfg, dataset)
+    again = Trainer(cfg, train_dataset=dataset).train(resume="auto")
+    assert again.step == 3 and again.losses == {}
+
+
+def test_compiled_model_gives_the_eager_losses(tmp_path, dataset):
+    eager = _run(tiny_config(tmp_path / "eager", max_steps=2), dataset).losses
+    cfg = with_changes(tiny_config(tmp_path / "compiled", max_steps=2), run={"compile": True})
+    compiled = _run(cfg, dataset).losses
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], abs=1e-4)
+
+
+def test_checkpoint_with_recompute_resumes_without_it(tmp_path, dataset):
+    cfg = with_changes(tiny_config(tmp_path, max_steps=2), optimize={"recompute": "full"})
+    _run(cfg, dataset)
+    plain = with_changes(cfg, optimize={"recompute": "none"}, train={"max_steps": 3})
+    assert sorted(Trainer(plain, train_dataset=dataset).train(resume="auto").losses) == [3]
