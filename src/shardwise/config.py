@@ -131,12 +131,14 @@ class TrainConfig(_Section):
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     min_lr: float = Field(0.0, ge=0, description="learning rate at the end of decay")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
-    decay_style: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="decay")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="decay after warmup; wsd = warmup-stable-decay"
+    )
     wsd_decay_ratio: float = Field(0.1, gt=0, le=1, description="WSD: fraction of steps spent decaying")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only)")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1 (SGD: momentum)")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     max_grad_norm: Optional[float] = Field(1.0, description="gradient clipping norm; null = off")
     log_steps: int = Field(10, ge=1, description="log metrics every N steps")
     eval_steps: Optional[int] = Field(None, ge=1, description="evaluate every N steps (and at the end)")

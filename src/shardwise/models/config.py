@@ -25,30 +25,32 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
     preset: Optional[str] = Field(None, description="named preset whose values fill unset fields")
-    model_type: Literal["llama", "qwen2", "gpt2", "mistral", "baichuan", "gpt"] = "llama"
-    vocab_size: int = Field(32000, gt=0)
-    hidden_size: int = Field(4096, gt=0)
-    num_layers: int = Field(32, gt=0)
-    num_heads: int = Field(32, gt=0)
+    model_type: Literal["llama", "qwen2", "gpt2", "mistral", "baichuan", "gpt"] = Field(
+        "llama", description="family label (the flags below decide the architecture)"
+    )
+    vocab_size: int = Field(32000, gt=0, description="tokens in the vocabulary")
+    hidden_size: int = Field(4096, gt=0, description="model width")
+    num_layers: int = Field(32, gt=0, description="transformer blocks")
+    num_heads: int = Field(32, gt=0, description="attention (query) heads")
     num_kv_heads: Optional[int] = Field(None, gt=0, description="grouped-query attention; default num_heads")
     head_dim: Optional[int] = Field(None, gt=0, description="default hidden_size // num_heads")
     intermediate_size: Optional[int] = Field(None, gt=0, description="FFN width; default LLaMA rule or 4x")
     multiple_of: int = Field(256, gt=0, description="FFN width rounding for the LLaMA rule")
-    max_position_embeddings: int = Field(4096, gt=0)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    norm_eps: float = Field(1e-5, gt=0)
+    max_position_embeddings: int = Field(4096, gt=0, description="longest sequence the model takes")
+    norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="RMSNorm (LLaMA) or LayerNorm (GPT-2)")
+    norm_eps: float = Field(1e-5, gt=0, description="norm epsilon")
     mlp: Literal["gated", "plain"] = Field("gated", description="gated = SwiGLU-style, plain = GPT-2 style")
-    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
-    position: Literal["rope", "learned"] = "rope"
-    rope_theta: float = Field(10000.0, gt=0)
-    rope_scaling: Optional[RopeScaling] = None
-    qkv_bias: bool = False
+    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = Field("silu", description="MLP activation")
+    position: Literal["rope", "learned"] = Field("rope", description="rotary or learned absolute positions")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    rope_scaling: Optional[RopeScaling] = Field(None, description="{type: linear|llama3, factor, ...}")
+    qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2, GPT-2)")
     out_bias: bool = Field(False, description="bias on the attention output projection")
-    mlp_bias: bool = False
+    mlp_bias: bool = Field(False, description="bias on MLP projections (GPT-2)")
     norm_bias: bool = Field(True, description="LayerNorm bias (ignored for RMSNorm)")
-    tie_embeddings: bool = False
-    dropout: float = Field(0.0, ge=0, lt=1)
-    initializer_range: float = Field(0.02, gt=0)
+    tie_embeddings: bool = Field(False, description="output projection shares the embedding matrix")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on embeddings, attention and residuals")
+    initializer_range: float = Field(0.02, gt=0, description="std of the normal weight init")
     use_flash_attention: bool = Field(True, description="fused attention kernels where the device has them")
 
     @model_validator(mode="after")
