@@ -256,18 +256,21 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
     raw, warnings = translate_seed_keys(raw)  # e.g. optimize.max_grad_norm (seed 000) -> train
     for w in warnings:
         log.warning(w)
-    raw["train"] = _merge_arguments(raw.get("train") or {}, args.train_section(),
-                                    args.explicit_keys(_TRAIN_KEY_FIELDS))
+    explicit = args.explicit_keys(_TRAIN_KEY_FIELDS)
+    from_config = raw.get("train") or {}
+    raw["train"] = _merge_arguments(from_config, args.train_section(), explicit)
+    # One length: the one the user passed, else the config's; the default 3 epochs only without either.
+    for given, other in (("max_steps", "epochs"), ("epochs", "max_steps")):
+        if given in explicit and other not in explicit:
+            raw["train"].pop(other, None)
+        elif given in from_config and other not in from_config and other not in explicit:
+            raw["train"].pop(other, None)
     if args.save_strategy != "steps":
         raw["train"].pop("save_steps", None)  # save_strategy "no"/"epoch": no periodic saves
     raw["parallel"] = _merge_arguments(raw.get("parallel") or {}, args.parallel_section(),
                                        args.explicit_keys(_PARALLEL_KEY_FIELDS))
-    optimize = args.optimize_section()
-    if not args.sets_precision():  # fp16/bf16 left at False: the model's optimize_config decides
-        for key in ("mixed_precision", "precision_level"):
-            if key in (raw.get("optimize") or {}):
-                optimize.pop(key, None)
-    raw.setdefault("optimize", {}).update(optimize)
+    # Only what the arguments set: fp16/bf16 left unset keep the model's optimize_config precision.
+    raw.setdefault("optimize", {}).update(args.optimize_section())
     _fold_data_parallel_on_one_process(raw)
     data = raw.setdefault("data", {})
     if seq_length is not None:
@@ -306,8 +309,8 @@ def _fold_data_parallel_on_one_process(raw: dict) -> None:
             opt["gradient_accumulation_steps"] = (opt.get("gradient_accumulation_steps") or 1) * dp
         par["data_parallel"] = 1
         log.warning("data_parallel %d on a single process: training on one device with the same global "
-                    "batch (gradient accumulation x%d); launch with `shardwise train --nproc %d` to use %d "
-                    "devices", dp, dp, dp, dp)
+                    "batch (gradient accumulation x%d); launching one process per device is not available "
+                    "yet", dp, dp)
     if par.get("data_parallel") == -1:
         par["data_parallel"] = 1
 
@@ -327,14 +330,15 @@ class Trainer(_LoopTrainer):
 
     def train(self, resume: str | None = None, overwrite: bool | None = None) -> TrainResult:
         """Train; arguments are turned into a config now, so a changed train_dataset is used."""
-        if self.train_dataset is None:
-            raise ConfigError("Trainer has no train_dataset; pass one (TextDataset or create_dataset(...))")
         dataset = _underlying_dataset(self.train_dataset)
         if self.args is not None:
             self.config = run_config_from(self.model, self.args, getattr(dataset, "seq_length", None))
             if overwrite is None:
                 overwrite = self.args.overwrite_output_dir
             _check_loader_batch(self.train_dataset, self.config.train.micro_batch_size)
+        if self.train_dataset is None and not self.config.data.train_files:
+            raise ConfigError("Trainer has no train_dataset; pass one (TextDataset or create_dataset(...)), "
+                              "or give data.train_files in the config")
         # The dataset's tokenizer is saved with the run, so `shardwise generate RUN_DIR` can use it.
         self.tokenizer = self._given_tokenizer or getattr(dataset, "tokenizer", None)
         return super().train(resume=resume, overwrite=bool(overwrite))

@@ -113,3 +113,11 @@ def test_checkpoint_with_recompute_resumes_without_it(tmp_path, dataset):
     _run(cfg, dataset)
     plain = with_changes(cfg, optimize={"recompute": "none"}, train={"max_steps": 3})
     assert sorted(Trainer(plain, train_dataset=dataset).train(resume="auto").losses) == [3]
+
+
+def test_tensorboard_events_are_written(tmp_path, dataset):
+    pytest.importorskip("tensorboard")  # installed with the test extra; optional for users
+    cfg = tiny_config(tmp_path, max_steps=2, tensorboard=True)
+    _run(cfg, dataset)
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

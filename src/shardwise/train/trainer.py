@@ -82,16 +82,12 @@ class Trainer:
         """Run training to `max_steps` (or the epochs' worth), resuming when asked."""
         cfg = self.config
         run_dir = Path(cfg.train.output_dir)
+        # Everything that can fail on the config alone fails before --overwrite removes anything.
+        check_single_device(cfg)
+        device = resolve_device(cfg.run.device)
         prepare_run_dir(run_dir, resume, overwrite)
-        if cfg.parallel.world_size() != 1:
-            raise ConfigError(
-                f"this config asks for {cfg.parallel.world_size()} devices (data_parallel x "
-                "tensor_parallel x pipeline_parallel), but shardwise trains on one device for now; set "
-                "parallel.data_parallel, tensor_parallel and pipeline_parallel to 1 (or use --dry-run)"
-            )
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        device = resolve_device(cfg.run.device)
         torch.manual_seed(cfg.train.seed)
 
         self._prepare_data(run_dir)
@@ -108,7 +104,8 @@ class Trainer:
             scaler = LossScaler(cfg.optimize.initial_loss_scale if dynamic else float(cfg.optimize.loss_scale),
                                 dynamic=dynamic)
         grad_accum = cfg.gradient_accumulation()
-        loader = StatefulLoader(self.train_dataset, cfg.train.micro_batch_size, grad_accum, cfg.train.seed)
+        loader = StatefulLoader(self.train_dataset, cfg.train.micro_batch_size, grad_accum, cfg.train.seed,
+                                shuffle=getattr(self.train_dataset, "shuffle", True))
         total_steps = self._total_steps(loader)
         schedule = LRSchedule(cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, total_steps,
                               cfg.train.decay_style, cfg.train.wsd_decay_ratio)
@@ -407,14 +404,27 @@ def _format_record(r: dict[str, Any]) -> str:
             f"peak_mem {r['peak_memory_gb']:.2f}GiB")
 
 
+def check_single_device(cfg: RunConfig) -> None:
+    """This loop trains on one device: a layout that needs more fails here, naming the degrees."""
+    world = cfg.parallel.world_size()
+    if world != 1:
+        p = cfg.parallel
+        raise ConfigError(
+            f"this config needs {world} devices (data_parallel {p.dp_degree()} x tensor_parallel "
+            f"{p.tensor_parallel} x pipeline_parallel {p.pipeline_parallel}), but shardwise trains on one "
+            "device for now; set those degrees to 1 (a dry run plans for more devices)"
+        )
+
+
 def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
     """Refuse to write into a directory that holds another run, unless resuming or overwriting."""
     existing = [name for name in _RUN_FILES if (run_dir / name).exists()]
     if existing and resume is None:
         if not overwrite:
             raise ConfigError(
-                f"{run_dir} already holds a run ({', '.join(existing)}); pass --resume auto to continue "
-                "it, --overwrite to replace it, or choose another train.output_dir"
+                f"{run_dir} already holds a run ({', '.join(existing)}); continue it with --resume auto "
+                "(Python: trainer.train(resume='auto')), replace it with --overwrite (Python: "
+                "TrainingArguments(overwrite_output_dir=True)), or choose another train.output_dir"
             )
         for name in existing:
             path = run_dir / name
