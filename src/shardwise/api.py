@@ -9,11 +9,10 @@ hyper-parameters; together they become a `RunConfig`, validated like a YAML file
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -77,100 +76,58 @@ def _looks_like_path(name: str) -> bool:
     return os.sep in text or text.startswith((".", "~")) or (os.altsep is not None and os.altsep in text)
 
 
-# Which arguments fields decide which `train` / `parallel` key. A key the user did not pass
-# explicitly keeps the value of the seed YAML the model was made from (seed 002 puts min_lr,
-# warmup_steps, decay_style, optimizer, micro_batch_size and grad_clip_norm there, not in
-# LLMArguments), and only falls back to the arguments' default when the YAML does not give it.
-_TRAIN_KEY_FIELDS = {
-    "output_dir": ("output_dir",), "epochs": ("num_train_epochs", "epochs"), "max_steps": ("max_steps",),
-    "micro_batch_size": ("per_device_train_batch_size", "micro_batch_size"),
-    "lr": ("learning_rate", "lr"), "log_steps": ("log_steps", "logging_steps"),
-    "warmup_steps": ("warmup_steps",), "weight_decay": ("weight_decay",), "max_grad_norm": ("max_grad_norm",),
-    "optimizer": ("optimizer",), "decay_style": ("lr_scheduler_type",), "min_lr": ("min_lr",),
-    "seed": ("seed",), "save_steps": ("save_steps", "save_strategy"), "eval_steps": ("eval_steps",),
-    "global_batch_size": ("batch_size",),
-}
-_PARALLEL_KEY_FIELDS = {
-    "tensor_parallel": ("tensor_parallel",), "pipeline_parallel": ("pipeline_parallel",),
-    "zero_stage": ("use_zero", "zero_level"), "data_parallel": ("data_parallel",),
-}
-
-
-def _track_explicit(cls: type) -> type:
-    """Record which fields a dataclass instance was given (in the call, or assigned later)."""
-    init = cls.__init__
-    names = [f.name for f in fields(cls)]
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        object.__setattr__(self, "_explicit", set(names[: len(args)]) | set(kwargs))
-        object.__setattr__(self, "_tracking", False)
-        init(self, *args, **kwargs)
-        object.__setattr__(self, "_tracking", True)
-
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        if getattr(self, "_tracking", False):
-            self._explicit.add(name)
-        object.__setattr__(self, name, value)
-
-    cls.__init__ = __init__
-    cls.__setattr__ = __setattr__
-    return cls
-
-
-@_track_explicit
 @dataclass
 class TrainingArguments:
     """Training hyper-parameters in the names of the documents (and of Hugging Face).
 
-    Fields left at their defaults do not override what the model's config (a seed YAML given to
-    `from_config`, or `optimize_config` given to `from_pretrained`) already says.
+    A field left at None was not given: it keeps what the model's config says (a seed YAML given to
+    `from_config`, or the `optimize_config` given to `from_pretrained`), else `DEFAULTS`.
     """
 
-    output_dir: str = "runs/default"
+    output_dir: Optional[str] = None
     num_train_epochs: Optional[float] = None
     max_steps: Optional[int] = None
-    per_device_train_batch_size: int = 8
-    learning_rate: float = 5e-5
-    fp16: bool = False
-    bf16: bool = False
+    per_device_train_batch_size: Optional[int] = None
+    learning_rate: Optional[float] = None
+    fp16: Optional[bool] = None
+    bf16: Optional[bool] = None
     mixed_precision: Optional[str] = None  # "O0".."O3" (seed 003) or "fp16"/"bf16"/"fp32"
     gradient_accumulation_steps: Optional[int] = None
     save_steps: Optional[int] = None
-    save_strategy: str = "steps"
-    log_steps: int = 10
+    save_strategy: Optional[str] = None  # "steps" (default) or "no"
+    log_steps: Optional[int] = None
     logging_steps: Optional[int] = None
     eval_steps: Optional[int] = None
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: Optional[float] = 1.0
-    optimizer: str = "adamw"
-    lr_scheduler_type: str = "cosine"
-    min_lr: float = 0.0
-    seed: int = 42
+    warmup_steps: Optional[int] = None
+    weight_decay: Optional[float] = None
+    max_grad_norm: Optional[float] = None
+    optimizer: Optional[str] = None
+    lr_scheduler_type: Optional[str] = None
+    min_lr: Optional[float] = None
+    seed: Optional[int] = None
     overwrite_output_dir: bool = False
 
-    def train_section(self) -> dict:
-        """The `train` section these arguments describe."""
-        section = {
-            "output_dir": self.output_dir, "micro_batch_size": self.per_device_train_batch_size,
-            "lr": self.learning_rate, "log_steps": self.logging_steps or self.log_steps,
-            "warmup_steps": self.warmup_steps, "weight_decay": self.weight_decay,
-            "max_grad_norm": self.max_grad_norm, "optimizer": self.optimizer,
-            "decay_style": self.lr_scheduler_type, "min_lr": self.min_lr, "seed": self.seed,
-        }
-        if self.save_strategy == "steps" and self.save_steps:
-            section["save_steps"] = self.save_steps
-        if self.eval_steps:
-            section["eval_steps"] = self.eval_steps
-        if self.max_steps:
-            section["max_steps"] = self.max_steps
-        else:
-            section["epochs"] = self.num_train_epochs if self.num_train_epochs is not None else 3.0
-        return section
+    # argument field -> `train` key
+    TRAIN_KEYS: ClassVar[dict[str, str]] = {
+        "output_dir": "output_dir", "num_train_epochs": "epochs", "max_steps": "max_steps",
+        "per_device_train_batch_size": "micro_batch_size", "learning_rate": "lr", "log_steps": "log_steps",
+        "logging_steps": "log_steps", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay",
+        "max_grad_norm": "max_grad_norm", "optimizer": "optimizer", "lr_scheduler_type": "decay_style",
+        "min_lr": "min_lr", "seed": "seed", "save_steps": "save_steps", "eval_steps": "eval_steps",
+    }
+    # What a key is when neither the arguments nor the model's config give it (Hugging Face's choices).
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "output_dir": "runs/default", "micro_batch_size": 8, "lr": 5e-5, "log_steps": 10, "warmup_steps": 0,
+        "weight_decay": 0.0, "max_grad_norm": 1.0, "optimizer": "adamw", "decay_style": "cosine",
+        "min_lr": 0.0, "seed": 42,
+    }
 
-    def optimize_section(self) -> dict:
-        """Precision and accumulation settings these arguments describe (only what they set)."""
+    def train_overrides(self) -> dict:
+        """The `train` keys these arguments give."""
+        return {key: getattr(self, name) for name, key in self.TRAIN_KEYS.items() if getattr(self, name) is not None}
+
+    def optimize_overrides(self) -> dict:
+        """The `optimize` keys these arguments give: accumulation and precision."""
         section: dict[str, Any] = {}
         if self.gradient_accumulation_steps is not None:
             section["gradient_accumulation_steps"] = self.gradient_accumulation_steps
@@ -178,7 +135,7 @@ class TrainingArguments:
             raise ConfigError("TrainingArguments: fp16 and bf16 are both True; choose one")
         if self.fp16 or self.bf16:
             section["mixed_precision"] = "fp16" if self.fp16 else "bf16"
-        elif self.sets_precision() and self.mixed_precision is None:
+        elif (self.fp16, self.bf16) != (None, None) and self.mixed_precision is None:
             section["mixed_precision"] = "fp32"  # fp16=False, bf16=False given: full precision
         mp = self.mixed_precision
         if mp in ("O0", "O1", "O2", "O3"):
@@ -188,64 +145,50 @@ class TrainingArguments:
             section["mixed_precision"] = mp
         return section
 
-    def parallel_section(self) -> dict:
-        """Layout settings these arguments describe (none for the seed-000 shape)."""
+    def parallel_overrides(self) -> dict:
+        """The `parallel` keys these arguments give (none in seed 000's shape)."""
         return {}
 
-    def explicit_keys(self, table: dict[str, tuple[str, ...]]) -> set[str]:
-        """Config keys (of `_TRAIN_KEY_FIELDS` or `_PARALLEL_KEY_FIELDS`) the user set explicitly."""
-        given = getattr(self, "_explicit", set())
-        return {key for key, names in table.items() if given.intersection(names)}
 
-    def sets_precision(self) -> bool:
-        """True when fp16 / bf16 / mixed_precision were given, so the arguments decide the dtype."""
-        return bool(getattr(self, "_explicit", set()) & {"fp16", "bf16", "mixed_precision"})
-
-
-@_track_explicit
 @dataclass
 class LLMArguments(TrainingArguments):
-    """Seed 002's arguments: layout plus `epochs`, `batch_size` (global) and `lr`."""
+    """Seed 002's arguments: layout plus `epochs`, `batch_size` (the global batch) and `lr`."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: Optional[int] = None
+    pipeline_parallel: Optional[int] = None
     data_parallel: Optional[int] = None
-    use_zero: bool = False
-    zero_level: int = 1
+    use_zero: Optional[bool] = None
+    zero_level: Optional[int] = None
     epochs: Optional[float] = None
     batch_size: Optional[int] = None
     micro_batch_size: Optional[int] = None
     lr: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        if self.epochs is not None:
-            self.num_train_epochs = self.epochs
-        if self.lr is not None:
-            self.learning_rate = self.lr
-        if self.micro_batch_size is not None:
-            self.per_device_train_batch_size = self.micro_batch_size
+    TRAIN_KEYS: ClassVar[dict[str, str]] = {
+        **TrainingArguments.TRAIN_KEYS, "epochs": "epochs", "lr": "lr", "micro_batch_size": "micro_batch_size",
+        "batch_size": "global_batch_size",
+    }
 
-    def train_section(self) -> dict:
-        """As TrainingArguments, with `batch_size` as the global batch."""
-        section = super().train_section()
-        if self.batch_size is not None:
-            section["global_batch_size"] = self.batch_size
-            if self.micro_batch_size is None and "per_device_train_batch_size" not in self._explicit:
-                section["micro_batch_size"] = 1  # seed 002's default micro-batch
+    def train_overrides(self) -> dict:
+        """As TrainingArguments; a global `batch_size` alone means micro-batches of 1 (seed 002)."""
+        section = super().train_overrides()
+        if "global_batch_size" in section:
+            section.setdefault("micro_batch_size", 1)
         return section
 
-    def parallel_section(self) -> dict:
-        """TP, PP and ZeRO as seed 002 names them."""
-        section = {"tensor_parallel": self.tensor_parallel, "pipeline_parallel": self.pipeline_parallel,
-                   "zero_stage": self.zero_level if self.use_zero else 0}
-        if self.data_parallel is not None:
-            section["data_parallel"] = self.data_parallel
+    def parallel_overrides(self) -> dict:
+        """TP, PP, DP and ZeRO as seed 002 names them."""
+        section = {key: getattr(self, key) for key in ("tensor_parallel", "pipeline_parallel", "data_parallel")
+                   if getattr(self, key) is not None}
+        if self.use_zero is not None or self.zero_level is not None:
+            section["zero_stage"] = (self.zero_level or 1) if self.use_zero is not False else 0
         return section
 
 
 def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int | None = None) -> RunConfig:
-    """Combine the model's remembered layout with the arguments into one validated RunConfig.
+    """Combine the model's remembered config with the arguments into one validated RunConfig.
 
+    Precedence per key: what the arguments give, then the model's config, then `args.DEFAULTS`.
     `seq_length` is the length of the dataset's samples, which is what the run really trains on.
     """
     layout = getattr(model, "shardwise_layout", {}) or {}
@@ -256,21 +199,20 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
     raw, warnings = translate_seed_keys(raw)  # e.g. optimize.max_grad_norm (seed 000) -> train
     for w in warnings:
         log.warning(w)
-    explicit = args.explicit_keys(_TRAIN_KEY_FIELDS)
-    from_config = raw.get("train") or {}
-    raw["train"] = _merge_arguments(from_config, args.train_section(), explicit)
-    # One length: the one the user passed, else the config's; the default 3 epochs only without either.
-    for given, other in (("max_steps", "epochs"), ("epochs", "max_steps")):
-        if given in explicit and other not in explicit:
-            raw["train"].pop(other, None)
-        elif given in from_config and other not in from_config and other not in explicit:
-            raw["train"].pop(other, None)
-    if args.save_strategy != "steps":
-        raw["train"].pop("save_steps", None)  # save_strategy "no"/"epoch": no periodic saves
-    raw["parallel"] = _merge_arguments(raw.get("parallel") or {}, args.parallel_section(),
-                                       args.explicit_keys(_PARALLEL_KEY_FIELDS))
-    # Only what the arguments set: fp16/bf16 left unset keep the model's optimize_config precision.
-    raw.setdefault("optimize", {}).update(args.optimize_section())
+    train = raw.setdefault("train", {})
+    given = args.train_overrides()
+    for length, other in (("max_steps", "epochs"), ("epochs", "max_steps")):
+        if length in given:  # one length: the one the user passed replaces the config's other one
+            train.pop(other, None)
+    train.update(given)
+    for key, value in args.DEFAULTS.items():
+        train.setdefault(key, value)
+    if "epochs" not in train and "max_steps" not in train:
+        train["epochs"] = 3.0
+    if args.save_strategy not in (None, "steps"):
+        train.pop("save_steps", None)  # save_strategy "no": only the final checkpoint
+    raw.setdefault("parallel", {}).update(args.parallel_overrides())
+    raw.setdefault("optimize", {}).update(args.optimize_overrides())
     _fold_data_parallel_on_one_process(raw)
     data = raw.setdefault("data", {})
     if seq_length is not None:
@@ -280,16 +222,6 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
         data["seq_length"] = seq_length
     data["seq_length"] = data.get("seq_length") or model.cfg.max_position_embeddings
     return validate(raw)
-
-
-def _merge_arguments(from_config: dict, from_args: dict, explicit: set[str]) -> dict:
-    """The config's section overlaid by the arguments the user passed, then by the arguments' defaults
-    for keys the config does not give."""
-    merged = dict(from_config)
-    for key, value in from_args.items():
-        if key in explicit or key not in merged:
-            merged[key] = value
-    return merged
 
 
 def _fold_data_parallel_on_one_process(raw: dict) -> None:
