@@ -78,7 +78,7 @@ def log(msg: str) -> None:
 
 
 class StepClock:
-    """Stamps the end of every optimizer step (global post-hook), for whichever side is running."""
+    """Stamps the end of every optimizer step (a global post-hook), except for ignored optimizers."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -87,6 +87,7 @@ class StepClock:
         self.cuda_peak_at: int | None = None  # step index at which to read max_memory_allocated
         self.cuda_peak: float | None = None
         self.on_step: Any = None  # optional callback(step_index) (memory probe window)
+        self.ignore: set[int] = set()  # id() of optimizers not to stamp (the plain side in lockstep)
         self._handle = None
 
     def start(self, sync_at: set[int], cuda_peak_at: int | None = None, on_step: Any = None) -> None:
@@ -99,8 +100,11 @@ class StepClock:
             self._handle.remove()
             self._handle = None
         self.on_step = None
+        self.ignore = set()
 
     def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self.ignore:
+            return
         k = len(self.stamps)
         if k in self.sync_at and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -110,21 +114,34 @@ class StepClock:
         if self.on_step is not None:
             self.on_step(k)
 
+    def step_times(self) -> list[float]:
+        """Seconds of each step from the previous step's end (step 0: nan)."""
+        return [math.nan] + [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
 
 class TimedLoader(StatefulLoader):
-    """StatefulLoader that times each next_step() call (same batches, same order)."""
+    """StatefulLoader that times each next_step() call (same batches, same order).
+
+    `TimedLoader.hooks_for_next` (on_first: called before the first call; before_each: called before
+    every call, outside the timed part) is handed to the next instance created, then cleared.
+    """
 
     last: "TimedLoader | None" = None
-    on_first_call: Any = None
+    hooks_for_next: dict[str, Any] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.load_s: list[float] = []
+        self.on_first = TimedLoader.hooks_for_next.get("on_first")
+        self.before_each = TimedLoader.hooks_for_next.get("before_each")
+        TimedLoader.hooks_for_next = {}
         TimedLoader.last = self
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
-        if not self.load_s and TimedLoader.on_first_call is not None:
-            TimedLoader.on_first_call()
+        if not self.load_s and self.on_first is not None:
+            self.on_first()
+        if self.before_each is not None:
+            self.before_each()
         t0 = time.perf_counter()
         out = super().next_step()
         self.load_s.append(time.perf_counter() - t0)
@@ -195,29 +212,35 @@ def round_config(base: RunConfig, output_dir: str, max_steps: int) -> RunConfig:
 
 
 def run_shardwise(base: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
-                  cuda_peak_at: int | None, on_step: Any = None) -> dict[str, Any]:
-    """Trainer(cfg, train_dataset=ds).train() for n_steps; returns stamps, loader times, losses, metrics."""
+                  cuda_peak_at: int | None, on_step: Any = None, loader_hooks: dict[str, Any] | None = None,
+                  ignore: set[int] | None = None) -> dict[str, Any]:
+    """Trainer(cfg, train_dataset=ds).train() for n_steps; returns step times, loader times, losses."""
     with tempfile.TemporaryDirectory(prefix="shardwise-bench-") as tmp:
         cfg = round_config(base, tmp, n_steps)
         trainer = trainer_mod.Trainer(cfg, train_dataset=ds)
+        TimedLoader.hooks_for_next = dict(loader_hooks or {})
         clock.start(sync_at, cuda_peak_at, on_step)
+        clock.ignore = set(ignore or ())
         try:
             with patched_trainer_loader():
                 result = trainer.train(overwrite=True)
         finally:
             clock.stop()
+            TimedLoader.hooks_for_next = {}
         metrics = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
         loader = TimedLoader.last
-    out = {"stamps": list(clock.stamps), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
+    out = {"step_s": clock.step_times(), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
            "losses": [result.losses[s] for s in range(1, n_steps + 1)],
            "metrics_tps": {m["step"]: m["tokens_per_s"] for m in metrics if "tokens_per_s" in m}}
     del trainer, result, loader
     return out
 
 
-def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
-              cuda_peak_at: int | None, device: torch.device, on_step: Any = None) -> dict[str, Any]:
-    """The loop an engineer writes by hand, doing the same work as the Trainer."""
+def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # noqa: ANN201
+    """The loop an engineer writes by hand, doing the same work as the Trainer.
+
+    A generator: yields (optimizer, loader) once set up, then each step's loss after the step.
+    """
     t = cfg.train
     plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
     if plan.needs_loss_scaling:
@@ -227,64 +250,98 @@ def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: 
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, device=device, dtype=plan.param_dtype)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     masters = None
     if plan.master_weights:  # O2: 16-bit model, fp32 copies stepped by the optimizer
         masters = [p.detach().float().clone().requires_grad_(True) for p in params]
-        named = [(n, m) for (n, _), m in zip(((n, p) for n, p in model.named_parameters() if p.requires_grad),
-                                             masters)]
-    else:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, m) for (n, _), m in zip(named, masters)]
     opt = build_optimizer(named, t.optimizer, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
     opt_params = [p for _, p in named]
     grad_accum = cfg.gradient_accumulation()
     sched = LRSchedule(t.lr, t.min_lr, t.warmup_steps, n_steps, t.decay_style, t.wsd_decay_ratio)
-    loader = TimedLoader(ds, t.micro_batch_size, grad_accum, t.seed)
+    loader = TimedLoader(ds, t.micro_batch_size, grad_accum, t.seed, shuffle=getattr(ds, "shuffle", True))
+    yield opt, loader
+    for step in range(n_steps):
+        for g in opt.param_groups:
+            g["lr"] = sched.lr_at(step)
+        total = torch.zeros((), device=device)
+        for mb in loader.next_step():
+            x = mb["input_ids"].to(device, non_blocking=True)
+            y = mb["labels"].to(device, non_blocking=True)
+            extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask") if k in mb}
+            with plan.autocast(device.type):
+                logits = model(x, **extras)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / grad_accum
+            loss.backward()
+            total += loss.detach()
+        if masters is not None:
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
+        if t.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(opt_params, t.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not None:
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+        value = total.item()  # one host sync per step, as the Trainer does
+        del x, y, logits, loss, total, mb, extras  # free the step's tensors before yielding
+        yield value
+
+
+def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
+              cuda_peak_at: int | None, device: torch.device, on_step: Any = None) -> dict[str, Any]:
+    """The plain loop for n_steps, timed by the same optimizer post-hook as the Trainer."""
+    gen = plain_loop(cfg, ds, n_steps, device)
+    opt, loader = next(gen)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses = []
     clock.start(sync_at, cuda_peak_at, on_step)
     try:
-        for step in range(n_steps):
-            for g in opt.param_groups:
-                g["lr"] = sched.lr_at(step)
-            total = torch.zeros((), device=device)
-            for mb in loader.next_step():
-                x = mb["input_ids"].to(device, non_blocking=True)
-                y = mb["labels"].to(device, non_blocking=True)
-                extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask")
-                          if k in mb}
-                with plan.autocast(device.type):
-                    logits = model(x, **extras)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / grad_accum
-                loss.backward()
-                total += loss.detach()
-            if masters is not None:
-                for p, m in zip(params, masters):
-                    m.grad = p.grad.float() if p.grad is not None else None
-                    p.grad = None
-            if t.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(opt_params, t.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if masters is not None:
-                with torch.no_grad():
-                    for p, m in zip(params, masters):
-                        p.copy_(m)
-            losses.append(total.item())  # one host sync per step, as the Trainer does
+        losses = list(gen)
     finally:
         clock.stop()
-    out = {"stamps": list(clock.stamps), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
+    out = {"step_s": clock.step_times(), "load_s": list(loader.load_s), "cuda_peak": clock.cuda_peak,
            "losses": losses}
-    del model, opt, params, masters, named, opt_params, loader
+    del gen, opt, loader
     return out
 
 
-def summarize(run: dict[str, Any], warmup: int, steps: int, tokens_per_step: int) -> dict[str, float]:
-    """Tokens/s and data-loading time over the measured steps warmup .. warmup+steps-1."""
-    stamps = run["stamps"]
-    step_s = [stamps[k] - stamps[k - 1] for k in range(warmup, warmup + steps)]
-    elapsed = stamps[warmup + steps - 1] - stamps[warmup - 1]
+def run_lockstep(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
+                 device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides alternating step by step: the Trainer runs, and its loader runs one plain step first.
+
+    A plain step is timed from resuming the generator to its yield (after its loss sync); a Trainer
+    step is its optimizer-hook interval minus the plain step run inside it. Both models live at once.
+    """
+    gen = plain_loop(cfg, ds, n_steps, device)
+    plain_opt, plain_loader = next(gen)
+    plain_s: list[float] = []
+    plain_losses: list[float] = []
+
+    def plain_step() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        plain_losses.append(next(gen))
+        plain_s.append(time.perf_counter() - t0)
+
+    sw = run_shardwise(cfg, ds, n_steps, clock, sync_at, None, loader_hooks={"before_each": plain_step},
+                       ignore={id(plain_opt)})
+    # Trainer step k (k >= 1) spans its hook(k-1) .. hook(k), which includes plain step k.
+    sw["step_s"] = [math.nan] + [s - p for s, p in zip(sw["step_s"][1:], plain_s[1:])]
+    plain = {"step_s": plain_s, "load_s": list(plain_loader.load_s), "cuda_peak": None, "losses": plain_losses}
+    del gen, plain_opt, plain_loader
+    return sw, plain
+
+
+def summarize(run: dict[str, Any], warmup: int, steps: int, tokens_per_step: int) -> dict[str, Any]:
+    """Tokens/s and data-loading share over the measured steps warmup .. warmup+steps-1."""
+    step_s = run["step_s"][warmup:warmup + steps]
+    elapsed = sum(step_s)
     load = sum(run["load_s"][warmup:warmup + steps])
     return {"tokens_per_s": steps * tokens_per_step / elapsed, "step_s_median": statistics.median(step_s),
             "step_s": [round(s, 4) for s in step_s], "data_load_share": load / elapsed}
@@ -313,15 +370,15 @@ def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepCloc
             if k == 1:
                 mode.recording = False
 
-        TimedLoader.on_first_call = open_window
         try:
             with mode:
                 if side == "shardwise":
-                    run_shardwise(base, ds, 2, clock, set(), None, close_after)
+                    run_shardwise(base, ds, 2, clock, set(), None, close_after, {"on_first": open_window})
                 else:
+                    TimedLoader.hooks_for_next = {"on_first": open_window}
                     run_plain(base, ds, 2, clock, set(), None, device, close_after)
         finally:
-            TimedLoader.on_first_call = None
+            TimedLoader.hooks_for_next = {}
         peaks[side] = mode.peak
         del mode
         gc.collect()
@@ -384,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: run.num_threads)")
     ap.add_argument("--data", choices=["synthetic", "config"], default="synthetic",
                     help="random tokens (default) or the config's data.train_files")
-    ap.add_argument("--no-memory", action="store_true", help="skip the (untimed) CPU memory probe")
+    ap.add_argument("--interleave", choices=["round", "step"], default="round",
+                    help="round: each round runs N steps of shardwise, then N of plain (default); step: "
+                    "both sides alternate step by step within a round (paired, robust to a shared CPU)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the (untimed) memory probe")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--warmup, --steps and --rounds must be at least 1 (the first step's end starts the clock)")
@@ -417,26 +477,37 @@ def main(argv: list[str] | None = None) -> int:
     metrics_tps: list[float] = []
     loss_diff = 0.0
     t_start = time.perf_counter()
+    paired: list[float] = []  # step mode: plain step time / shardwise step time, step by step
     for r in range(args.rounds):
-        losses = {}
-        for side in ("shardwise", "plain"):
-            gc.collect()
-            if side == "shardwise":
-                run = run_shardwise(cfg, ds, n_steps, clock, sync_at, n_steps - 1)
-                metrics_tps += [run["metrics_tps"][s] for s in range(args.warmup + 1, n_steps + 1)
-                                if s in run["metrics_tps"]]
-            else:
-                run = run_plain(cfg, ds, n_steps, clock, sync_at, n_steps - 1, device)
+        gc.collect()
+        if args.interleave == "step":
+            sw_run, plain_run = run_lockstep(cfg, ds, n_steps, clock, sync_at, device)
+            runs = {"shardwise": sw_run, "plain": plain_run}
+            paired += [p / w for p, w in zip(plain_run["step_s"][args.warmup:], sw_run["step_s"][args.warmup:])]
+        else:
+            runs = {}
+            for side in ("shardwise", "plain"):
+                gc.collect()
+                if side == "shardwise":
+                    runs[side] = run_shardwise(cfg, ds, n_steps, clock, sync_at, n_steps - 1)
+                else:
+                    runs[side] = run_plain(cfg, ds, n_steps, clock, sync_at, n_steps - 1, device)
+        if args.interleave == "round":  # in step mode the Trainer's own window includes the plain steps
+            metrics_tps += [runs["shardwise"]["metrics_tps"][k] for k in range(args.warmup + 1, n_steps + 1)
+                            if k in runs["shardwise"]["metrics_tps"]]
+        for side, run in runs.items():
             s = summarize(run, args.warmup, args.steps, tokens_per_step)
-            s["mfu"] = s["tokens_per_s"] * flops_tok / peak if peak and not math.isnan(peak) else float("nan")
+            s["mfu"] = s["tokens_per_s"] * flops_tok / peak if peak and math.isfinite(peak) else None
             rounds[side].append(s)
             if run["cuda_peak"] is not None:
                 cuda_peaks[side].append(run["cuda_peak"])
-            losses[side] = run["losses"]
-            log(f"round {r + 1} {side:9s}: {s['tokens_per_s']:8.1f} tok/s  mfu {s['mfu'] * 100:5.1f}%  "
+            mfu_text = f"{s['mfu'] * 100:5.1f}%" if s["mfu"] is not None else "  n/a"
+            log(f"round {r + 1} {side:9s}: {s['tokens_per_s']:8.1f} tok/s  mfu {mfu_text}  "
                 f"step {s['step_s_median']:.3f}s  data {s['data_load_share'] * 100:.2f}%  "
                 f"loss {run['losses'][-1]:.4f}")
-        loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(losses["shardwise"], losses["plain"])))
+        loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(runs["shardwise"]["losses"],
+                                                                   runs["plain"]["losses"])))
+        del runs
     timed_s = time.perf_counter() - t_start
 
     mem_peaks = None
@@ -453,11 +524,12 @@ def main(argv: list[str] | None = None) -> int:
             # Contention only ever slows a step down: the fastest step estimates the undisturbed speed.
             "tokens_per_s_best_step": round(tokens_per_step / best_step, 2),
             "round_spread": round(max(tps) / min(tps), 3),
-            "mfu_median": round(statistics.median(x["mfu"] for x in rs), 4),
+            "mfu_median": round(statistics.median(x["mfu"] for x in rs), 4) if rs[0]["mfu"] is not None else None,
             "step_s_median": round(statistics.median(x["step_s_median"] for x in rs), 4),
             "data_load_share_median": round(statistics.median(x["data_load_share"] for x in rs), 5),
             "peak_tensor_mem_gb": round(mem_peaks[side] / 2**30, 3) if mem_peaks else None,
-            "rounds": [{"tokens_per_s": round(x["tokens_per_s"], 2), "mfu": round(x["mfu"], 4),
+            "rounds": [{"tokens_per_s": round(x["tokens_per_s"], 2),
+                        "mfu": round(x["mfu"], 4) if x["mfu"] is not None else None,
                         "step_s": x["step_s"], "data_load_share": round(x["data_load_share"], 5)} for x in rs],
         }
         if cuda_peaks[side]:
@@ -484,8 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "flops_per_token": flops_tok,
-        "peak_flops": peak,
+        "peak_flops": peak if math.isfinite(peak) else None,
         "peak_flops_source": peak_note,
+        "interleave": args.interleave,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -499,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     sw, pl = result["shardwise"], result["plain"]
     result["ratio"] = round(sw["tokens_per_s_median"] / pl["tokens_per_s_median"], 4)
     result["ratio_best_step"] = round(sw["tokens_per_s_best_step"] / pl["tokens_per_s_best_step"], 4)
+    if paired:
+        result["ratio_paired_step_median"] = round(statistics.median(paired), 4)
     # Rounds of one side that differ by more than 15% mean the CPU was shared while measuring.
     result["disturbed"] = max(sw["round_spread"], pl["round_spread"]) > 1.15
     print(json.dumps(result), flush=True)
