@@ -5,9 +5,18 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models run fastest on one thread; the other core runs the next test
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: on a busy 2-core machine two threads make tiny-model steps ~30x slower
+    (OpenMP threads wait on each other), and one is as fast as two for models this small. Restored
+    after each test, since a run with run.num_threads changes it for the whole process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

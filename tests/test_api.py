@@ -21,16 +21,6 @@ from shardwise.data import train_bpe_tokenizer
 from shardwise.errors import CheckpointError, ShardwiseError
 from tests.data.conftest import make_text
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine two threads make tiny-model steps ~30x slower
-    (OpenMP threads wait on each other), and one thread is as fast as two for a model this small."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- shared inputs ---------------------------------------------------------------------------------------
 
 

@@ -26,16 +26,6 @@ SEED_000 = REPO / "configs" / "seed_train_config.yaml"
 SEED_002 = REPO / "configs" / "seed_llm_pretrain.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine two threads make tiny-model steps ~30x slower
-    (OpenMP threads wait on each other), and one thread is as fast as two for a model this small."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @contextlib.contextmanager
 def logging_restored():
     """main() points the `shardwise` logger at the console and stops propagation: undo that afterwards,

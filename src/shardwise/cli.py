@@ -75,6 +75,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from .data.tokenizer import load_tokenizer
     from .models import generate
+    from .parallel.launch import resolve_device
     from .train.checkpoint import find_checkpoint, load_model
 
     path = find_checkpoint(args.checkpoint)
@@ -87,7 +88,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     torch.manual_seed(args.seed)
-    model, _ = load_model(path)
+    model, _ = load_model(path, device=resolve_device(args.device))
     tokenizer = load_tokenizer(str(tokenizer_dir))
     prompts = [tokenizer.encode(p, add_bos=True) for p in args.prompt]
     stream = not args.no_stream and len(prompts) == 1
@@ -96,6 +97,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         generated: list[int] = []
 
         def on_token(tokens: list[int]) -> None:
+            if tokens[0] < 0:  # the row has finished
+                return
             before = tokenizer.decode(generated)
             generated.append(tokens[0])
             print(tokenizer.decode(generated)[len(before):], end="", flush=True)
@@ -143,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this mass")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
+                   help="where to run (auto: CUDA when present, else CPU)")
     g.add_argument("--no-stream", action="store_true", help="print when done instead of token by token")
     g.set_defaults(func=_cmd_generate)
     return parser

@@ -169,7 +169,9 @@ class DataConfig(_Section):
     seq_length: Optional[int] = Field(
         None, ge=2, description="tokens per sample; default model.max_position_embeddings"
     )
-    cache_dir: Optional[str] = Field(None, description="tokenizer/token cache (default ~/.cache/shardwise)")
+    cache_dir: Optional[str] = Field(
+        None, description="tokenizer/token cache (default $SHARDWISE_CACHE or ~/.cache/shardwise)"
+    )
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod

@@ -121,3 +121,13 @@ def test_tensorboard_events_are_written(tmp_path, dataset):
     _run(cfg, dataset)
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_offload_is_refused_on_an_accelerator_and_harmless_on_cpu(tmp_path, dataset):
+    from shardwise.errors import ConfigError
+    from shardwise.train.trainer import check_offload
+
+    cfg = with_changes(tiny_config(tmp_path, max_steps=1), optimize={"offload_optimizer": True})
+    with pytest.raises(ConfigError, match="optimize.offload_optimizer"):
+        check_offload(cfg, torch.device("cuda"))
+    assert _run(cfg, dataset).step == 1

@@ -61,8 +61,9 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
 
 
 def default_cache_dir() -> str:
-    """Where tokenizers and token arrays are cached when the config names no cache_dir."""
-    return str(Path.home() / ".cache" / "shardwise")
+    """Where tokenizers, token arrays and the measured CPU peak are cached: $SHARDWISE_CACHE, else
+    ~/.cache/shardwise (data.cache_dir overrides it for data)."""
+    return os.environ.get("SHARDWISE_CACHE") or str(Path.home() / ".cache" / "shardwise")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import resource
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..data.pretrain import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def measured_cpu_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5)
     """
     threads = torch.get_num_threads()
     key = f"{device_name(torch.device('cpu'))}|{threads}|{dtype}|{torch.__version__}"
-    cache = Path(os.environ.get("SHARDWISE_CACHE", Path.home() / ".cache" / "shardwise")) / "cpu_peak.json"
+    cache = Path(default_cache_dir()) / "cpu_peak.json"
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):

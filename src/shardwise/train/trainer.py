@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -85,6 +84,7 @@ class Trainer:
         # Everything that can fail on the config alone fails before --overwrite removes anything.
         check_single_device(cfg)
         device = resolve_device(cfg.run.device)
+        check_offload(cfg, device)
         prepare_run_dir(run_dir, resume, overwrite)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
@@ -169,9 +169,9 @@ class Trainer:
 
             if not cfg.data.train_files:
                 raise ConfigError("data.train_files is empty: give globs of text files to train on")
-            cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
             self.tokenizer, self.train_dataset, eval_ds = build_pretrain_data(
-                cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer, cfg.model.vocab_size, cache,
+                cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer, cfg.model.vocab_size,
+                cfg.data.cache_dir,
                 eval_files=cfg.data.eval_files, eval_fraction=cfg.data.eval_fraction)
             if self.eval_dataset is None:
                 self.eval_dataset = eval_ds
@@ -414,6 +414,22 @@ def check_single_device(cfg: RunConfig) -> None:
             f"{p.tensor_parallel} x pipeline_parallel {p.pipeline_parallel}), but shardwise trains on one "
             "device for now; set those degrees to 1 (a dry run plans for more devices)"
         )
+
+
+def check_offload(cfg: RunConfig, device: torch.device) -> None:
+    """CPU offload is FSDP2's (the multi-device engine); on one CPU everything already lives in CPU memory."""
+    asked = [name for name in ("offload_optimizer", "offload_params") if getattr(cfg.optimize, name)]
+    if not asked:
+        return
+    if device.type == "cpu":
+        log.info("optimize.%s: the run is on the CPU, so everything already lives in CPU memory",
+                 " and optimize.".join(asked))
+        return
+    raise ConfigError(
+        f"optimize.{asked[0]} needs the sharded (FSDP2) engine, which single-device training does not use "
+        "yet; set it to false, or lower memory with optimize.recompute, optimize.mixed_precision or a "
+        "smaller train.micro_batch_size with more gradient accumulation"
+    )
 
 
 def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
