@@ -89,3 +89,26 @@ def test_master_weights_step_in_fp32():
         mw.masters[0] -= mw.masters[0].grad  # 1 - 1e-3 is not representable in bf16 ...
     mw.masters_to_model()
     assert mw.masters[0][0].item() == pytest.approx(0.999, abs=1e-6)  # ... but the master keeps it
+
+
+def test_resume_across_precision_levels(tmp_path):
+    """O2 -> O0 starts from the exact fp32 master weights; O0 -> O2 builds masters from fp32 weights."""
+    from shardwise.train.checkpoint import load_model
+
+    ds = _dataset()
+    o2 = with_changes(tiny_config(tmp_path, max_steps=2),
+                      optimize={"mixed_precision": "bf16", "precision_level": "O2"})
+    Trainer(o2, train_dataset=ds).train()
+    masters, _ = load_model(tmp_path / "run")  # the fp32 masters of the O2 run
+    fp32 = with_changes(o2, optimize={"mixed_precision": "fp32", "precision_level": None})
+    resumed = Trainer(fp32, train_dataset=ds)
+    assert resumed.train(resume="auto").losses == {}  # step 2 of 2: loads and stops
+    for (name, p), q in zip(resumed.model.named_parameters(), masters.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
+    # the masters carry more than bf16 precision, so they are not just the bf16 weights widened
+    assert any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in resumed.model.parameters())
+
+    more = Trainer(with_changes(fp32, train={"max_steps": 3}), train_dataset=ds).train(resume="auto")
+    back = with_changes(o2, train={"max_steps": 4})
+    again = Trainer(back, train_dataset=ds).train(resume="auto")  # O0 step-3 checkpoint -> O2
+    assert sorted(again.losses) == [4] and abs(again.losses[4] - more.losses[3]) < 0.3

@@ -13,7 +13,7 @@ import pytest
 from shardwise.train.checkpoint import METADATA_FILE, list_checkpoints
 from shardwise.train.trainer import Trainer
 
-from .conftest import SEQ, make_tokens, tiny_config
+from .conftest import SEQ, make_tokens, read_metrics, tiny_config
 
 # The child trains with the same data and config as the parent, and calls `hook` (test code patched
 # in here, not in shardwise) at a chosen moment so that the parent can kill it there.
@@ -82,6 +82,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     cfg = tiny_config(tmp_path / "killed", max_steps=6, save_steps=3)
     _start_and_kill(tmp_path, cfg, "after_save")
     assert [p.name for p in list_checkpoints(cfg.train.output_dir)] == ["step_00000003"]
+    before_kill = {r["step"]: r["loss"] for r in read_metrics(Path(cfg.train.output_dir)) if "loss" in r}
+    assert before_kill == pytest.approx({s: full[s] for s in (1, 2, 3)}, abs=1e-6, rel=0)
     resumed = Trainer(cfg, train_dataset=ds).train(resume="auto")
     assert sorted(resumed.losses) == [4, 5, 6]
     for step in (4, 5, 6):

@@ -307,7 +307,16 @@ class Trainer:
             log.info("--resume auto: no checkpoint in %s yet, starting from step 0", run_dir)
             return 0
         init_optimizer_state(s.optimizer)
-        state = ckpt.load_checkpoint(path, s.checkpoint_tensors())
+        tensors = s.checkpoint_tensors()
+        saved_masters = "master" in ckpt.read_trainer_state(path).get("shapes", {})
+        if not saved_masters:
+            tensors.pop("master", None)
+        state = ckpt.load_checkpoint(path, tensors)
+        # A change of precision level on resume: the fp32 masters of an O2 run are its exact weights.
+        if s.masters is not None and not saved_masters:
+            s.masters.model_to_masters()
+        elif s.masters is None and saved_masters:
+            ckpt.load_checkpoint(path, {"master": dict(s.opt_named)})
         s.loader.load_state_dict(state["loader"])
         if s.scaler is not None and state.get("scaler"):
             s.scaler.load_state_dict(state["scaler"])
