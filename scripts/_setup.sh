@@ -15,11 +15,30 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] torch missing: installing torch==2.13.0"
   "$py" -m pip install --quiet "torch==2.13.0"
 fi
+# The stamp holds the hash of pyproject.toml and the extras installed ("HASH test,dev"). A run is
+# satisfied by an install with more extras than it needs: reinstall only when pyproject.toml changed
+# or a needed extra is missing, and then keep the extras already there (so ./scripts/test and
+# ./scripts/demo can alternate without reinstalling).
 stamp=.venv/.shardwise-installed
-extras="${SHARDWISE_EXTRAS:-}"
-want="$(sha1sum pyproject.toml | cut -c1-40) $extras"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+hash="$(sha1sum pyproject.toml | cut -c1-40)"
+old_hash="" have=""
+if [ -f "$stamp" ]; then
+  read -r old_hash have < "$stamp" || true
+fi
+extras="" missing=""
+for e in ${have//,/ }; do
+  extras="$extras,$e"
+done
+need="${SHARDWISE_EXTRAS:-}"
+for e in ${need//,/ }; do
+  case "$extras," in
+    *",$e,"*) ;;
+    *) extras="$extras,$e" missing="$missing,$e" ;;
+  esac
+done
+extras="${extras#,}"
+if [ "$old_hash" != "$hash" ] || [ -n "$missing" ]; then
   echo "[setup] installing shardwise${extras:+[$extras]} and its dependencies"
   "$py" -m pip install --quiet -e ".${extras:+[$extras]}"
-  echo "$want" > "$stamp"
+  echo "$hash $extras" > "$stamp"
 fi

@@ -18,7 +18,7 @@ import yaml
 
 import shardwise
 from shardwise.data import train_bpe_tokenizer
-from shardwise.errors import CheckpointError, ShardwiseError
+from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from tests.data.conftest import make_text
 
 # --- shared inputs ---------------------------------------------------------------------------------------
@@ -414,3 +414,52 @@ def test_star_import_exposes_the_documented_names() -> None:
     assert namespace["Trainer"] is api.Trainer and issubclass(namespace["LLMTrainer"], api.Trainer)
     assert namespace["TextDataset"] is data.TextDataset and namespace["create_dataset"] is data.create_dataset
     assert issubclass(namespace["LLMArguments"], namespace["TrainingArguments"])
+
+
+# --- arguments that would silently do something else --------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_zero, zero_level, stage", [
+    (True, 0, 0), (True, 3, 3), (True, None, 1), (False, 3, 0), (None, 2, 2), (False, None, 0)])
+def test_llm_arguments_zero_stage_agrees_with_the_yaml(use_zero, zero_level, stage) -> None:
+    """use_zero/zero_level given to LLMArguments mean the same ZeRO stage as in the seed YAML."""
+    from shardwise.config import translate_seed_keys
+
+    given = {k: v for k, v in (("use_zero", use_zero), ("zero_level", zero_level)) if v is not None}
+    translated, _ = translate_seed_keys({"parallel": given})
+    assert translated["parallel"]["zero_stage"] == stage
+    args = shardwise.LLMArguments(use_zero=use_zero, zero_level=zero_level)
+    assert args.parallel_overrides() == {"zero_stage": stage}
+
+
+def test_trainer_refuses_unknown_arguments() -> None:
+    """A misspelt keyword is a TypeError naming it, not silently ignored."""
+    model = shardwise.AutoModelForCausalLM.from_pretrained("tiny_llama", device="meta")
+    with pytest.raises(TypeError, match="eval_datset"):
+        shardwise.Trainer(model=model, args=shardwise.TrainingArguments(), eval_datset=[])
+
+
+def test_from_pretrained_directory_refuses_model_overrides(tmp_path) -> None:
+    """Overrides change a preset; a directory's model is what was saved, so they are an error there."""
+    with pytest.raises(ConfigError, match="presets only") as info:
+        shardwise.AutoModelForCausalLM.from_pretrained(str(tmp_path), num_layers=4)
+    assert "num_layers" in str(info.value)
+    model = shardwise.AutoModelForCausalLM.from_pretrained("tiny_llama", device="meta", num_layers=1)
+    assert model.cfg.num_layers == 1
+
+
+def test_save_strategy_is_steps_or_no() -> None:
+    """"no" keeps only the final checkpoint; any other value than "steps"/"no" is a ConfigError."""
+    from shardwise.api import run_config_from
+
+    with pytest.raises(ConfigError, match="'epoch'") as info:
+        shardwise.TrainingArguments(save_strategy="epoch")
+    assert "'steps'" in str(info.value) and "'no'" in str(info.value)
+    model = shardwise.AutoModelForCausalLM.from_pretrained("tiny_llama", device="meta")
+    args = shardwise.TrainingArguments(max_steps=10, save_steps=5, save_strategy="steps")
+    assert run_config_from(model, args, 32).train.save_steps == 5
+    args.save_strategy = "no"
+    assert run_config_from(model, args, 32).train.save_steps is None
+    args.save_strategy = "epoch"  # assigned after construction: refused when the run is configured
+    with pytest.raises(ConfigError, match="save_strategy 'epoch'"):
+        run_config_from(model, args, 32)

@@ -139,6 +139,18 @@ def test_help(capsys, argv, expected) -> None:
         assert option in out, option
 
 
+@pytest.mark.parametrize("command, text", [
+    ("train", "--overwrite replace a previous run in train.output_dir; with --resume, allow replacing "
+              "checkpoints newer than the one resumed from"),
+    ("generate", "it is prefixed with EOS, as a new document starts after EOS in pre-training"),
+])
+def test_help_describes_overwrite_and_prompt(capsys, command, text) -> None:
+    """What --overwrite does with --resume, and how a prompt is fed, are in the help."""
+    code, out, err = run_cli(capsys, command, "--help")
+    assert code == 0, err
+    assert "".join(text.split()) in "".join(out.split())  # argparse wraps lines, also at hyphens
+
+
 # --- dry runs of the two seed configs ----------------------------------------------------------------------
 
 
@@ -300,8 +312,26 @@ def test_existing_run_is_refused_and_overwrite_replaces_it(capsys, data, trained
     assert [r["step"] for r in metrics(copy)] == [1]
 
 
+def test_resuming_a_finished_run_says_so(capsys, data, trained_run, tmp_path) -> None:
+    """--resume auto at the last step trains nothing and says which checkpoint holds the result."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    before = (run_dir / "metrics.jsonl").read_text()
+    cfg = tiny_config(data, tmp_path / "cfg.yaml", run_dir)
+    code, out, err = run_cli(capsys, "train", cfg, "--resume", "auto")
+    assert code == 0, err
+    final = run_dir / "checkpoints" / "step_00000004"
+    assert out == f"already finished at step 4 (nothing to train); checkpoint {final}\n"
+    assert "nan" not in out
+    assert checkpoint_steps(run_dir) == [2, 4]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
 def _expected_generation(run_dir: Path, prompt: str, max_new_tokens: int) -> str:
-    """What greedy generation from the run's newest checkpoint gives, computed in this process."""
+    """What greedy generation from the run's newest checkpoint gives, computed in this process.
+
+    The prompt follows EOS, as a document does in pre-training (no BOS is ever trained on)."""
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.models import generate
     from shardwise.train.checkpoint import find_checkpoint, load_model
@@ -309,7 +339,7 @@ def _expected_generation(run_dir: Path, prompt: str, max_new_tokens: int) -> str
     path = find_checkpoint(run_dir)
     model, _ = load_model(path)
     tokenizer = load_tokenizer(path / "tokenizer")
-    (out,) = generate(model, [tokenizer.encode(prompt, add_bos=True)], max_new_tokens=max_new_tokens,
+    (out,) = generate(model, [[tokenizer.eos_id, *tokenizer.encode(prompt)]], max_new_tokens=max_new_tokens,
                       eos_id=tokenizer.eos_id)
     assert 1 <= len(out) <= max_new_tokens
     return prompt + tokenizer.decode(out)

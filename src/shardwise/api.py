@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from .config import RunConfig, translate_seed_keys, validate
+from .config import RunConfig, translate_seed_keys, validate, zero_stage_from
+from .data.loader import unwrap_loader
 from .errors import CheckpointError, ConfigError
 from .models import build_model, resolve_model_config
 from .train.trainer import Trainer as _LoopTrainer
@@ -40,6 +41,11 @@ class AutoModelForCausalLM:
         if os.path.isdir(name_or_path):
             from .train.checkpoint import load_model
 
+            if model_overrides:
+                raise ConfigError(
+                    f"from_pretrained({name_or_path!r}, {', '.join(sorted(model_overrides))}=...): model "
+                    "overrides apply to presets only; a checkpoint's model is the one it was trained as"
+                )
             model, cfg = load_model(name_or_path, device=device)
             layout = {"parallel": cfg.parallel.model_dump(), "optimize": cfg.optimize.model_dump()}
         elif _looks_like_path(name_or_path):
@@ -107,6 +113,7 @@ class TrainingArguments:
     seed: Optional[int] = None
     overwrite_output_dir: bool = False
 
+    SAVE_STRATEGIES: ClassVar[tuple[str, ...]] = ("steps", "no")
     # argument field -> `train` key
     TRAIN_KEYS: ClassVar[dict[str, str]] = {
         "output_dir": "output_dir", "num_train_epochs": "epochs", "max_steps": "max_steps",
@@ -121,6 +128,16 @@ class TrainingArguments:
         "weight_decay": 0.0, "max_grad_norm": 1.0, "optimizer": "adamw", "decay_style": "cosine",
         "min_lr": 0.0, "seed": 42,
     }
+
+    def __post_init__(self) -> None:
+        """Refuse what would silently do something else (checked again when the run starts)."""
+        self.check()
+
+    def check(self) -> None:
+        """Raise ConfigError for a save_strategy other than "steps" or "no"."""
+        if self.save_strategy not in (None, *self.SAVE_STRATEGIES):
+            raise ConfigError(f"TrainingArguments: save_strategy {self.save_strategy!r} is not supported; "
+                              f"use one of {', '.join(map(repr, self.SAVE_STRATEGIES))}")
 
     def train_overrides(self) -> dict:
         """The `train` keys these arguments give."""
@@ -181,7 +198,7 @@ class LLMArguments(TrainingArguments):
         section = {key: getattr(self, key) for key in ("tensor_parallel", "pipeline_parallel", "data_parallel")
                    if getattr(self, key) is not None}
         if self.use_zero is not None or self.zero_level is not None:
-            section["zero_stage"] = (self.zero_level or 1) if self.use_zero is not False else 0
+            section["zero_stage"] = zero_stage_from(self.use_zero, self.zero_level)  # as the YAML's keys
         return section
 
 
@@ -191,6 +208,7 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
     Precedence per key: what the arguments give, then the model's config, then `args.DEFAULTS`.
     `seq_length` is the length of the dataset's samples, which is what the run really trains on.
     """
+    args.check()
     layout = getattr(model, "shardwise_layout", {}) or {}
     raw: dict[str, Any] = {"model": model.cfg.model_dump()}
     for section in ("parallel", "optimize", "train", "run", "data"):
@@ -209,7 +227,7 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
         train.setdefault(key, value)
     if "epochs" not in train and "max_steps" not in train:
         train["epochs"] = 3.0
-    if args.save_strategy not in (None, "steps"):
+    if args.save_strategy == "no":
         train.pop("save_steps", None)  # save_strategy "no": only the final checkpoint
     raw.setdefault("parallel", {}).update(args.parallel_overrides())
     raw.setdefault("optimize", {}).update(args.optimize_overrides())
@@ -241,8 +259,8 @@ def _fold_data_parallel_on_one_process(raw: dict) -> None:
             opt["gradient_accumulation_steps"] = (opt.get("gradient_accumulation_steps") or 1) * dp
         par["data_parallel"] = 1
         log.warning("data_parallel %d on a single process: training on one device with the same global "
-                    "batch (gradient accumulation x%d); launching one process per device is not available "
-                    "yet", dp, dp)
+                    "batch (gradient accumulation x%d, the same loss as on %d devices); launching one process "
+                    "per device is not available yet", dp, dp, dp)
     if par.get("data_parallel") == -1:
         par["data_parallel"] = 1
 
@@ -252,7 +270,7 @@ class Trainer(_LoopTrainer):
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, tokenizer: Any = None,
-                 config: RunConfig | None = None, **_ignored: Any) -> None:
+                 config: RunConfig | None = None) -> None:
         if config is None and (model is None or args is None):
             raise ConfigError("Trainer needs model= and args= (TrainingArguments), or config= (a RunConfig)")
         super().__init__(config, model=model, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -262,7 +280,7 @@ class Trainer(_LoopTrainer):
 
     def train(self, resume: str | None = None, overwrite: bool | None = None) -> TrainResult:
         """Train; arguments are turned into a config now, so a changed train_dataset is used."""
-        dataset = _underlying_dataset(self.train_dataset)
+        dataset = unwrap_loader(self.train_dataset)
         if self.args is not None:
             self.config = run_config_from(self.model, self.args, getattr(dataset, "seq_length", None))
             if overwrite is None:
@@ -276,16 +294,9 @@ class Trainer(_LoopTrainer):
         return super().train(resume=resume, overwrite=bool(overwrite))
 
 
-def _underlying_dataset(data: Any) -> Any:
-    """The dataset itself, also when `create_dataset` wrapped it in a loader."""
-    if hasattr(data, "dataset") and hasattr(data, "next_step"):
-        return data.dataset
-    return data
-
-
 def _check_loader_batch(data: Any, micro_batch_size: int) -> None:
     """The trainer batches samples itself: say so when create_dataset was given another batch size."""
-    loader_batch = getattr(data, "micro_batch_size", None) if hasattr(data, "next_step") else None
+    loader_batch = data.micro_batch_size if unwrap_loader(data) is not data else None
     if loader_batch is not None and loader_batch != micro_batch_size:
         log.warning("create_dataset(batch_size=%d) differs from the arguments' per-device batch size %d; "
                     "training uses %d samples per micro-batch", loader_batch, micro_batch_size, micro_batch_size)

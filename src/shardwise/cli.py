@@ -61,7 +61,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .train.trainer import Trainer
 
     result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
-    summary = f"done: {result.step} steps, final loss {result.losses.get(result.step, float('nan')):.4f}"
+    if not result.losses:  # resumed at the last step
+        from .train.checkpoint import resolve_resume
+
+        checkpoint = result.last_checkpoint or resolve_resume(args.resume or "auto", result.run_dir)
+        print(f"already finished at step {result.step} (nothing to train)"
+              + (f"; checkpoint {checkpoint}" if checkpoint else ""))
+        return 0
+    summary = f"done: {result.step} steps, final loss {result.losses[result.step]:.4f}"
     if result.eval:
         summary += f", eval loss {result.eval['loss']:.4f} (perplexity {result.eval['perplexity']:.2f})"
     if result.last_checkpoint:
@@ -90,7 +97,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model, _ = load_model(path, device=resolve_device(args.device))
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    prompts = [tokenizer.encode(p, add_bos=True) for p in args.prompt]
+    # Pre-training separates documents with EOS and never feeds BOS: the model learned that a new
+    # document starts after EOS, so each prompt is prefixed with EOS.
+    prompts = [[tokenizer.eos_id, *tokenizer.encode(p)] for p in args.prompt]
     stream = not args.no_stream and len(prompts) == 1
     if stream:
         print(args.prompt[0], end="", flush=True)
@@ -128,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
     t.add_argument("--resume", metavar="auto|PATH", help="continue from the newest (auto) or a given checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace a previous run in train.output_dir")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace a previous run in train.output_dir; with --resume, allow replacing "
+                        "checkpoints newer than the one resumed from")
     t.add_argument("--dry-run", action="store_true",
                    help="validate and print model, layout, tokens and FLOPs per step; touch no device or data")
     t.add_argument("--nproc", type=int, default=None,
@@ -138,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a checkpoint",
                        description="Generate text with a KV cache from a checkpoint or run directory.")
     g.add_argument("checkpoint", help="checkpoint directory (step_*) or run directory (newest checkpoint)")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat to batch)")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat to batch); it is prefixed with EOS, as a new document starts "
+                        "after EOS in pre-training")
     g.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="tokenizer directory (default: the one saved in the checkpoint)")
     g.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")

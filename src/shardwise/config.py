@@ -52,11 +52,6 @@ class ParallelConfig(_Section):
             raise ValueError("must be a positive integer, or -1 for what the device count leaves")
         return v
 
-    def fixed_degree(self) -> int:
-        """Devices used by TP x PP (and DP when it is given explicitly)."""
-        dp = self.data_parallel if self.data_parallel > 0 else 1
-        return dp * self.tensor_parallel * self.pipeline_parallel
-
     def world_size(self, devices: int | None = None) -> int:
         """Number of devices this layout needs (resolving data_parallel=-1 against `devices`)."""
         tp_pp = self.tensor_parallel * self.pipeline_parallel
@@ -100,6 +95,14 @@ class OptimizeConfig(_Section):
     offload_optimizer: bool = Field(False, description="keep optimizer state in CPU memory")
     offload_params: bool = Field(False, description="keep parameters in CPU memory between uses")
 
+    @model_validator(mode="after")
+    def _level_needs_16_bit(self) -> "OptimizeConfig":
+        if self.mixed_precision == "fp32" and self.precision_level not in (None, "O0"):
+            raise ValueError(
+                f"precision_level {self.precision_level} needs mixed_precision bf16 or fp16 (fp32 is O0)"
+            )
+        return self
+
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_bool(cls, v: Any) -> Any:
@@ -139,7 +142,7 @@ class TrainConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1 (SGD: momentum)")
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon")
-    max_grad_norm: Optional[float] = Field(1.0, description="gradient clipping norm; null = off")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="gradient clipping norm; null = off")
     log_steps: int = Field(10, ge=1, description="log metrics every N steps")
     eval_steps: Optional[int] = Field(None, ge=1, description="evaluate every N steps (and at the end)")
     eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
@@ -203,7 +206,7 @@ class RunConfig(_Section):
         if isinstance(v, dict) and v.get("preset"):
             from .models.registry import get_preset
 
-            return {**get_preset(v["preset"]), **v}
+            return {**get_preset(v["preset"]), **v}  # the user's keys win over the preset's
         return v
 
     @model_validator(mode="after")
@@ -226,6 +229,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"pipeline_parallel x virtual_stages = {p.pipeline_parallel * p.virtual_stages} "
                 f"exceeds model.num_layers {m.num_layers}"
+            )
+        o = self.optimize
+        if o.mixed_precision == "fp16" and o.level() == "O3" and self.train.eps < 1e-4:
+            raise ValueError(
+                f"fp16 level O3 keeps the optimizer state in fp16, where train.eps {self.train.eps:g} rounds "
+                "to 0 and Adam divides by zero; set train.eps: 1.0e-4, or use precision_level O2 or bf16"
             )
         if p.stage_layers is not None and sum(p.stage_layers) != m.num_layers:
             raise ValueError(
@@ -311,7 +320,7 @@ _NO_EFFECT_KEYS = {
     "run.graph_kernel_flags": "MindSpore graph-kernel flags have no PyTorch equivalent; use run.compile",
     "enable_graph_kernel": "MindSpore graph-kernel fusion has no PyTorch equivalent; use run.compile",
     "graph_kernel_flags": "MindSpore graph-kernel flags have no PyTorch equivalent; use run.compile",
-    "parallel.auto_parallel": "shardwise applies the layout you give; `shardwise plan` chooses one",
+    "parallel.auto_parallel": "shardwise applies the layout you give in parallel.*",
     "parallel.micro_batch_interleave": "MindSpore's micro-batch interleaving has no PyTorch equivalent",
 }
 
@@ -351,6 +360,13 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     cur[last] = value
 
 
+def zero_stage_from(use_zero: bool | None, zero_level: int | None) -> int:
+    """Seed 002's `use_zero` + `zero_level` as one ZeRO stage (use_zero false means stage 0)."""
+    if use_zero is False:
+        return 0
+    return int(zero_level) if zero_level is not None else 1
+
+
 def translate_seed_keys(raw: dict) -> tuple[dict, list[str]]:
     """Rewrite the seed documents' keys into ours; return the new dict and warnings to show."""
     raw = _deepcopy(raw)
@@ -359,7 +375,7 @@ def translate_seed_keys(raw: dict) -> tuple[dict, list[str]]:
     found_use, use_zero = _get(raw, "parallel.use_zero")
     found_lvl, level = _get(raw, "parallel.zero_level")
     if found_use or found_lvl:
-        stage = (int(level) if found_lvl else 1) if (use_zero if found_use else True) else 0
+        stage = zero_stage_from(use_zero if found_use else None, level if found_lvl else None)
         for key in ("parallel.use_zero", "parallel.zero_level"):
             if _get(raw, key)[0]:
                 _pop(raw, key)

@@ -148,7 +148,8 @@ def test_auto_tokenizer(tiny_tokenizer_dir: Path, tiny_tokenizer: Tokenizer) -> 
         AutoTokenizer.from_pretrained("llama_7b")
     msg = str(err.value)
     assert "'llama_7b'" in msg and "tokenizer.json" in msg
-    assert "shardwise tokenizer train" in msg and "data.tokenizer: null" in msg
+    assert "data.tokenizer: null" in msg and "Hugging Face tokenizer.json" in msg
+    assert "shardwise tokenizer" not in msg  # no such command
 
 
 def test_training_survives_invalid_utf8_and_checks_arguments(tmp_path: Path) -> None:

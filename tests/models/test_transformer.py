@@ -321,3 +321,21 @@ def test_qwen2_qkv_bias_tied_matches_hugging_face():
         got = ours(tokens)
     assert expected.std() > 0.1
     assert (got - expected).abs().max() < 1e-5
+
+
+def test_use_flash_attention_false_keeps_sdpa_on_its_math_kernel():
+    from shardwise.models import build_model, resolve_model_config
+
+    def attention_ops(flag: bool) -> tuple[set[str], torch.Tensor]:
+        torch.manual_seed(0)
+        model = build_model(resolve_model_config({"preset": "tiny_llama", "use_flash_attention": flag}))
+        tokens = torch.randint(0, 512, (2, 16))
+        with torch.profiler.profile() as prof:
+            logits = model(tokens)
+        return {e.key for e in prof.key_averages() if "attention" in e.key}, logits
+
+    fused, a = attention_ops(True)
+    plain, b = attention_ops(False)
+    assert any("flash" in k for k in fused) and not any("flash" in k for k in plain)
+    assert "aten::_scaled_dot_product_attention_math" in plain
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

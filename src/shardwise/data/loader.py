@@ -103,12 +103,7 @@ class StatefulLoader:
         return [mine[k * mbs : (k + 1) * mbs] for k in range(self.grad_accum)]
 
     def _collate(self, indices: np.ndarray) -> Batch:
-        # A PackedDataset gathers a whole micro-batch in one numpy op; other datasets go sample by sample.
-        get_batch = getattr(self.dataset, "get_batch", None)
-        if get_batch is not None:
-            return get_batch(indices)
-        samples = [self.dataset[int(i)] for i in indices]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        return collate(self.dataset, indices)
 
     def next_step(self) -> list[Batch]:
         """This rank's grad_accum micro-batches for the next step; rolls over to the next epoch at its end."""
@@ -186,3 +181,30 @@ def create_dataset(
         logger.debug("num_parallel_workers=%d ignored: samples are indexed in-process", num_parallel_workers)
     shuffle = bool(getattr(dataset, "shuffle", True))
     return StatefulLoader(dataset, batch_size, 1, seed, dp_rank=rank, dp_size=world, shuffle=shuffle)
+
+
+def unwrap_loader(data: Any) -> Any:
+    """The dataset itself, also when `create_dataset` wrapped it in a loader (the trainer batches)."""
+    if isinstance(data, StatefulLoader):
+        return data.dataset
+    return data
+
+
+def sequential_batches(dataset: Dataset, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
+    """Micro-batches of `dataset` in order, the last one possibly smaller (for evaluation)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    starts = range(0, n, batch_size)
+    if limit is not None:
+        starts = starts[:limit]
+    for start in starts:
+        yield collate(dataset, np.arange(start, min(start + batch_size, n)))
+
+
+def collate(dataset: Dataset, indices: np.ndarray) -> Batch:
+    """Samples `indices` of `dataset` stacked into one micro-batch."""
+    # A PackedDataset gathers a whole micro-batch in one numpy op; other datasets go sample by sample.
+    get_batch = getattr(dataset, "get_batch", None)
+    if get_batch is not None:
+        return get_batch(indices)
+    samples = [dataset[int(i)] for i in indices]
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

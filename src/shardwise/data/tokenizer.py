@@ -38,8 +38,8 @@ _GUESSES = {
 }
 
 _HOW_TO_MAKE_ONE = (
-    "make one with `shardwise tokenizer train`, or set `data.tokenizer: null` in the config to train "
-    "a byte-level BPE tokenizer on the training files"
+    "set `data.tokenizer: null` in the config to train a byte-level BPE tokenizer on the training files, "
+    f"or pass a directory holding a Hugging Face {TOKENIZER_FILE}"
 )
 
 
@@ -248,8 +248,7 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     d = Path(directory).expanduser()
     if not d.is_dir():
         raise DataError(
-            f"tokenizer directory {str(d)!r} does not exist; point data.tokenizer at a directory "
-            f"containing {TOKENIZER_FILE}, or {_HOW_TO_MAKE_ONE}"
+            f"tokenizer directory {str(d)!r} does not exist; {_HOW_TO_MAKE_ONE}"
         )
     path = d / TOKENIZER_FILE
     if not path.is_file():
@@ -356,5 +355,5 @@ class AutoTokenizer:
         raise DataError(
             f"cannot load tokenizer {str(name_or_dir)!r}: looked for a directory containing "
             f"{TOKENIZER_FILE} ({found}); shardwise does not download model names from a hub. "
-            f"Pass the directory of a Hugging Face tokenizer, or {_HOW_TO_MAKE_ONE}"
+            f"To fix it, {_HOW_TO_MAKE_ONE}"
         )

@@ -109,14 +109,11 @@ class LossScaler:
         self.skipped_steps = 0
 
     @torch.no_grad()
-    def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
-        """Divide gradients by the scale in place; return True when any is Inf/NaN."""
+    def unscale(self, params: list[torch.Tensor]) -> None:
+        """Divide gradients by the scale in place (their norm then tells whether they overflowed)."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return False
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        return not bool(finite)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
 
     def update(self, found_inf: bool) -> None:
         """Lower the scale after an overflow; raise it after `growth_interval` clean steps."""

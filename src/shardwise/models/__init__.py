@@ -10,12 +10,13 @@ from shardwise.models.registry import (
     resolve_model_config,
     unregister_preset,
 )
-from shardwise.models.transformer import KVCache, Transformer, build_model
+from shardwise.models.transformer import KVCache, Transformer, build_model, materialize
 
 __all__ = [
     "ModelConfig",
     "Transformer",
     "build_model",
+    "materialize",
     "KVCache",
     "register_preset",
     "unregister_preset",

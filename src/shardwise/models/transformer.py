@@ -13,12 +13,14 @@ Names and RoPE follow Hugging Face LLaMA (rotate_half convention), so weights ma
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardwise.models.config import ModelConfig, RopeScaling
 
@@ -364,8 +366,11 @@ class Transformer(nn.Module):
             rope = (cos, sin)
 
         mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask, is_causal, kv_cache)
+        # use_flash_attention: false keeps SDPA to its plain (math) kernel, e.g. to rule out a fused one.
+        kernels = contextlib.nullcontext() if self.cfg.use_flash_attention else sdpa_kernel(SDPBackend.MATH)
+        with kernels:
+            for layer in self.layers.values():
+                h = layer(h, rope, mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(seqlen)
 
@@ -401,6 +406,11 @@ def build_model(
     """Build on the meta device, allocate on `device` in `dtype`, and initialise (RoPE tables stay fp32)."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    return materialize(model, device, dtype)
+
+
+def materialize(model: Transformer, device: str | torch.device, dtype: torch.dtype) -> Transformer:
+    """Allocate a meta-device model on `device` in `dtype` and initialise its weights."""
     model.to_empty(device=device)
     model.tie_weights()
     model.to(dtype=dtype)

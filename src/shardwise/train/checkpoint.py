@@ -322,27 +322,30 @@ def read_trainer_state(path: str | Path) -> dict:
         return json.load(f)
 
 
+_MISMATCH_HINTS = {
+    "model": "it was saved from another model; check model.* against the checkpoint's config.yaml",
+    "optim": "the optimizer state differs; resume with the train.optimizer the checkpoint was saved with "
+             "(see its config.yaml)",
+    "master": "the fp32 master weights differ from the model's; check model.* against the checkpoint's "
+              "config.yaml",
+}
+
+
 def check_shapes(path: str | Path, group: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Fail naming the first tensor whose saved shape differs from the model's (or is missing)."""
+    """Fail naming the first tensor whose saved shape differs from the run's (or is missing)."""
     saved = read_trainer_state(path).get("shapes", {}).get(group, {})
+    hint = _MISMATCH_HINTS.get(group, _MISMATCH_HINTS["model"])
     for name, t in tensors.items():
         if name not in saved:
-            raise CheckpointError(
-                f"checkpoint {path} has no tensor {group}.{name}: it was saved from another model; "
-                "check model.* against the checkpoint's config.yaml"
-            )
+            raise CheckpointError(f"checkpoint {path} has no tensor {group}.{name}: {hint}")
         if list(t.shape) != saved[name]:
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model: {group}.{name} has shape {saved[name]} "
-                f"in the checkpoint but {list(t.shape)} in the model; check model.* against the "
-                "checkpoint's config.yaml"
+                f"checkpoint {path} does not fit this run: {group}.{name} has shape {saved[name]} in the "
+                f"checkpoint but {list(t.shape)} here; {hint}"
             )
     extra = sorted(set(saved) - set(tensors))
     if extra:
-        raise CheckpointError(
-            f"checkpoint {path} holds {group}.{extra[0]} which this model lacks: it was saved from "
-            "another model; check model.* against the checkpoint's config.yaml"
-        )
+        raise CheckpointError(f"checkpoint {path} holds {group}.{extra[0]}, which this run lacks: {hint}")
 
 
 def _dcp_load(tensors: dict, path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import RunConfig, human
+from ..config import RunConfig, human, tokens_per_step
 from ..models import count_parameters, flops_per_token
 
 
@@ -12,7 +12,7 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
     world = p.world_size(devices)
     dp = p.dp_degree(devices)
     params = count_parameters(m)
-    tokens = cfg.global_batch_size(devices) * cfg.data.seq_length
+    tokens = tokens_per_step(cfg, devices)
     flops_tok = flops_per_token(m, cfg.data.seq_length)
     dp_note = " (data_parallel -1: what the devices leave; pass --nproc to resolve it)" if (
         p.data_parallel == -1 and devices is None) else ""

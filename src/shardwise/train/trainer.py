@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from ..config import RunConfig, to_yaml
-from ..data.loader import StatefulLoader
+from ..config import RunConfig, to_yaml, tokens_per_step
+from ..data.loader import StatefulLoader, sequential_batches, unwrap_loader
 from ..errors import CheckpointError, ConfigError, TrainingError
 from ..memory.precision import LossScaler, MasterWeights, precision_plan
 from ..memory.recompute import apply_recompute, canonical_name
-from ..models import build_model, flops_per_token
+from ..models import build_model, flops_per_token, materialize
 from ..parallel.launch import resolve_device
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, peak_flops, peak_memory_gb, reset_peak_memory
@@ -112,16 +112,15 @@ class Trainer:
 
         state = _TrainState(model=model, optimizer=optimizer, opt_named=opt_named, masters=masters,
                             scaler=scaler, loader=loader)
-        start = self._resume(resume, run_dir, state)
-        if start == 0:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+        start = self._resume(resume, run_dir, state, overwrite)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
 
-        tokens_per_step = cfg.global_batch_size() * cfg.data.seq_length
+        step_tokens = tokens_per_step(cfg)
         flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
         peak = peak_flops(device, plan.dtype, cfg.train.peak_tflops)
         writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard)
         log.info("training %s on %s: %d steps of %d tokens, precision %s %s, recompute %s",
-                 cfg.model.preset or cfg.model.model_type, device, total_steps, tokens_per_step,
+                 cfg.model.preset or cfg.model.model_type, device, total_steps, step_tokens,
                  cfg.optimize.mixed_precision, plan.level, cfg.optimize.recompute)
 
         result = TrainResult(run_dir=run_dir, step=start)
@@ -137,7 +136,7 @@ class Trainer:
                 done = step + 1
                 result.step = done
                 result.losses[done] = loss
-                window.add(loss, tokens_per_step, skipped)
+                window.add(loss, step_tokens, skipped)
                 bar.update(1)
                 if done % cfg.train.log_steps == 0 or done == total_steps:
                     record = window.record(done, lr, grad_norm, scaler, flops_tok, peak, device)
@@ -145,15 +144,16 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     log.info(_format_record(record))
                     window = _Window(time.perf_counter())
-                if self.eval_dataset is not None and cfg.train.eval_steps and (
-                        done % cfg.train.eval_steps == 0 or done == total_steps):
+                # Save first: a failure during evaluation must not cost the step's checkpoint.
+                if (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == total_steps:
+                    result.last_checkpoint = self._save(run_dir, done, state)
+                    window.start = time.perf_counter()
+                if self.eval_dataset is not None and (
+                        done == total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0)):
                     result.eval = self.evaluate(model, plan, device)
                     writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
                     log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
                              result.eval["perplexity"])
-                    window.start = time.perf_counter()
-                if (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == total_steps:
-                    result.last_checkpoint = self._save(run_dir, done, state)
                     window.start = time.perf_counter()
         finally:
             bar.close()
@@ -175,8 +175,12 @@ class Trainer:
                 eval_files=cfg.data.eval_files, eval_fraction=cfg.data.eval_fraction)
             if self.eval_dataset is None:
                 self.eval_dataset = eval_ds
-        elif hasattr(self.train_dataset, "dataset") and hasattr(self.train_dataset, "next_step"):
-            self.train_dataset = self.train_dataset.dataset  # a loader from create_dataset
+        self.train_dataset = unwrap_loader(self.train_dataset)
+        if cfg.train.eval_steps and self.eval_dataset is None:
+            raise ConfigError(
+                "train.eval_steps is set but there is no held-out data; set data.eval_fraction or "
+                "data.eval_files (or pass eval_dataset=), or remove train.eval_steps"
+            )
         if self.tokenizer is not None:
             if self.tokenizer.vocab_size > cfg.model.vocab_size:
                 raise ConfigError(
@@ -192,10 +196,7 @@ class Trainer:
         if self.model is None:
             model = build_model(cfg.model, device=device, dtype=dtype)
         elif any(p.is_meta for p in self.model.parameters()):
-            model = self.model.to_empty(device=device)
-            model.tie_weights()
-            model.to(dtype=dtype)
-            model.init_weights()
+            model = materialize(self.model, device, dtype)
         else:
             model = self.model.to(device=device, dtype=dtype)
             model.reset_rope_tables()  # keep RoPE tables in fp32 when the weights became 16-bit
@@ -237,21 +238,29 @@ class Trainer:
             total += loss.detach()
         if s.masters is not None:
             s.masters.grads_to_masters()
-        params = [p for _, p in s.opt_named]
-        if s.scaler is not None and s.scaler.unscale_and_check(params):
-            s.scaler.update(found_inf=True)
-            optimizer.zero_grad(set_to_none=True)
-            log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale lowered to %g",
-                        step + 1, s.scaler.scale)
-            return float(total), float("nan"), True
+        if s.scaler is not None:
+            s.scaler.unscale(s.params)
+        # One pass over the gradients gives the norm; its finiteness is also the fp16 overflow test.
         max_norm = cfg.train.max_grad_norm
         if max_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm, foreach=True)
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in s.params if p.grad is not None],
                                                       foreach=True)
         loss_value, norm_value = (float(v) for v in torch.stack([total, grad_norm.to(total)]).tolist())
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if not finite and s.scaler is not None and math.isfinite(loss_value):
+            optimizer.zero_grad(set_to_none=True)
+            s.scaler.update(found_inf=True)
+            if s.scaler.scale <= s.scaler.min_scale:
+                raise TrainingError(
+                    f"step {step + 1}: fp16 gradients still overflow at the smallest loss scale "
+                    f"{s.scaler.min_scale:g}: the run has diverged. Lower train.lr, raise warmup or use bf16"
+                )
+            log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale lowered to %g",
+                        step + 1, s.scaler.scale)
+            return loss_value, norm_value, True
+        if not finite:
             optimizer.zero_grad(set_to_none=True)
             if cfg.train.nan_policy == "stop":
                 raise TrainingError(
@@ -280,26 +289,19 @@ class Trainer:
         plan = plan or precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
         was_training = model.training
         model.eval()
-        loader = StatefulLoader(self.eval_dataset, cfg.train.micro_batch_size, 1, cfg.train.seed, shuffle=False)
-        n_batches = loader.steps_per_epoch
-        if cfg.train.eval_batches:
-            n_batches = min(n_batches, cfg.train.eval_batches)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens = 0
-        for _ in range(n_batches):
-            (mb,) = loader.next_step()
+        for mb in sequential_batches(self.eval_dataset, cfg.train.micro_batch_size, cfg.train.eval_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with plan.autocast(device.type):
                 logits = model(ids, **_model_extras(mb, device))
             loss_sum += token_loss_sum(logits, labels).double()
             tokens += int((mb["labels"] != IGNORE_INDEX).sum())
         model.train(was_training)
-        if tokens == 0:
-            raise ConfigError("the evaluation data holds less than one micro-batch; give more eval data")
-        loss = float(loss_sum) / tokens
+        loss = float(loss_sum) / max(tokens, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
 
-    def _resume(self, resume: str | None, run_dir: Path, s: "_TrainState") -> int:
+    def _resume(self, resume: str | None, run_dir: Path, s: "_TrainState", overwrite: bool) -> int:
         if resume is None:
             return 0
         path = ckpt.resolve_resume(resume, run_dir)
@@ -320,8 +322,10 @@ class Trainer:
         s.loader.load_state_dict(state["loader"])
         if s.scaler is not None and state.get("scaler"):
             s.scaler.load_state_dict(state["scaler"])
-        log.info("resumed from %s at step %d", path, state["step"])
-        return int(state["step"])
+        step = int(state["step"])
+        _clear_newer_checkpoints(run_dir, step, overwrite)
+        log.info("resumed from %s at step %d", path, step)
+        return step
 
     def _save(self, run_dir: Path, step: int, s: "_TrainState") -> Path:
         extra = {"config.yaml": run_dir / "config.yaml"}
@@ -343,6 +347,10 @@ class _TrainState:
     masters: MasterWeights | None
     scaler: LossScaler | None
     loader: StatefulLoader
+    params: list[torch.Tensor] = field(init=False)  # what the optimizer steps (fp32 masters at O2)
+
+    def __post_init__(self) -> None:
+        self.params = [p for _, p in self.opt_named]
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Flat name -> tensor groups for DCP (optimizer state keyed by parameter name)."""
@@ -411,6 +419,22 @@ def _format_record(r: dict[str, Any]) -> str:
     return (f"step {r['step']} loss {r['loss']:.4f} lr {r['lr']:.3g} grad_norm {r['grad_norm']:.3f} "
             f"loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f} mfu {r['mfu'] * 100:.1f}% "
             f"peak_mem {r['peak_memory_gb']:.2f}GiB")
+
+
+def _clear_newer_checkpoints(run_dir: Path, step: int, overwrite: bool) -> None:
+    """Resuming from an older checkpoint forks the run: its newer checkpoints go only when asked."""
+    newer = [p for p in ckpt.list_checkpoints(run_dir) if ckpt.step_of(p) > step]
+    if not newer:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"{run_dir} holds checkpoints newer than step {step} ({', '.join(p.name for p in newer)}); "
+            f"continuing from step {step} would replace them. Pass --overwrite (Python: "
+            "train(resume=..., overwrite=True)) to replace them, or set another train.output_dir"
+        )
+    for p in newer:
+        shutil.rmtree(p)
+    log.warning("--overwrite: removed checkpoints newer than step %d: %s", step, ", ".join(p.name for p in newer))
 
 
 def check_single_device(cfg: RunConfig) -> None:
