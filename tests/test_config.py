@@ -90,3 +90,15 @@ def test_unknown_preset_lists_known(tmp_path):
     with pytest.raises(ConfigError) as e:
         validate({"model": {"preset": "llama_7"}, "train": {"max_steps": 1}})
     assert "llama_7b" in str(e.value)
+
+
+def test_settings_that_cannot_work_are_refused():
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        validate({**BASE, "train": {"max_steps": 5, "max_grad_norm": -1.0}})
+    with pytest.raises(ConfigError, match="precision_level O2 needs mixed_precision"):
+        validate({**BASE, "optimize": {"precision_level": "O2"}})
+    with pytest.raises(ConfigError, match="train.eps"):
+        validate({**BASE, "optimize": {"mixed_precision": "fp16", "precision_level": "O3"}})
+    ok = validate({**BASE, "optimize": {"mixed_precision": "fp16", "precision_level": "O3"},
+                   "train": {"max_steps": 5, "eps": 1e-4}})
+    assert ok.optimize.level() == "O3"

@@ -113,3 +113,14 @@ def test_resume_across_precision_levels(tmp_path):
     back = with_changes(o2, train={"max_steps": 4})
     again = Trainer(back, train_dataset=ds).train(resume="auto")  # O0 step-3 checkpoint -> O2
     assert sorted(again.losses) == [4] and abs(again.losses[4] - more.losses[3]) < 0.3
+
+
+def test_fp16_o3_trains_with_an_fp16_safe_eps(tmp_path):
+    cfg = with_changes(tiny_config(tmp_path, max_steps=4, eps=1e-4),
+                       optimize={"mixed_precision": "fp16", "precision_level": "O3"})
+    trainer = Trainer(cfg, train_dataset=_dataset())
+    result = trainer.train()
+    assert all(torch.isfinite(torch.tensor(list(result.losses.values()))))
+    assert result.losses[4] < result.losses[1]
+    state = trainer.model.layers["0"].attention.wq.weight
+    assert state.dtype == torch.float16 and torch.isfinite(state).all()

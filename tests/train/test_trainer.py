@@ -131,3 +131,64 @@ def test_offload_is_refused_on_an_accelerator_and_harmless_on_cpu(tmp_path, data
     with pytest.raises(ConfigError, match="optimize.offload_optimizer"):
         check_offload(cfg, torch.device("cuda"))
     assert _run(cfg, dataset).step == 1
+
+
+def test_fp16_nan_loss_stops_instead_of_skipping_forever(tmp_path, dataset):
+    from shardwise.models import build_model
+
+    cfg = with_changes(tiny_config(tmp_path, max_steps=3),
+                       optimize={"mixed_precision": "fp16", "precision_level": "O1"})
+    model = build_model(cfg.model)
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight[0, 0] = float("nan")
+    with pytest.raises(TrainingError, match=r"step 1: loss is nan"):
+        Trainer(cfg, model=model, train_dataset=dataset).train()
+
+
+def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_path, dataset):
+    from shardwise.errors import ConfigError
+    from shardwise.train.checkpoint import list_checkpoints
+
+    cfg = tiny_config(tmp_path, max_steps=4, save_steps=2)
+    _run(cfg, dataset)
+    step2 = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    before = (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").read_text()
+    with pytest.raises(ConfigError, match="step_00000004"):
+        Trainer(cfg, train_dataset=dataset).train(resume=step2)
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").read_text() == before
+    redo = Trainer(with_changes(cfg, train={"lr": 1e-4}), train_dataset=dataset).train(resume=step2, overwrite=True)
+    assert sorted(redo.losses) == [3, 4]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002", "step_00000004"]
+
+
+def test_eval_steps_without_eval_data_is_refused_and_small_eval_sets_work(tmp_path, dataset):
+    from shardwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="eval_fraction"):
+        _run(tiny_config(tmp_path / "a", eval_steps=2), dataset)
+    small = type(dataset)(make_tokens(3 * SEQ + 1, seed=2), SEQ)  # 3 samples, micro-batch 4
+    result = Trainer(tiny_config(tmp_path / "b", max_steps=2), train_dataset=dataset, eval_dataset=small).train()
+    assert result.eval["tokens"] == 3 * SEQ  # evaluated at the end, partial batch included
+
+
+def test_resume_into_a_new_directory_writes_complete_checkpoints(tmp_path, dataset):
+    from shardwise.train.checkpoint import load_model
+
+    _run(tiny_config(tmp_path / "a", max_steps=2), dataset)
+    cfg = tiny_config(tmp_path / "b", max_steps=3)
+    result = Trainer(cfg, train_dataset=dataset).train(resume=str(tmp_path / "a" / "run"))
+    assert sorted(result.losses) == [3]
+    assert (result.last_checkpoint / "config.yaml").is_file()
+    model, _ = load_model(result.last_checkpoint)  # usable on its own
+    assert model.cfg.num_layers == cfg.model.num_layers
+
+
+def test_resume_is_exact_with_dropout(tmp_path, dataset):
+    full = _run(with_changes(tiny_config(tmp_path / "full", max_steps=4), model={"dropout": 0.1}), dataset)
+    cfg = with_changes(tiny_config(tmp_path / "part", max_steps=4, save_steps=2), model={"dropout": 0.1})
+    _run(cfg, dataset)
+    import shutil
+
+    shutil.rmtree(tmp_path / "part" / "run" / "checkpoints" / "step_00000004")
+    resumed = Trainer(cfg, train_dataset=dataset).train(resume="auto")
+    assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}
