@@ -144,7 +144,9 @@ class TrainConfig(_Section):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     max_grad_norm: Optional[float] = Field(1.0, gt=0, description="gradient clipping norm; null = off")
     log_steps: int = Field(10, ge=1, description="log metrics every N steps")
-    eval_steps: Optional[int] = Field(None, ge=1, description="evaluate every N steps (and at the end)")
+    eval_steps: Optional[int] = Field(
+        None, ge=1, description="evaluate every N steps; with eval data the last step is always evaluated"
+    )
     eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
     save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
