@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..config import RunConfig, to_yaml, tokens_per_step
 from ..data.loader import StatefulLoader, sequential_batches, unwrap_loader
-from ..errors import CheckpointError, ConfigError, TrainingError
+from ..errors import ConfigError, TrainingError
 from ..memory.precision import LossScaler, MasterWeights, precision_plan
 from ..memory.recompute import apply_recompute, canonical_name
 from ..models import build_model, flops_per_token, materialize
@@ -211,11 +211,7 @@ class Trainer:
         train = self.config.train
         if train.max_steps is not None:
             return train.max_steps
-        if loader.steps_per_epoch == 0:
-            raise ConfigError(
-                "the training data holds less than one global batch; lower train.micro_batch_size, "
-                "the gradient accumulation or data.seq_length, or add data"
-            )
+        # StatefulLoader already refused data that holds less than one global batch.
         return max(1, math.ceil(train.epochs * loader.steps_per_epoch))
 
     def _step(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
