@@ -398,13 +398,10 @@ def synthetic_dataset(cfg: RunConfig, samples: int) -> PackedDataset:
 
 
 def config_dataset(cfg: RunConfig) -> Any:
-    """The config's training text through the normal tokenize-and-pack path (cached)."""
-    from shardwise.data.pretrain import build_pretrain_data
+    """The config's training data through the trainer's own path (prepared shards, cached)."""
+    from shardwise.data.build import build_data
 
-    cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "shardwise")
-    _, ds, _ = build_pretrain_data(cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer,
-                                   cfg.model.vocab_size, cache, eval_files=cfg.data.eval_files,
-                                   eval_fraction=cfg.data.eval_fraction)
+    _, ds, _ = build_data(cfg.data, cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seed)
     return ds
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -172,9 +173,9 @@ def test_seed_000_script_runs_as_written(corpus, tmp_path, monkeypatch, shardwis
     warnings = [r.getMessage() for r in shardwise_log.records if r.levelno == logging.WARNING]
     assert any("data_parallel 8" in w and "x8" in w for w in warnings), warnings
 
-    # Steps follow from the global batch: one epoch of len(dataset) // 8 steps.
+    # Steps follow from the global batch: one epoch of ceil(len(dataset) / 8) steps.
     dataset = TextDataset(data_files="./pretrain_data.txt", tokenizer=tokenizer, max_seq_len=32)
-    assert result.step == len(dataset) // 8 == len(result.losses)
+    assert result.step == math.ceil(len(dataset) / 8) == len(result.losses)
     assert result.step >= 8
 
     # It trains: the loss falls clearly over the run.
@@ -360,7 +361,7 @@ def test_seed_002_script_runs_as_written(corpus, tmp_path, monkeypatch) -> None:
     assert c.global_batch_size() == cfg["train"]["batch_size"] == 8
     assert c.train.micro_batch_size == 1 and c.gradient_accumulation() == 8
     assert c.parallel.world_size() == 1 and c.parallel.zero_stage == 0
-    assert result.step == len(dataset) // 8 >= 8
+    assert result.step == math.ceil(len(dataset) / 8) >= 8
     # What the YAML says and LLMArguments does not repeat is kept, not replaced by defaults.
     assert c.train.lr == pytest.approx(1e-2) and c.train.min_lr == pytest.approx(1e-4)
     assert c.train.warmup_steps == 2 and c.train.decay_style == "linear"

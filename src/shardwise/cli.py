@@ -18,6 +18,8 @@ EPILOG = """examples:
   shardwise train configs/seed_train_config.yaml --dry-run   size, layout, tokens and FLOPs per step
   shardwise train cfg.yaml --set train.lr=1e-4               override a key of the config
   shardwise generate runs/demo --prompt "It is" --max-new-tokens 50
+  shardwise tokenizer train --input 'corpus/*.txt' --vocab-size 32000 --out tok/
+  shardwise prepare --input 'corpus/*.jsonl' --tokenizer tok/ --out data/prepared
 
 `shardwise COMMAND --help` describes each command's options."""
 
@@ -124,6 +126,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from .data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency,
+                          special_tokens=args.special_tokens, text_field=args.text_field,
+                          skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite)
+    print(f"saved {tok.vocab_size}-token tokenizer to {args.out} (bos {tok.bos_token!r}, eos "
+          f"{tok.eos_token!r}, pad {tok.pad_token!r}, fingerprint {tok.fingerprint})")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .data.prepare import prepare_corpus
+    from .data.tokenizer import load_tokenizer
+
+    manifest = prepare_corpus(
+        args.input, load_tokenizer(args.tokenizer), args.out, fmt=args.format, text_field=args.text_field,
+        txt_documents=args.txt_documents, min_chars=args.min_chars, max_length=args.max_length,
+        dedup=args.dedup, workers=args.workers, shard_tokens=args.shard_tokens, on_bad_line=args.on_bad_line,
+        overwrite=args.overwrite)
+    counts = manifest["counts"]
+    print(f"prepared {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in "
+          f"{len(manifest['shards'])} shard(s) at {args.out} (dropped: {counts['dropped_short']:,} short, "
+          f"{counts['duplicates']:,} duplicates; {counts['truncated']:,} truncated, {counts['bad_lines']:,} "
+          f"bad lines skipped)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser for every sub-command."""
     parser = argparse.ArgumentParser(prog="shardwise", description=DESCRIPTION, epilog=EPILOG,
@@ -163,6 +193,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run (auto: CUDA when present, else CPU)")
     g.add_argument("--no-stream", action="store_true", help="print when done instead of token by token")
     g.set_defaults(func=_cmd_generate)
+
+    tk = sub.add_parser("tokenizer", help="train a tokenizer",
+                        description="Tokenizer tools.").add_subparsers(dest="tokenizer_command", required=True)
+    tt = tk.add_parser("train", help="train a byte-level BPE tokenizer on .txt or .jsonl files",
+                       description="Train a byte-level BPE tokenizer and save it as a Hugging Face "
+                                   "tokenizer directory (tokenizer.json + configs).")
+    tt.add_argument("--input", nargs="+", required=True, metavar="GLOB",
+                    help="files or quoted globs; .txt: lines of text, .jsonl: the --text-field of each line")
+    tt.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    tt.add_argument("--out", required=True, metavar="DIR")
+    tt.add_argument("--min-frequency", type=int, default=2, metavar="K",
+                    help="merge only pairs seen at least K times (default 2)")
+    tt.add_argument("--special-tokens", nargs="+", default=["<|bos|>", "<|eos|>", "<|pad|>"], metavar="TOKEN",
+                    help="bos eos [pad] (ids 0, 1, 2); without pad, pad is eos")
+    tt.add_argument("--text-field", default="text", help="field holding the text in .jsonl lines")
+    tt.add_argument("--skip-bad-lines", action="store_true",
+                    help="skip (and count) .jsonl lines that are not JSON or lack the field")
+    tt.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
+    tt.set_defaults(func=_cmd_tokenizer_train)
+
+    pr = sub.add_parser("prepare", help="clean and tokenise raw text into memory-mapped token shards",
+                        description="Clean (repair UTF-8, drop exact duplicates and short documents), "
+                                    "tokenise with worker processes, and write token shards with a "
+                                    "document index and manifest.json. Point data.train_files at OUT "
+                                    "to train on it.")
+    pr.add_argument("--input", nargs="+", required=True, metavar="GLOB",
+                    help=".txt, .jsonl (also .gz) or .parquet files, or quoted globs")
+    pr.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or SentencePiece .model")
+    pr.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold other data)")
+    pr.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet"], default="auto",
+                    help="input format (default: by file extension)")
+    pr.add_argument("--text-field", default="text", help="field/column holding the text (.jsonl, .parquet)")
+    pr.add_argument("--txt-documents", choices=["file", "paragraph"], default="file",
+                    help=".txt: one document per file (default), or documents separated by blank lines")
+    pr.add_argument("--min-chars", type=int, default=1, metavar="N",
+                    help="drop documents with fewer characters, surrounding whitespace not counted (default 1)")
+    pr.add_argument("--max-length", type=int, default=None, metavar="N",
+                    help="truncate each document to N tokens (default: keep whole documents)")
+    pr.add_argument("--no-dedup", dest="dedup", action="store_false", help="keep exact duplicate documents")
+    pr.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="tokenising processes (default: the cores, at most 8)")
+    pr.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                    help="tokens per shard file (default 100,000,000)")
+    pr.add_argument("--on-bad-line", choices=["stop", "skip"], default="stop",
+                    help="a .jsonl line that is not JSON or lacks the field: stop (default) or skip and count")
+    pr.add_argument("--overwrite", action="store_true", help="replace a prepared directory already at --out")
+    pr.set_defaults(func=_cmd_prepare)
     return parser
 
 

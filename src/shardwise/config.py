@@ -165,17 +165,51 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where the text comes from and how it becomes samples."""
+    """Where the data comes from and how it becomes samples."""
 
-    train_files: list[str] = Field(default_factory=list, description="globs of training text files")
-    eval_files: Optional[list[str]] = Field(None, description="globs of held-out text files")
-    eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the tokens held out for eval")
-    tokenizer: Optional[str] = Field(None, description="tokenizer directory; null = train a BPE one")
+    kind: Literal["pretrain", "instruction"] = Field(
+        "pretrain", description="pretrain: raw text packed into samples; instruction: SFT .jsonl"
+    )
+    train_files: list[str] = Field(
+        default_factory=list, description="globs of .txt/.jsonl/.parquet files, or a `shardwise prepare` dir"
+    )
+    eval_files: Optional[list[str]] = Field(None, description="globs of held-out files (or a prepared dir)")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the data held out for eval")
+    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
+        "auto", description="input format; auto = by file extension"
+    )
+    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet records")
+    txt_documents: Literal["file", "paragraph"] = Field(
+        "file", description=".txt: one document per file, or documents separated by blank lines"
+    )
+    min_chars: int = Field(1, ge=0, description="drop documents with fewer non-space characters")
+    max_length: Optional[int] = Field(
+        None, ge=1, description="truncate each document to this many tokens (null: split across samples)"
+    )
+    on_bad_line: Literal["stop", "skip"] = Field(
+        "stop", description="a .jsonl line that is not JSON or lacks the field: stop, or skip and count"
+    )
+    prepare_workers: Optional[int] = Field(None, ge=1, description="tokenising processes (default: cores)")
+    tokenizer: Optional[str] = Field(
+        None, description="tokenizer dir or SentencePiece .model; null = train a BPE one"
+    )
     seq_length: Optional[int] = Field(
         None, ge=2, description="tokens per sample; default model.max_position_embeddings"
     )
+    reset_attention_mask: bool = Field(True, description="attention stays inside each packed document")
+    reset_position_ids: bool = Field(True, description="positions restart at each packed document")
+    num_workers: int = Field(0, ge=0, description="loader worker processes (0 = read in the trainer)")
+    template: Union[Literal["auto", "default", "tokenizer"], dict[str, Any]] = Field(
+        "auto", description="instruction: chat template (auto = tokenizer's if any, else [INST] form)"
+    )
+    packing: Literal["pack", "pad", "dynamic"] = Field(
+        "pack", description="instruction: pack samples, pad each, or batch by a token budget"
+    )
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate", description="instruction: what to do with samples longer than seq_length"
+    )
     cache_dir: Optional[str] = Field(
-        None, description="tokenizer/token cache (default $SHARDWISE_CACHE or ~/.cache/shardwise)"
+        None, description="tokenizer/prepared-data cache (default $SHARDWISE_CACHE or ~/.cache/shardwise)"
     )
 
     @field_validator("train_files", "eval_files", mode="before")

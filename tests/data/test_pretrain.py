@@ -1,30 +1,20 @@
-"""Pretraining data: file globs, tokenization and its cache, packing, splitting, the whole build."""
+"""Pretraining samples: file globs, packing with document ids and positions, the seed's TextDataset."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import shardwise.data.pretrain as pretrain
-from shardwise.data import (
-    PackedDataset,
-    TextDataset,
-    Tokenizer,
-    build_pretrain_data,
-    expand_files,
-    split_tokens,
-    token_dtype,
-    tokenize_files,
-)
+from shardwise.data import PackedDataset, TextDataset, Tokenizer, expand_files, token_dtype
+from shardwise.data.pretrain import ArrayTokens, window_documents
 from shardwise.errors import DataError
 
 
 def expected_tokens(files: list[str], tok: Tokenizer) -> list[int]:
-    """What tokenize_files must produce: each file's ids followed by EOS."""
+    """The token stream of files prepared one document per file: each file's ids followed by EOS."""
     out: list[int] = []
     for f in files:
         out += tok.encode(Path(f).read_bytes().decode("utf-8", errors="replace")) + [tok.eos_id]
@@ -55,65 +45,6 @@ def test_token_dtype() -> None:
     assert token_dtype(65536) == np.uint32
 
 
-def test_tokenize_files_documents_end_with_eos(corpus_files: list[str], tiny_tokenizer: Tokenizer) -> None:
-    tokens = tokenize_files(corpus_files, tiny_tokenizer, cache_dir=None)
-    assert tokens.dtype == np.uint16
-    assert tokens.tolist() == expected_tokens(corpus_files, tiny_tokenizer)
-    assert int((tokens == tiny_tokenizer.eos_id).sum()) == len(corpus_files)
-
-
-def test_invalid_utf8_is_replaced(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
-    f = tmp_path / "bad.txt"
-    f.write_bytes(b"the house \xff\xfe was here")
-    tokens = tokenize_files([str(f)], tiny_tokenizer, None)
-    assert tiny_tokenizer.decode(tokens.tolist()) == "the house \ufffd\ufffd was here"
-
-
-def test_token_cache_reused_and_invalidated(
-    tmp_path: Path, tiny_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    f = tmp_path / "doc.txt"
-    f.write_text("the evening walk")
-    cache = tmp_path / "cache"
-    first = tokenize_files([str(f)], tiny_tokenizer, str(cache))
-    assert len(list(cache.glob("tokens-*.npy"))) == 1
-
-    def must_not_run(self: Tokenizer, texts: list[str]) -> list[list[int]]:
-        raise AssertionError("tokenized again although the cache is valid")
-
-    with monkeypatch.context() as m:
-        m.setattr(Tokenizer, "encode_batch", must_not_run)
-        again = tokenize_files([str(f)], tiny_tokenizer, str(cache))
-    assert again.tolist() == first.tolist()
-
-    # A changed file (size and mtime) gets a new cache entry with the new tokens.
-    f.write_text("the evening walk to the ball")
-    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
-    changed = tokenize_files([str(f)], tiny_tokenizer, str(cache))
-    assert changed.tolist() == expected_tokens([str(f)], tiny_tokenizer)
-    assert len(list(cache.glob("tokens-*.npy"))) == 2
-
-
-def test_interrupted_cache_write_leaves_nothing_usable(
-    tmp_path: Path, tiny_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    f = tmp_path / "doc.txt"
-    f.write_text("her sister Jane")
-    cache = tmp_path / "cache"
-
-    def crash(file: object, array: np.ndarray) -> None:
-        file.write(b"\x93NUMPY partial")  # type: ignore[attr-defined]
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(pretrain.np, "save", crash)
-        with pytest.raises(KeyboardInterrupt):
-            tokenize_files([str(f)], tiny_tokenizer, str(cache))
-    assert list(cache.iterdir()) == []  # neither a final file nor a stray temp file
-    tokens = tokenize_files([str(f)], tiny_tokenizer, str(cache))
-    assert tokens.tolist() == expected_tokens([str(f)], tiny_tokenizer)
-
-
 def test_packed_dataset_every_token_a_target_once() -> None:
     tokens = np.arange(23, dtype=np.uint16)
     ds = PackedDataset(tokens, seq_length=5)
@@ -137,51 +68,6 @@ def test_packed_dataset_too_few_tokens() -> None:
         PackedDataset(np.arange(5), 5)
 
 
-def test_split_tokens_takes_the_tail() -> None:
-    train, ev = split_tokens(np.arange(100), 0.1)
-    assert train.tolist() == list(range(90)) and ev.tolist() == list(range(90, 100))
-    train, ev = split_tokens(np.arange(100), 0.0)
-    assert len(train) == 100 and len(ev) == 0
-    with pytest.raises(DataError, match="eval_fraction"):
-        split_tokens(np.arange(10), 1.0)
-
-
-def test_build_trains_caches_and_reuses_tokenizer(
-    corpus_files: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = str(tmp_path / "cache")
-    glob = str(Path(corpus_files[0]).parent / "*.txt")
-    tok, train, ev = build_pretrain_data([glob], 16, None, 300, cache, eval_fraction=0.1)
-    all_tokens = expected_tokens(corpus_files, tok)
-    n_eval = round(len(all_tokens) * 0.1)
-    assert train.tokens.tolist() == all_tokens[: len(all_tokens) - n_eval]
-    assert ev is not None and ev.tokens.tolist() == all_tokens[len(all_tokens) - n_eval :]
-    assert len(train) == (len(all_tokens) - n_eval - 1) // 16
-
-    def no_training(*args: object, **kwargs: object) -> Tokenizer:
-        raise AssertionError("the cached tokenizer should have been reused")
-
-    monkeypatch.setattr(pretrain, "train_bpe_tokenizer", no_training)
-    tok2, train2, ev2 = build_pretrain_data([glob], 16, None, 300, cache)
-    assert tok2.fingerprint == tok.fingerprint
-    assert ev2 is None and train2.tokens.tolist() == all_tokens
-
-
-def test_build_with_tokenizer_dir_and_eval_files(
-    corpus_files: list[str], tiny_tokenizer_dir: Path, tiny_tokenizer: Tokenizer, tmp_path: Path
-) -> None:
-    tok, train, ev = build_pretrain_data(
-        corpus_files[:2], 8, str(tiny_tokenizer_dir), 999, str(tmp_path), eval_files=corpus_files[2:]
-    )
-    assert tok.fingerprint == tiny_tokenizer.fingerprint
-    assert train.tokens.tolist() == expected_tokens(corpus_files[:2], tok)
-    assert ev is not None and ev.tokens.tolist() == expected_tokens(corpus_files[2:], tok)
-    with pytest.raises(DataError, match="eval_fraction 0.0001 holds out"):
-        build_pretrain_data(
-            corpus_files, 8, str(tiny_tokenizer_dir), 999, str(tmp_path), eval_fraction=0.0001
-        )
-
-
 def test_text_dataset_seed_signature(corpus_files: list[str], tiny_tokenizer: Tokenizer) -> None:
     ds = TextDataset(
         data_files=str(Path(corpus_files[0]).parent / "doc*.txt"),
@@ -190,9 +76,15 @@ def test_text_dataset_seed_signature(corpus_files: list[str], tiny_tokenizer: To
         shuffle=False,
     )
     assert ds.shuffle is False and ds.files == corpus_files
-    n = len(expected_tokens(corpus_files, tiny_tokenizer))
-    assert len(ds) == (n - 1) // 32
-    assert ds[1]["input_ids"].tolist() == ds.tokens[32:64].tolist()
+    tokens = expected_tokens(corpus_files, tiny_tokenizer)
+    assert len(ds) == (len(tokens) - 1) // 32
+    assert ds[1]["input_ids"].tolist() == tokens[32:64]
+    # Each file is one document: the second file starts a new document id and position 0.
+    second = len(tiny_tokenizer.encode(Path(corpus_files[0]).read_text())) + 1
+    sample, offset = divmod(second, 32)
+    assert offset > 0  # the boundary falls inside a sample (else the test would check nothing)
+    item = ds[sample]
+    assert item["position_ids"][offset].item() == 0 and item["document_ids"][offset].item() >= 1
 
 
 def test_get_batch_equals_stacked_samples() -> None:
@@ -203,3 +95,36 @@ def test_get_batch_equals_stacked_samples() -> None:
         assert torch.equal(batch[key], torch.stack([ds[i][key] for i in (7, 0, 3)]))
     with pytest.raises(IndexError):
         ds.get_batch([10])
+
+
+def test_window_documents_ids_and_positions() -> None:
+    docs, pos = window_documents(np.array([13, 15]), 10, 8)
+    assert docs.tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert pos.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+
+
+def test_packed_samples_carry_document_ids_and_positions() -> None:
+    # Documents of 3, 6 and 5 tokens (each ending in EOS = 0) in one stream.
+    lengths = [3, 6, 5]
+    tokens = np.arange(1, 15, dtype=np.uint16)
+    starts = np.cumsum([0] + lengths[:-1])
+    ds = PackedDataset(ArrayTokens(tokens, starts), seq_length=4)
+    assert len(ds) == 3
+    s0, s1, s2 = ds[0], ds[1], ds[2]
+    # Sample 0: tokens 0-3; document 1 starts at 3.
+    assert s0["document_ids"].tolist() == [0, 0, 0, 1] and s0["position_ids"].tolist() == [0, 1, 2, 0]
+    # Sample 1: tokens 4-7, inside document 1, which continues from position 0.
+    assert s1["document_ids"].tolist() == [0, 0, 0, 0] and s1["position_ids"].tolist() == [0, 1, 2, 3]
+    # Sample 2: tokens 8-11; document 2 starts at 9.
+    assert s2["document_ids"].tolist() == [0, 1, 1, 1] and s2["position_ids"].tolist() == [0, 0, 1, 2]
+    batch = ds.get_batch([2, 0])
+    assert torch.equal(batch["document_ids"], torch.stack([s2["document_ids"], s0["document_ids"]]))
+    plain = PackedDataset(ArrayTokens(tokens, starts), 4, reset_attention_mask=False, reset_position_ids=False)
+    assert set(plain[0]) == {"input_ids", "labels"}
+    positions_only = PackedDataset(ArrayTokens(tokens, starts), 4, reset_attention_mask=False)
+    assert set(positions_only[0]) == {"input_ids", "labels", "position_ids"}
+
+
+def test_packed_dataset_token_range() -> None:
+    ds = PackedDataset(np.arange(40, dtype=np.uint16), 4, start=20)
+    assert len(ds) == 4 and ds[0]["input_ids"].tolist() == [20, 21, 22, 23]

@@ -28,15 +28,12 @@ def make_tokens(n: int = 20000, vocab: int = 512, seed: int = 0) -> np.ndarray:
 class MaskedDataset(PackedDataset):
     """Packed samples where a sample-dependent number of labels is ignored (-100)."""
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        item = super().__getitem__(index)
-        labels = item["labels"].clone()
-        labels[: (index * 7) % (SEQ - 1)] = -100
-        return {"input_ids": item["input_ids"], "labels": labels}
-
     def get_batch(self, indices):  # noqa: ANN001
-        items = [self[int(i)] for i in indices]
-        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        batch = super().get_batch(indices)
+        labels = batch["labels"].clone()
+        for row, index in enumerate(indices):
+            labels[row, : (int(index) * 7) % (SEQ - 1)] = -100
+        return {"input_ids": batch["input_ids"], "labels": labels}
 
 
 def tiny_config(tmp_path: Path, **train) -> "RunConfig":  # noqa: F821

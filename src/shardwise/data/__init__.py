@@ -1,31 +1,39 @@
-"""Data: tokenizers, packed pretraining samples and the resumable data-parallel loader."""
+"""Data: tokenizers, corpus preparation into token shards, packed pre-training samples, instruction
+(SFT) samples, and the exact, resumable data-parallel loader."""
 
+from .build import build_data
 from .loader import StatefulLoader, create_dataset
-from .pretrain import (
-    PackedDataset,
-    TextDataset,
-    build_pretrain_data,
-    default_cache_dir,
-    expand_files,
-    split_tokens,
-    token_dtype,
-    tokenize_files,
+from .prepare import prepare_cached, prepare_corpus
+from .pretrain import ArrayTokens, PackedDataset, TextDataset, default_cache_dir, expand_files, token_dtype
+from .sft import InstructionDataset
+from .shards import TokenShards
+from .tokenizer import (
+    AutoTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe_tokenizer,
+    train_tokenizer,
 )
-from .tokenizer import AutoTokenizer, Tokenizer, load_tokenizer, train_bpe_tokenizer
 
 __all__ = [
+    "ArrayTokens",
     "AutoTokenizer",
+    "InstructionDataset",
     "PackedDataset",
+    "SentencePieceTokenizer",
     "StatefulLoader",
     "TextDataset",
+    "TokenShards",
     "Tokenizer",
-    "build_pretrain_data",
+    "build_data",
     "create_dataset",
     "default_cache_dir",
     "expand_files",
     "load_tokenizer",
-    "split_tokens",
+    "prepare_cached",
+    "prepare_corpus",
     "token_dtype",
-    "tokenize_files",
     "train_bpe_tokenizer",
+    "train_tokenizer",
 ]

@@ -1,22 +1,31 @@
 """An exact, resumable, data-parallel-aware loader.
 
-The order of samples depends only on (seed, epoch), never on the number of ranks: epoch e is a
-permutation of range(len(dataset)) from `numpy.random.default_rng([seed, e])`, cut into global
-batches of micro_batch_size x grad_accum x dp_size samples. Rank r takes its contiguous slice of each
-global batch. The position is counted in global samples, so a run saved on one number of ranks
-resumes on another with exactly the samples it has not seen yet.
+Training data is one endless stream: the permutation of epoch 0, then that of epoch 1, and so on,
+epoch e being `numpy.random.default_rng([seed, e]).permutation(len(dataset))` (or `arange` without
+shuffling). Every optimizer step takes the next global batch of micro_batch_size x grad_accum x
+dp_size samples from the stream; rank r takes its contiguous slice of it, cut into grad_accum
+micro-batches. A step may straddle two epochs, and nothing is ever dropped: every sample of every
+epoch is read exactly once over all ranks.
+
+The position is a single count: global samples consumed since the start. It does not depend on the
+number of ranks or the batch shape, so a checkpoint saved with one layout resumes with any other and
+continues with exactly the samples not yet seen. With `num_workers > 0`, worker processes of a torch
+DataLoader read the micro-batches; the main process counts what it has handed out, so the saved
+position is what the trainer took, not what the workers prefetched.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import DataError
 
@@ -24,14 +33,148 @@ logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 
+# Version of the state_dict layout; state without a version is the older per-epoch layout.
+STATE_VERSION = 2
+# Epoch permutations kept in memory: the current epoch and the next, for steps that straddle them.
+_ORDER_CACHE = 2
+
+
+class _Stream:
+    """The endless sample stream: global position p is sample order(p // N)[p % N]."""
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self._orders: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Sample indices of `epoch` in visiting order."""
+        key = (self.seed, epoch)
+        order = self._orders.get(key)
+        if order is None:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            else:
+                order = np.arange(self.num_samples, dtype=np.int64)
+            order.flags.writeable = False  # handed out by epoch_order(): callers must not reorder it
+            self._orders[key] = order
+            while len(self._orders) > _ORDER_CACHE:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(key)
+        return order
+
+    def indices(self, start: int, stop: int) -> np.ndarray:
+        """Sample indices at global positions [start, stop), across epoch boundaries."""
+        n = self.num_samples
+        parts = []
+        pos = start
+        while pos < stop:
+            epoch, offset = divmod(pos, n)
+            take = min(stop - pos, n - offset)
+            parts.append(self.order(epoch)[offset : offset + take])
+            pos += take
+        # Always a fresh array: the cached permutations are read-only and must stay unchanged.
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class _RankMicroBatches(Sampler):
+    """Index arrays of one rank's micro-batches, step after step, from global position `start` on.
+
+    It runs in the main process (DataLoader workers receive its output), so it shares the loader's
+    stream and sees a seed taken from a checkpoint.
+    """
+
+    def __init__(self, stream: _Stream, micro_batch_size: int, grad_accum: int, dp_rank: int,
+                 dp_size: int) -> None:
+        self.stream = stream
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum = grad_accum
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.start = 0
+
+    def step(self, position: int) -> list[np.ndarray]:
+        """This rank's micro-batch indices for the step that begins at global `position`."""
+        mbs = self.micro_batch_size
+        first = position + self.dp_rank * mbs * self.grad_accum
+        mine = self.stream.indices(first, first + mbs * self.grad_accum)
+        return [mine[k * mbs : (k + 1) * mbs] for k in range(self.grad_accum)]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        position = self.start
+        global_batch = self.micro_batch_size * self.grad_accum * self.dp_size
+        while True:
+            yield from self.step(position)
+            position += global_batch
+
+
+class _WireBatch:
+    """A micro-batch on its way from a worker, its tensors as numpy arrays.
+
+    Token batches are small: pickled through the worker's pipe they arrive about twice as fast as
+    torch's shared-memory tensors, whose file descriptors cost a round trip to the worker each.
+    The DataLoader's pin-memory thread calls `pin_memory()`, which makes the batch there.
+    """
+
+    def __init__(self, batch: Batch) -> None:
+        self.items: list[tuple[str, Any, bool]] = []
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                try:
+                    self.items.append((key, value.numpy(), True))
+                    continue
+                except (TypeError, RuntimeError):  # bfloat16 and the like: torch sends it itself
+                    pass
+            self.items.append((key, value, False))
+
+    def to_batch(self, pin: bool = False) -> Batch:
+        """The micro-batch as tensors again, in pinned memory with `pin`."""
+        out = {}
+        for key, value, was_numpy in self.items:
+            if was_numpy:
+                value = torch.from_numpy(value)
+            if pin and isinstance(value, torch.Tensor):
+                value = value.pin_memory()
+            out[key] = value
+        return out
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        """Called by the DataLoader's pin-memory thread."""
+        return self.to_batch(pin=True)
+
+
+class _MicroBatchReader(Dataset):
+    """Reads a whole micro-batch per item (the item is an index array), for DataLoader workers."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, indices: np.ndarray) -> _WireBatch:  # type: ignore[override]
+        return _WireBatch(collate(self.dataset, indices))
+
+
+def _as_is(batch: _WireBatch) -> _WireBatch:
+    """collate_fn for micro-batches that are already collated (module level: picklable)."""
+    return batch
+
 
 class StatefulLoader:
     """Micro-batches for each optimizer step of one data-parallel rank; the position is checkpointable.
 
-    Every epoch visits each sample at most once over all ranks, and exactly once apart from the
-    incomplete last global batch, which is dropped (fewer than micro_batch_size x grad_accum x
-    dp_size samples at the end of the epoch's order; a different shuffle drops different ones).
-    Samples are read by indexing the dataset in this process and stacked with torch: no workers.
+    Over all ranks, every epoch's samples are each read exactly once, none dropped: the stream runs
+    on into the next epoch's permutation, so a step may hold the end of one epoch and the start of
+    the next. `steps_per_epoch` is ceil(len(dataset) / global batch), so that `ceil(epochs *
+    steps_per_epoch)` steps read every sample of `epochs` epochs at least once.
+
+    With `num_workers == 0` samples are read in this process. With `num_workers > 0` a torch
+    DataLoader with persistent worker processes reads this rank's micro-batches from the current
+    position on (pinned memory when CUDA is available, unless `pin_memory` says otherwise); call
+    `close()` to stop the workers early, otherwise they stop with the loader.
+
+    Datasets with `get_batch(indices)` read a whole micro-batch at once; a dataset with
+    `items_are_batches = True` holds ready micro-batches as items (micro_batch_size must be 1).
     """
 
     def __init__(
@@ -43,120 +186,220 @@ class StatefulLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         shuffle: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        prefetch_factor: int = 2,
     ) -> None:
         """Serve rank `dp_rank` of `dp_size`: `grad_accum` micro-batches of `micro_batch_size` a step."""
         for name, value in (
             ("micro_batch_size", micro_batch_size),
             ("grad_accum", grad_accum),
             ("dp_size", dp_size),
+            ("prefetch_factor", prefetch_factor),
         ):
             if value < 1:
                 raise DataError(f"{name} must be at least 1, got {value}")
+        if num_workers < 0:
+            raise DataError(f"num_workers must be 0 (read in this process) or more, got {num_workers}")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1} for dp_size {dp_size}")
+        if getattr(dataset, "items_are_batches", False) and micro_batch_size != 1:
+            raise DataError(
+                f"the dataset's items are already micro-batches (items_are_batches = True), so "
+                f"micro_batch_size must be 1, got {micro_batch_size}; set train.micro_batch_size: 1 "
+                f"(the dataset's token budget sets the batch size)"
+            )
+        num_samples = len(dataset)  # type: ignore[arg-type]
+        if num_samples < 1:
+            raise DataError("the training dataset is empty; add data or lower data.seq_length")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.grad_accum = grad_accum
-        self.seed = seed
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.shuffle = shuffle
-        self.num_samples = len(dataset)  # type: ignore[arg-type]
+        self.num_workers = num_workers
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.num_samples = num_samples
         self.global_batch_size = micro_batch_size * grad_accum * dp_size
-        if self.steps_per_epoch == 0:
-            raise DataError(
-                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                f"{self.global_batch_size} (micro_batch_size {micro_batch_size} x gradient accumulation "
-                f"{grad_accum} x data_parallel {dp_size}); add data, lower data.seq_length or use a "
-                f"smaller batch"
-            )
-        self.epoch = 0
-        self.consumed = 0
-        self._order: np.ndarray | None = None
-        self._order_key: tuple[int, int] | None = None
+        if num_samples < self.global_batch_size:
+            logger.warning(
+                "the dataset has %d samples, fewer than one global batch of %d (micro_batch_size %d x "
+                "gradient accumulation %d x data_parallel %d): every step holds some samples twice "
+                "(from successive epochs)", num_samples, self.global_batch_size, micro_batch_size,
+                grad_accum, dp_size)
+        self.consumed = 0  # global samples handed out since the start of training, over all ranks
+        self._stream = _Stream(num_samples, seed, shuffle)
+        self._sampler = _RankMicroBatches(self._stream, micro_batch_size, grad_accum, dp_rank, dp_size)
+        self._workers: DataLoader | None = None
+        self._worker_iter: Iterator[Batch] | None = None
+
+    # --- where the stream is -------------------------------------------------------------------
+
+    @property
+    def seed(self) -> int:
+        """Seed of the shuffles (a resumed checkpoint's seed replaces the configured one)."""
+        return self._stream.seed
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample comes from (0-based)."""
+        return self.consumed // self.num_samples
+
+    @property
+    def epochs_done(self) -> float:
+        """Epochs read so far, fractional: global samples consumed / dataset size."""
+        return self.consumed / self.num_samples
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch (the incomplete last global batch is dropped)."""
-        return self.num_samples // self.global_batch_size
+        """Optimizer steps per epoch, rounded up: ceil(len(dataset) / global batch size)."""
+        return -(-self.num_samples // self.global_batch_size)
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """Fewest steps that read every sample of `epochs` epochs at least once (at least 1)."""
+        return max(1, math.ceil(epochs * self.num_samples / self.global_batch_size))
 
     def __len__(self) -> int:
-        """Optimizer steps in one epoch."""
+        """Optimizer steps per epoch (rounded up)."""
         return self.steps_per_epoch
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Sample indices of `epoch` in visiting order, the same on every rank."""
-        if self._order_key != (self.seed, epoch):
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
-                self._order = np.arange(self.num_samples)
-            self._order_key = (self.seed, epoch)
-        return self._order  # type: ignore[return-value]
+        """Sample indices of `epoch` in visiting order, the same on every rank (read-only)."""
+        return self._stream.order(epoch)
 
     def step_indices(self) -> list[np.ndarray]:
         """Sample indices of this rank's micro-batches for the next step, without advancing."""
-        per_rank = self.micro_batch_size * self.grad_accum
-        start = self.consumed + self.dp_rank * per_rank
-        mine = self.epoch_order(self.epoch)[start : start + per_rank]
-        mbs = self.micro_batch_size
-        return [mine[k * mbs : (k + 1) * mbs] for k in range(self.grad_accum)]
+        return self._sampler.step(self.consumed)
 
-    def _collate(self, indices: np.ndarray) -> Batch:
-        return collate(self.dataset, indices)
+    # --- reading ---------------------------------------------------------------------------------
 
     def next_step(self) -> list[Batch]:
-        """This rank's grad_accum micro-batches for the next step; rolls over to the next epoch at its end."""
-        batches = [self._collate(idx) for idx in self.step_indices()]
+        """This rank's grad_accum micro-batches for the next step; runs on into the next epoch."""
+        if self.num_workers == 0:
+            batches = [collate(self.dataset, idx) for idx in self.step_indices()]
+        else:
+            batches = self._next_from_workers()
         self.consumed += self.global_batch_size
-        if self.consumed >= self.steps_per_epoch * self.global_batch_size:
-            self.epoch += 1
-            self.consumed = 0
         return batches
 
+    def _next_from_workers(self) -> list[Batch]:
+        if self._worker_iter is None:
+            if self._workers is None:
+                self._workers = DataLoader(
+                    _MicroBatchReader(self.dataset), batch_size=None, sampler=self._sampler,
+                    num_workers=self.num_workers, collate_fn=_as_is, pin_memory=self.pin_memory,
+                    persistent_workers=True, prefetch_factor=self.prefetch_factor,
+                    # Its own generator: creating worker iterators must not draw from torch's global RNG,
+                    # which the model's dropout uses.
+                    generator=torch.Generator().manual_seed(self.seed),
+                )
+            self._sampler.start = self.consumed
+            # With persistent workers a second iter() reuses the processes and drops their prefetch.
+            self._worker_iter = iter(self._workers)
+        try:
+            batches = [next(self._worker_iter) for _ in range(self.grad_accum)]
+            # Pinned batches come as tensors from the pin-memory thread; the others still on the wire.
+            return [b.to_batch() if isinstance(b, _WireBatch) else b for b in batches]
+        except BaseException:
+            # Part of a step may have been taken: restart from the counted position next time.
+            self._worker_iter = None
+            raise
+
     def __iter__(self) -> Iterator[list[Batch]]:
-        """The remaining steps of the current epoch, each a list of grad_accum micro-batches."""
-        epoch = self.epoch
-        while self.epoch == epoch:
+        """Steps until the current epoch is complete, each a list of grad_accum micro-batches.
+
+        The last one may hold the first samples of the next epoch; at most steps_per_epoch steps.
+        """
+        end = (self.epoch + 1) * self.num_samples
+        while self.consumed < end:
             yield self.next_step()
 
+    def close(self) -> None:
+        """Stop the worker processes (if any); reading again starts new ones."""
+        self._worker_iter = None
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            iterator = getattr(workers, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+            workers._iterator = None
+
+    # --- checkpointing -------------------------------------------------------------------------
+
     def state_dict(self) -> dict[str, int]:
-        """Position to save in a checkpoint: epoch, global samples consumed in it, and the seed."""
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+        """Position to save in a checkpoint: global samples consumed since the start, seed, dataset size."""
+        return {"version": STATE_VERSION, "consumed": self.consumed, "seed": self.seed,
+                "num_samples": self.num_samples}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a saved position, also with a different dp_size or batch shape."""
-        try:
-            epoch, consumed, seed = int(state["epoch"]), int(state["consumed"]), int(state["seed"])
-        except (KeyError, TypeError, ValueError) as e:
+        """Continue from a saved position, also with a different dp_size or batch shape.
+
+        Accepts the older layout {"epoch", "consumed" (within that epoch), "seed"} too.
+        """
+        if "version" in state:
+            consumed, seed = self._read_current(state)
+        elif "epoch" in state:
+            consumed, seed = self._read_per_epoch(state)
+        else:
             raise DataError(
-                f"the checkpoint's data loader state {dict(state)!r} needs integer 'epoch', 'consumed' "
-                f"and 'seed'; the checkpoint is damaged or not from shardwise"
-            ) from e
-        if epoch < 0 or consumed < 0:
-            raise DataError(f"the checkpoint's data loader state has a negative position: {dict(state)!r}")
-        g = self.global_batch_size
-        if consumed % g:
-            raise DataError(
-                f"the checkpoint stopped {consumed} samples into epoch {epoch}, which is not a multiple "
-                f"of the new global batch {g} (micro_batch_size {self.micro_batch_size} x gradient "
-                f"accumulation {self.grad_accum} x data_parallel {self.dp_size}), so resuming here would "
-                f"repeat or skip samples; pick a global batch that divides {consumed}, such as the one "
-                f"the checkpoint was saved with"
-            )
-        if consumed > self.steps_per_epoch * g:
-            raise DataError(
-                f"the checkpoint stopped {consumed} samples into epoch {epoch}, but one epoch of this "
-                f"dataset has only {self.steps_per_epoch * g} samples; resume with the same data files "
-                f"and seq_length as the checkpoint"
+                f"the checkpoint's data loader state {dict(state)!r} has neither 'version' nor 'epoch'; "
+                f"the checkpoint is damaged or not from shardwise"
             )
         if seed != self.seed:
             logger.warning(
                 "data order follows the checkpoint's seed %d, not the configured %d", seed, self.seed
             )
-        self.seed, self.epoch, self.consumed = seed, epoch, consumed
-        if consumed == self.steps_per_epoch * g:
-            self.epoch, self.consumed = epoch + 1, 0
+        self._stream.seed = seed
+        self.consumed = consumed
+        self._worker_iter = None  # the workers restart at the new position on the next step
+
+    def _read_current(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        try:
+            version = int(state["version"])
+            consumed, seed, size = int(state["consumed"]), int(state["seed"]), int(state["num_samples"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(
+                f"the checkpoint's data loader state {dict(state)!r} needs integer 'version', 'consumed', "
+                f"'seed' and 'num_samples'; the checkpoint is damaged or not from shardwise"
+            ) from e
+        if version != STATE_VERSION:
+            raise DataError(
+                f"the checkpoint's data loader state has version {version}, but this shardwise reads "
+                f"version {STATE_VERSION}; resume with the shardwise version that wrote the checkpoint"
+            )
+        if consumed < 0:
+            raise DataError(f"the checkpoint's data loader state has a negative position: {dict(state)!r}")
+        if size != self.num_samples:
+            raise DataError(
+                f"the checkpoint was trained on a dataset of {size} samples, but this one has "
+                f"{self.num_samples}, so its data position means nothing here; resume with the same "
+                f"data files and data.seq_length as the checkpoint, or start a new run (or load only "
+                f"the weights) to train on other data"
+            )
+        return consumed, seed
+
+    def _read_per_epoch(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        try:
+            epoch, within, seed = int(state["epoch"]), int(state["consumed"]), int(state["seed"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(
+                f"the checkpoint's data loader state {dict(state)!r} needs integer 'epoch', 'consumed' "
+                f"and 'seed'; the checkpoint is damaged or not from shardwise"
+            ) from e
+        if epoch < 0 or within < 0:
+            raise DataError(f"the checkpoint's data loader state has a negative position: {dict(state)!r}")
+        if within > self.num_samples:
+            raise DataError(
+                f"the checkpoint stopped {within} samples into epoch {epoch}, but one epoch of this "
+                f"dataset has only {self.num_samples} samples; resume with the same data files and "
+                f"data.seq_length as the checkpoint"
+            )
+        # The older loader dropped each epoch's incomplete last global batch; its earlier epochs are
+        # over either way, and epoch `epoch` continues with its own permutation from `within` on.
+        logger.info("converted an older data loader state (epoch %d, %d samples in)", epoch, within)
+        return epoch * self.num_samples + within, seed
 
 
 def create_dataset(
@@ -169,7 +412,8 @@ def create_dataset(
     """The seed documents' loader factory: a StatefulLoader of `batch_size` samples per rank and step.
 
     With `distributed=True` and torch.distributed initialised, every process is one data-parallel
-    rank. `num_parallel_workers` is accepted for compatibility: samples are read in-process.
+    rank. `num_parallel_workers` of 0 or 1 reads in this process; more start that many worker
+    processes (when the loader is first read).
     """
     rank, world = 0, 1
     if distributed:
@@ -177,10 +421,10 @@ def create_dataset(
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
             logger.info("create_dataset(distributed=True) without torch.distributed: one process reads all")
-    if num_parallel_workers != 1:
-        logger.debug("num_parallel_workers=%d ignored: samples are indexed in-process", num_parallel_workers)
     shuffle = bool(getattr(dataset, "shuffle", True))
-    return StatefulLoader(dataset, batch_size, 1, seed, dp_rank=rank, dp_size=world, shuffle=shuffle)
+    workers = num_parallel_workers if num_parallel_workers > 1 else 0
+    return StatefulLoader(dataset, batch_size, 1, seed, dp_rank=rank, dp_size=world, shuffle=shuffle,
+                          num_workers=workers)
 
 
 def unwrap_loader(data: Any) -> Any:
@@ -191,17 +435,28 @@ def unwrap_loader(data: Any) -> Any:
 
 
 def sequential_batches(dataset: Dataset, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
-    """Micro-batches of `dataset` in order, the last one possibly smaller (for evaluation)."""
+    """Micro-batches of `dataset` in order, the last one possibly smaller (for evaluation).
+
+    A dataset whose items are already micro-batches (items_are_batches) yields its items as they are.
+    """
     n = len(dataset)  # type: ignore[arg-type]
-    starts = range(0, n, batch_size)
+    step = 1 if getattr(dataset, "items_are_batches", False) else batch_size
+    starts = range(0, n, step)
     if limit is not None:
         starts = starts[:limit]
     for start in starts:
-        yield collate(dataset, np.arange(start, min(start + batch_size, n)))
+        yield collate(dataset, np.arange(start, min(start + step, n)))
 
 
 def collate(dataset: Dataset, indices: np.ndarray) -> Batch:
     """Samples `indices` of `dataset` stacked into one micro-batch."""
+    if getattr(dataset, "items_are_batches", False):
+        if len(indices) != 1:
+            raise DataError(
+                f"the dataset's items are already micro-batches (items_are_batches = True); read them "
+                f"one at a time (micro_batch_size 1), not {len(indices)} together"
+            )
+        return dataset[int(indices[0])]
     # A PackedDataset gathers a whole micro-batch in one numpy op; other datasets go sample by sample.
     get_batch = getattr(dataset, "get_batch", None)
     if get_batch is not None:

@@ -1,10 +1,17 @@
-"""Tokenizers: a thin wrapper over Hugging Face `tokenizers`, byte-level BPE training, loading.
+"""Tokenizers: Hugging Face `tokenizers` or SentencePiece behind one class, byte-level BPE training, loading.
 
 A tokenizer directory is the Hugging Face layout (`tokenizer.json`, `tokenizer_config.json`,
-`special_tokens_map.json`), so what shardwise trains opens in `transformers` and what
-`transformers` saves opens here. Special tokens are explicit: bos and eos are found in the configs
-(or by their usual names), pad falls back to eos, and a special token that is not in the vocabulary
-is refused, because a pad id outside the embedding table silently corrupts training (seed 003, 4.2).
+`special_tokens_map.json`, optionally `chat_template.jinja`), so what shardwise trains opens in
+`transformers` and what `transformers` saves opens here. A SentencePiece model (a `.model` file, or a
+directory holding `tokenizer.model` and no `tokenizer.json`, as LLaMA-1/2 ship) is run by the optional
+`sentencepiece` package itself rather than converted to `tokenizers`: a conversion reproduces
+SentencePiece only for some normaliser and model settings, while the model itself gives exactly its
+own ids for all of them.
+
+Special tokens are explicit: bos and eos are found in the configs (or by their usual names, or, for
+SentencePiece, the model's own bos/eos/pad ids), pad falls back to eos, and a special token that is
+not in the vocabulary is refused, because a pad id outside the embedding table silently corrupts
+training (seed 003, 4.2).
 """
 
 from __future__ import annotations
@@ -13,8 +20,9 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+import shutil
+import uuid
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +34,13 @@ from ..errors import DataError
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
+# Files that make a directory a tokenizer directory (what `train_tokenizer` refuses to replace).
+TOKENIZER_FILES = (TOKENIZER_FILE, SENTENCEPIECE_FILE, CONFIG_FILE, SPECIAL_MAP_FILE, CHAT_TEMPLATE_FILE)
 
 # Usual names, tried in order when a tokenizer directory does not say which token plays which role.
 _GUESSES = {
@@ -39,46 +51,63 @@ _GUESSES = {
 
 _HOW_TO_MAKE_ONE = (
     "set `data.tokenizer: null` in the config to train a byte-level BPE tokenizer on the training files, "
-    f"or pass a directory holding a Hugging Face {TOKENIZER_FILE}"
+    f"or pass a directory holding a Hugging Face {TOKENIZER_FILE} (or a SentencePiece .model file)"
 )
+
+_INSTALL_SENTENCEPIECE = "pip install sentencepiece (or pip install shardwise[sentencepiece])"
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with explicit bos/eos/pad tokens and the Hugging Face directory layout."""
+    """Text to token ids and back, with explicit bos/eos/pad tokens and the Hugging Face directory layout.
+
+    `backend` is the library object that does the work: a `tokenizers.Tokenizer` here, a
+    `sentencepiece.SentencePieceProcessor` in `SentencePieceTokenizer`. Code outside this module uses
+    the methods, which behave the same for both.
+    """
+
+    # Whether unnamed special tokens are looked up by their usual names (SentencePiece models name theirs).
+    _guess_special_tokens = True
 
     def __init__(
         self,
-        backend: _HFTokenizer,
+        backend: Any,
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
         source: str = "tokenizer",
+        chat_template: str | Sequence[Mapping[str, str]] | Mapping[str, str] | None = None,
     ) -> None:
         """Wrap `backend`; unnamed special tokens are looked up by their usual names."""
         self.backend = backend
         self._source = source
-        vocab = backend.get_vocab(with_added_tokens=True)
         # Embedding rows must cover the largest id, which can exceed the token count when ids have gaps.
-        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self._bos = self._resolve("bos", bos_token, vocab)
-        self._eos = self._resolve("eos", eos_token, vocab)
-        self._pad = self._resolve("pad", pad_token, vocab)
+        self._vocab_size = self._count_vocab()
+        self._bos = self._resolve("bos", bos_token)
+        self._eos = self._resolve("eos", eos_token)
+        self._pad = self._resolve("pad", pad_token)
         if self._eos is None:
             raise DataError(
                 f"{source} has no end-of-text token: pretraining separates documents with eos. "
                 f"Set eos_token in {CONFIG_FILE} to a token of the vocabulary (usual names: "
                 f"{', '.join(_GUESSES['eos'])}), or {_HOW_TO_MAKE_ONE}"
             )
+        self._chat_templates = _chat_templates(chat_template, source)
         self._fingerprint: str | None = None
 
-    def _resolve(self, role: str, token: str | None, vocab: dict[str, int]) -> str | None:
+    def _count_vocab(self) -> int:
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max(vocab.values()) + 1 if vocab else 0
+
+    def _resolve(self, role: str, token: str | None) -> str | None:
         if token is not None:
             self._check_in_vocab(role, token)
             return token
-        return next((t for t in _GUESSES[role] if t in vocab), None)
+        if not self._guess_special_tokens:
+            return None
+        return next((t for t in _GUESSES[role] if self.token_to_id(t) is not None), None)
 
     def _check_in_vocab(self, role: str, token: str) -> int:
-        tid = self.backend.token_to_id(token)
+        tid = self.token_to_id(token)
         if tid is None or not 0 <= tid < self._vocab_size:
             eos = getattr(self, "_eos", None)
             fix = (
@@ -95,9 +124,12 @@ class Tokenizer:
 
     # --- encoding -------------------------------------------------------------------------------
 
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, optionally wrapped in bos/eos."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self._encode_plain(text)
         if add_bos:
             ids.insert(0, self._required_bos_id())
         if add_eos:
@@ -154,17 +186,17 @@ class Tokenizer:
     @property
     def bos_id(self) -> int | None:
         """Id of the bos token, or None."""
-        return None if self._bos is None else self.backend.token_to_id(self._bos)
+        return None if self._bos is None else self.token_to_id(self._bos)
 
     @property
     def eos_id(self) -> int:
         """Id of the eos token."""
-        return self.backend.token_to_id(self.eos_token)  # type: ignore[return-value]
+        return self.token_to_id(self.eos_token)  # type: ignore[return-value]
 
     @property
     def pad_id(self) -> int:
         """Id of the padding token (the eos id when no pad token was set)."""
-        return self.backend.token_to_id(self.pad_token)  # type: ignore[return-value]
+        return self.token_to_id(self.pad_token)  # type: ignore[return-value]
 
     # Hugging Face spellings, so code written for `transformers` tokenizers keeps working.
     bos_token_id = bos_id
@@ -179,50 +211,218 @@ class Tokenizer:
             )
         return self.bos_id
 
+    # --- chat template --------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template (tokenizer_config.json or chat_template.jinja), or None when absent."""
+        return self._chat_templates.get("default")
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        """Set (or with None remove) the chat template that `save()` writes."""
+        if template is None:
+            self._chat_templates.pop("default", None)
+        elif isinstance(template, str):
+            self._chat_templates["default"] = template
+        else:
+            raise TypeError(f"a chat template is a Jinja string, got {type(template).__name__}")
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """Every named chat template (tokenizer_config.json's list form); "default" is `chat_template`."""
+        return dict(self._chat_templates)
+
     # --- identity and files ---------------------------------------------------------------------
+
+    def _content_hash(self) -> Any:
+        return hashlib.sha256(self.backend.to_str().encode("utf-8"))
 
     @property
     def fingerprint(self) -> str:
-        """Short sha256 of the tokenizer.json content and the bos/eos choice (keys token caches)."""
+        """Short sha256 of the model file content and the bos/eos choice (keys token caches)."""
         if self._fingerprint is None:
-            h = hashlib.sha256(self.backend.to_str().encode("utf-8"))
-            # pad is left out: it never appears in packed pretraining tokens, so changing it keeps caches.
+            h = self._content_hash()
+            # pad (and the chat template) are left out: they never appear in packed pretraining tokens,
+            # so changing them keeps caches.
             h.update(f"\0{self._bos}\0{self._eos}".encode())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
+    def _write_model(self, out: Path) -> None:
+        _write_atomic(out / TOKENIZER_FILE, self.backend.to_str(pretty=True))
+
+    def _base_config(self) -> dict[str, Any]:
+        return {"tokenizer_class": "PreTrainedTokenizerFast"}
+
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `directory`."""
+        """Write the model file, tokenizer_config.json (with chat template) and special_tokens_map.json."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         specials = {k: v for k, v in specials.items() if v is not None}
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            **specials,
-            "clean_up_tokenization_spaces": False,
-        }
-        _write_atomic(out / TOKENIZER_FILE, self.backend.to_str(pretty=True))
+        config = {**self._base_config(), **specials}
+        config.setdefault("clean_up_tokenization_spaces", False)
+        templates = self._chat_templates
+        if list(templates) == ["default"]:
+            config["chat_template"] = templates["default"]
+        elif templates:
+            config["chat_template"] = [{"name": n, "template": t} for n, t in templates.items()]
+        self._write_model(out)
         _write_atomic(out / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         _write_atomic(out / SPECIAL_MAP_FILE, json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+        # A chat_template.jinja overrides the config's template when loading (here and in transformers),
+        # so one left in the directory must say the same or go.
+        jinja = out / CHAT_TEMPLATE_FILE
+        if jinja.exists():
+            if self.chat_template is None:
+                jinja.unlink()
+            else:
+                _write_atomic(jinja, self.chat_template)
         return out
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
-            f"pad={self.pad_token!r}, fingerprint={self.fingerprint})"
+            f"{type(self).__name__}(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r}, pad={self.pad_token!r}, fingerprint={self.fingerprint})"
         )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a crash never leaves a half-written file under that name."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (LLaMA-1/2 `tokenizer.model`) behind the Tokenizer methods, exact ids."""
+
+    _guess_special_tokens = False
+
+    def __init__(
+        self,
+        processor: Any,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        source: str = "tokenizer",
+        chat_template: str | Sequence[Mapping[str, str]] | Mapping[str, str] | None = None,
+        config: Mapping[str, Any] | None = None,
+        without: Collection[str] = (),
+    ) -> None:
+        """Wrap a `SentencePieceProcessor`; unnamed special tokens are the model's bos/eos/pad ids (-1: none).
+
+        `without` names roles ("bos", "pad") a config explicitly left empty (null), which overrides the
+        model's id, as in transformers. `config` holds the other keys of the tokenizer_config.json it
+        came with, written back by `save()`.
+        """
+        self.backend = processor
+        self._source = source
+        size = processor.get_piece_size()
+        model_ids = {"bos": processor.bos_id(), "eos": processor.eos_id(), "pad": processor.pad_id()}
+        for role, tid in model_ids.items():
+            if tid >= size:
+                raise DataError(
+                    f"{role}_id {tid} of {source} is outside its vocabulary of {size} pieces, and a "
+                    f"special token outside the vocabulary corrupts training; retrain the SentencePiece "
+                    f"model with {role}_id below {size} (or -1 for none)"
+                )
+        named = {"bos": bos_token, "eos": eos_token, "pad": pad_token}
+        tokens = {
+            role: named[role]
+            if named[role] is not None or role in without
+            else (processor.id_to_piece(tid) if tid >= 0 else None)
+            for role, tid in model_ids.items()
+        }
+        drop = {"chat_template"} | {f"{r}_token{s}" for r in ("bos", "eos", "pad") for s in ("", "_id")}
+        self._config = {k: v for k, v in (config or {}).items() if k not in drop}
+        super().__init__(
+            processor, tokens["bos"], tokens["eos"], tokens["pad"], source=source, chat_template=chat_template
+        )
+
+    def _count_vocab(self) -> int:
+        return self.backend.get_piece_size()
+
+    def _encode_plain(self, text: str) -> list[int]:
+        # Explicit add_bos/add_eos=False: a processor can be configured to add them by default.
+        return self.backend.encode(text, out_type=int, add_bos=False, add_eos=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel by the C++ library."""
+        if not texts:
+            return []
+        return self.backend.encode(list(texts), out_type=int, add_bos=False, add_eos=False)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of a sequence of token ids (control tokens such as bos/eos shown as text unless skipped)."""
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            return self.backend.decode(ids)
+        # SentencePiece always drops control pieces, so they are spliced in between decoded runs.
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if self.backend.is_control(i):
+                if run:
+                    parts.append(self.backend.decode(run))
+                    run = []
+                parts.append(self.backend.id_to_piece(i))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.backend.decode(run))
+        return "".join(parts)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of the piece `token`, or None when it is not in the vocabulary."""
+        tid = self.backend.piece_to_id(token)
+        # piece_to_id answers the unknown-piece id for anything it does not know.
+        if tid == self.backend.unk_id() and token != self.backend.id_to_piece(tid):
+            return None
+        return tid
+
+    def _content_hash(self) -> Any:
+        return hashlib.sha256(b"sentencepiece\0" + self.backend.serialized_model_proto())
+
+    def _write_model(self, out: Path) -> None:
+        stale = out / TOKENIZER_FILE
+        if stale.exists():
+            # It would be loaded instead of the tokenizer.model being saved.
+            logger.warning("removing %s: it would shadow the SentencePiece model saved there", stale)
+            stale.unlink()
+        _write_atomic(out / SENTENCEPIECE_FILE, self.backend.serialized_model_proto())
+
+    def _base_config(self) -> dict[str, Any]:
+        # The source config's other keys (tokenizer_class, add_bos_token, ...) describe this model for
+        # transformers; a class is not invented when there was none, since none fits every model.
+        return dict(self._config)
+
+
+def _chat_templates(value: Any, source: str) -> dict[str, str]:
+    """Named chat templates from a config value: a string (default), a list of {name, template}, a dict."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()):
+        return dict(value)
+    if isinstance(value, Sequence) and all(
+        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        for t in value
+    ):
+        return {t["name"]: t["template"] for t in value}
+    raise DataError(
+        f"chat_template of {source} must be a Jinja string or a list of "
+        f'{{"name": ..., "template": ...}} entries, got {type(value).__name__}; fix or remove it'
+    )
+
+
+def _write_atomic(path: Path, content: str | bytes) -> None:
+    """Write `content` to `path` so that a crash never leaves a half-written file under that name."""
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    # os.open with 0o666 (not mkstemp's 0o600) so the file gets the user's usual permissions (umask).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -243,54 +443,238 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def load_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
-    """Load a Hugging Face tokenizer directory (tokenizer.json plus optional config files)."""
-    d = Path(directory).expanduser()
-    if not d.is_dir():
-        raise DataError(
-            f"tokenizer directory {str(d)!r} does not exist; {_HOW_TO_MAKE_ONE}"
+def _read_chat_template(d: Path, config: Mapping[str, Any], source: str) -> dict[str, str]:
+    """The directory's chat templates; a chat_template.jinja file wins over the config, as in transformers."""
+    templates = _chat_templates(config.get("chat_template"), f"{source} ({CONFIG_FILE})")
+    jinja = d / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        try:
+            templates["default"] = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot read {jinja}: {e}; fix or delete the file") from e
+    if templates and "default" not in templates:
+        logger.warning(
+            "%s has chat templates %s but none named 'default'; chat_template is None",
+            source,
+            sorted(templates),
         )
+    return templates
+
+
+def _check_token_ids(tok: Tokenizer, config: Mapping[str, Any], where: Path) -> None:
+    """Refuse `*_token_id` entries of a config that point outside the vocabulary."""
+    for role in ("bos", "eos", "pad"):
+        want = config.get(f"{role}_token_id")
+        if isinstance(want, int) and not 0 <= want < tok.vocab_size:
+            raise DataError(
+                f"{role}_token_id {want} in {where} is outside the vocabulary of "
+                f"{tok.vocab_size} tokens; remove it or use an id below {tok.vocab_size}"
+            )
+
+
+def _load_hf(d: Path) -> Tokenizer:
+    """A Hugging Face tokenizer directory holding tokenizer.json."""
     path = d / TOKENIZER_FILE
-    if not path.is_file():
-        hint = (
-            " (a SentencePiece tokenizer.model is not supported yet)"
-            if (d / "tokenizer.model").exists()
-            else ""
-        )
-        raise DataError(
-            f"no {TOKENIZER_FILE} in tokenizer directory {str(d)!r}{hint}; save one there with "
-            f"transformers' `tokenizer.save_pretrained(dir)`, or {_HOW_TO_MAKE_ONE}"
-        )
     try:
         backend = _HFTokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises plain Exception for malformed files
         raise DataError(f"{path} is not a valid Hugging Face tokenizer file: {e}") from e
     config = {**_read_json(d / SPECIAL_MAP_FILE), **_read_json(d / CONFIG_FILE)}
     tokens = {role: _token_content(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
-    tok = Tokenizer(backend, **{f"{r}_token": t for r, t in tokens.items()}, source=f"tokenizer {str(d)!r}")
-    for role in ("bos", "eos", "pad"):
-        want = config.get(f"{role}_token_id")
-        if isinstance(want, int) and not 0 <= want < tok.vocab_size:
-            raise DataError(
-                f"{role}_token_id {want} in {d / CONFIG_FILE} is outside the vocabulary of "
-                f"{tok.vocab_size} tokens; remove it or use an id below {tok.vocab_size}"
-            )
-    logger.debug("loaded %r from %s", tok, d)
+    source = f"tokenizer {str(d)!r}"
+    tok = Tokenizer(
+        backend,
+        **{f"{r}_token": t for r, t in tokens.items()},
+        source=source,
+        chat_template=_read_chat_template(d, config, source),
+    )
+    _check_token_ids(tok, config, d / CONFIG_FILE)
     return tok
 
 
-def _read_lines(files: Sequence[str], batch: int = 1000) -> Iterator[list[str]]:
-    """Lines of the files in batches; invalid UTF-8 becomes U+FFFD instead of failing."""
+def _import_sentencepiece(what: Path) -> Any:
+    """The optional sentencepiece module, or a DataError saying how to install it."""
+    try:
+        import sentencepiece
+    except ImportError as e:
+        raise DataError(
+            f"{what} is a SentencePiece model, and reading it needs the sentencepiece package: "
+            f"{_INSTALL_SENTENCEPIECE}"
+        ) from e
+    return sentencepiece
+
+
+def _load_sentencepiece(model_file: Path, config_dir: Path | None) -> SentencePieceTokenizer:
+    """A SentencePiece model file, with the configs of `config_dir` (its Hugging Face directory) if given."""
+    spm = _import_sentencepiece(model_file)
+    try:
+        data = model_file.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read SentencePiece model {model_file}: {e}") from e
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(data)
+    except Exception as e:  # the C++ library raises RuntimeError/OSError variously for bad files
+        raise DataError(
+            f"{model_file} is not a valid SentencePiece model ({e}); pass the .model file written by "
+            f"SentencePieceTrainer, or a directory holding a Hugging Face {TOKENIZER_FILE}"
+        ) from e
+    source = f"tokenizer {str(model_file)!r}"
+    config: dict[str, Any] = {}
+    own_config: dict[str, Any] = {}
+    templates: dict[str, str] = {}
+    if config_dir is not None:
+        added = _read_json(config_dir / "added_tokens.json")
+        if added:
+            # Those ids lie beyond the model's pieces and SentencePiece never produces them, so text holding
+            # such tokens would be tokenised differently from the model's training.
+            raise DataError(
+                f"{config_dir / 'added_tokens.json'} adds {len(added)} tokens to the SentencePiece model, "
+                f"which shardwise does not support; convert the directory to a {TOKENIZER_FILE} with "
+                f"transformers (AutoTokenizer.from_pretrained(dir).save_pretrained(new_dir)) and use that"
+            )
+        own_config = _read_json(config_dir / CONFIG_FILE)
+        config = {**_read_json(config_dir / SPECIAL_MAP_FILE), **own_config}
+        templates = _read_chat_template(config_dir, config, source)
+    tokens = {role: _token_content(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
+    tok = SentencePieceTokenizer(
+        processor,
+        **{f"{r}_token": t for r, t in tokens.items()},
+        source=source,
+        chat_template=templates,
+        config=own_config,
+        without=[r for r in ("bos", "eos", "pad") if f"{r}_token" in config and config[f"{r}_token"] is None],
+    )
+    if config_dir is not None:
+        _check_token_ids(tok, config, config_dir / CONFIG_FILE)
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load a Hugging Face tokenizer.json directory, a SentencePiece .model file, or a directory holding
+    tokenizer.model and no tokenizer.json (LLaMA-1/2 style)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        if p.name == TOKENIZER_FILE:
+            return load_tokenizer(p.parent)
+        # A tokenizer.model keeps the configs beside it; a differently named .model stands alone.
+        tok: Tokenizer = _load_sentencepiece(p, p.parent if p.name == SENTENCEPIECE_FILE else None)
+    elif not p.is_dir():
+        raise DataError(f"tokenizer {str(p)!r} does not exist; {_HOW_TO_MAKE_ONE}")
+    elif (p / TOKENIZER_FILE).is_file():
+        tok = _load_hf(p)
+    elif (p / SENTENCEPIECE_FILE).is_file():
+        tok = _load_sentencepiece(p / SENTENCEPIECE_FILE, p)
+    else:
+        raise DataError(
+            f"no {TOKENIZER_FILE} in tokenizer directory {str(p)!r} (nor a SentencePiece "
+            f"{SENTENCEPIECE_FILE}); save one there with transformers' `tokenizer.save_pretrained(dir)`, "
+            f"or {_HOW_TO_MAKE_ONE}"
+        )
+    logger.debug("loaded %r from %s", tok, p)
+    return tok
+
+
+# --- training ------------------------------------------------------------------------------------
+
+# Texts handed to the trainer at a time: bounded in count and characters, so that memory stays flat.
+_BATCH_TEXTS = 1000
+_BATCH_CHARS = 1 << 20
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# Leading bytes of compressed or columnar files, which are not text however they are named.
+_BINARY_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"BZh", "bzip2"),
+    (b"PK\x03\x04", "zip"),
+    (b"PAR1", "parquet"),
+)
+
+
+def _check_text_file(path: str) -> None:
+    """Refuse a file that is missing or binary (compressed, parquet, UTF-16), naming it."""
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer training file {path!r} does not exist; check the input paths")
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+    kind = next((name for magic, name in _BINARY_MAGIC if head.startswith(magic)), None)
+    if kind == "bzip2" and not head[3:4].isdigit():
+        kind = None  # plain text that happens to start with "BZh"
+    if kind is None and b"\0" in head:
+        kind = "binary"
+    if kind is not None:
+        raise DataError(
+            f"tokenizer training file {path!r} looks like a {kind} file, not text; tokenizer training "
+            f"reads UTF-8 text files (.txt) and JSON lines (.jsonl): decompress or convert it first"
+        )
+
+
+def _jsonl_text(line: str, where: str, text_field: str) -> str:
+    """The text field of one JSON line; ValueError (with a message) when the line has none."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        kind = type(record).__name__
+        raise ValueError(f"{where}: a JSON {kind}, not an object with a {text_field!r} field")
+    if text_field not in record:
+        keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
+        raise ValueError(
+            f"{where}: no {text_field!r} field (its fields: {keys}); name the text field with "
+            f"text_field (--text-field)"
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_field!r} is a {type(text).__name__}, not a string")
+    return text
+
+
+def _read_texts(
+    files: Sequence[str],
+    text_field: str = "text",
+    skip_bad_lines: bool = False,
+    stats: dict[str, int] | None = None,
+) -> Iterator[list[str]]:
+    """Stream texts in small batches: lines of text files, the `text_field` of .jsonl lines.
+
+    Invalid UTF-8 becomes U+FFFD instead of failing. A bad .jsonl line (not JSON, no text field) stops
+    with a DataError naming file and line, or is skipped and counted with `skip_bad_lines`.
+    """
+    stats = stats if stats is not None else {}
+    for key in ("texts", "chars", "bad_lines"):
+        stats.setdefault(key, 0)
+    batch: list[str] = []
+    chars = 0
     for f in files:
+        is_jsonl = f.lower().endswith(_JSONL_SUFFIXES)
         with open(f, encoding="utf-8", errors="replace") as fh:
-            lines: list[str] = []
-            for line in fh:
-                lines.append(line)
-                if len(lines) == batch:
-                    yield lines
-                    lines = []
-            if lines:
-                yield lines
+            for lineno, line in enumerate(fh, 1):
+                if is_jsonl:
+                    if not line.strip():
+                        continue
+                    try:
+                        line = _jsonl_text(line, f"{f}:{lineno}", text_field)
+                    except ValueError as e:
+                        if not skip_bad_lines:
+                            raise DataError(
+                                f"{e}; fix the line, or skip such lines with skip_bad_lines=True "
+                                f"(--skip-bad-lines)"
+                            ) from None
+                        stats["bad_lines"] += 1
+                        if stats["bad_lines"] <= 5:
+                            logger.warning("skipping %s", e)
+                        continue
+                batch.append(line)
+                chars += len(line)
+                stats["texts"] += 1
+                stats["chars"] += len(line)
+                if len(batch) >= _BATCH_TEXTS or chars >= _BATCH_CHARS:
+                    yield batch
+                    batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def train_bpe_tokenizer(
@@ -300,13 +684,18 @@ def train_bpe_tokenizer(
     special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
     min_frequency: int = 2,
     show_progress: bool = True,
+    text_field: str = "text",
+    skip_bad_lines: bool = False,
 ) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on text files and save it to `out_dir`.
+    """Train a byte-level BPE tokenizer on text (.txt) or JSON-lines (.jsonl) files and save it to `out_dir`.
 
-    `special_tokens` are (bos, eos[, pad]) in that order and get ids 0, 1, 2.
+    `special_tokens` are (bos, eos[, pad]) in that order and get ids 0, 1, 2. Files are streamed.
     """
+    special_tokens = tuple(special_tokens)
     if len(special_tokens) not in (2, 3):
-        raise DataError(f"special_tokens must be (bos, eos) or (bos, eos, pad), got {tuple(special_tokens)}")
+        raise DataError(f"special_tokens must be (bos, eos) or (bos, eos, pad), got {special_tokens}")
+    if len(set(special_tokens)) != len(special_tokens) or not all(special_tokens):
+        raise DataError(f"special_tokens must be distinct non-empty strings, got {special_tokens}")
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     smallest = len(alphabet) + len(special_tokens)
     if vocab_size < smallest:
@@ -314,11 +703,10 @@ def train_bpe_tokenizer(
             f"vocab_size {vocab_size} is too small for a byte-level BPE tokenizer: the 256 byte symbols "
             f"and {len(special_tokens)} special tokens alone need {smallest}; use at least {smallest}"
         )
-    for f in files:
-        if not os.path.isfile(f):
-            raise DataError(f"tokenizer training file {f!r} does not exist; check data.train_files")
     if not files:
         raise DataError("no files to train the tokenizer on; set data.train_files")
+    for f in files:
+        _check_text_file(f)
     backend = _HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -331,13 +719,99 @@ def train_bpe_tokenizer(
         show_progress=show_progress,
     )
     logger.info("training a byte-level BPE tokenizer (vocab %d) on %d files", vocab_size, len(files))
-    # Reading in Python (not trainer.train(files)) so that invalid UTF-8 is replaced, not fatal.
-    backend.train_from_iterator(_read_lines(files), trainer=trainer)
+    stats: dict[str, int] = {}
+    # Reading in Python (not trainer.train(files)) so that invalid UTF-8 is replaced, not fatal, and
+    # .jsonl lines give their text field.
+    backend.train_from_iterator(_read_texts(files, text_field, skip_bad_lines, stats), trainer=trainer)
+    if not stats["chars"]:
+        raise DataError(
+            f"the {len(files)} tokenizer training files hold no text"
+            + (f" (the .jsonl files have no non-empty {text_field!r} field)" if stats["texts"] else "")
+            + "; check the input paths"
+        )
+    if stats["bad_lines"]:
+        logger.warning("skipped %d bad .jsonl lines while training the tokenizer", stats["bad_lines"])
     pad = special_tokens[2] if len(special_tokens) == 3 else None
     tok = Tokenizer(backend, special_tokens[0], special_tokens[1], pad, source=f"tokenizer {str(out_dir)!r}")
     tok.save(out_dir)
-    logger.info("saved %r to %s", tok, out_dir)
+    logger.info("saved %r to %s (%d texts, %d characters)", tok, out_dir, stats["texts"], stats["chars"])
     return tok
+
+
+def train_tokenizer(
+    inputs: Sequence[str] | str,
+    vocab_size: int,
+    out: str | os.PathLike[str],
+    *,
+    min_frequency: int = 2,
+    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+    text_field: str = "text",
+    skip_bad_lines: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> Tokenizer:
+    """`shardwise tokenizer train`: a byte-level BPE tokenizer from files or globs, saved atomically to `out`.
+
+    An `out` that already holds tokenizer files is refused unless `overwrite`; the tokenizer is trained
+    into a temporary directory beside `out` and renamed into place, so an interrupted run leaves `out`
+    as it was.
+    """
+    from .pretrain import expand_files  # imported here: pretrain imports this module
+
+    # Resolved, so that "." or a symlink still has a parent to hold the temporary directory.
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"tokenizer output {str(out)!r} is a file, not a directory; choose a directory")
+    held = [n for n in TOKENIZER_FILES if (out / n).exists()]
+    if held and not overwrite:
+        raise DataError(
+            f"{str(out)!r} already holds a tokenizer ({', '.join(held)}); choose another output "
+            f"directory, or replace it with overwrite=True (--overwrite)"
+        )
+    files = expand_files(inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # os.mkdir (not mkdtemp's 0o700) so the directory that becomes `out` gets the usual permissions.
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
+    os.mkdir(tmp)
+    try:
+        train_bpe_tokenizer(
+            files, vocab_size, tmp, special_tokens=special_tokens, min_frequency=min_frequency,
+            show_progress=show_progress, text_field=text_field, skip_bad_lines=skip_bad_lines,
+        )
+        _install_directory(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_tokenizer(out)
+
+
+def _install_directory(new: Path, out: Path) -> None:
+    """Move the finished tokenizer directory `new` to `out`, replacing only tokenizer files there."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    entries = list(out.iterdir())
+    # Renaming the working directory away would leave this process (and the user's shell) in a
+    # deleted one, so that directory is filled file by file instead.
+    is_cwd = out == Path.cwd().resolve()
+    if not entries and not is_cwd:
+        os.replace(new, out)  # POSIX rename also replaces an empty directory
+        return
+    if entries and not is_cwd and all(p.name in TOKENIZER_FILES for p in entries):
+        # Only an old tokenizer there: swap whole directories, so no mix of old and new files is ever
+        # visible; a crash between the renames leaves the old one intact under the backup name.
+        backup = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(out, backup)
+        os.replace(new, out)
+        shutil.rmtree(backup, ignore_errors=True)
+        return
+    # Other files share the directory: leave them, replace the tokenizer's files one by one, and drop
+    # old ones the new tokenizer does not write (they would change what loads).
+    written = {p.name for p in new.iterdir()}
+    for name in TOKENIZER_FILES:
+        if name not in written and (out / name).exists():
+            (out / name).unlink()
+    for name in sorted(written, key=lambda n: n == TOKENIZER_FILE):  # tokenizer.json last
+        os.replace(new / name, out / name)
 
 
 class AutoTokenizer:
@@ -345,15 +819,20 @@ class AutoTokenizer:
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str | os.PathLike[str], **kwargs: Any) -> Tokenizer:
-        """Load the tokenizer directory `name_or_dir`; hub names are not downloaded."""
+        """Load the tokenizer directory or SentencePiece .model `name_or_dir`; hubs are not used."""
         if kwargs:
             logger.debug("AutoTokenizer.from_pretrained ignores %s", sorted(kwargs))
         d = Path(name_or_dir).expanduser()
-        if d.is_dir() and (d / TOKENIZER_FILE).is_file():
+        model_files = (TOKENIZER_FILE, SENTENCEPIECE_FILE)
+        if d.is_file() or (d.is_dir() and any((d / n).is_file() for n in model_files)):
             return load_tokenizer(d)
-        found = "the directory has no tokenizer.json" if d.is_dir() else "no such directory"
+        found = (
+            f"the directory has no {TOKENIZER_FILE} or {SENTENCEPIECE_FILE}"
+            if d.is_dir()
+            else "no such directory"
+        )
         raise DataError(
             f"cannot load tokenizer {str(name_or_dir)!r}: looked for a directory containing "
-            f"{TOKENIZER_FILE} ({found}); shardwise does not download model names from a hub. "
-            f"To fix it, {_HOW_TO_MAKE_ONE}"
+            f"{TOKENIZER_FILE} or a SentencePiece {SENTENCEPIECE_FILE}, or a .model file ({found}); "
+            f"shardwise does not download model names from a hub. To fix it, {_HOW_TO_MAKE_ONE}"
         )

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardwise.models.attention import AttentionMask, attend, document_block_mask, document_mask, flex_available
 from shardwise.models.config import ModelConfig, RopeScaling
 
 
@@ -171,11 +172,12 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-        mask: Optional[torch.Tensor],
+        mask: Optional[AttentionMask],
         is_causal: bool,
         kv_cache: Optional[KVCache],
     ) -> torch.Tensor:
-        """Attend over x [B, T, hidden]; `mask` is boolean [B, 1, T, S] (True = may attend) or None."""
+        """Attend over x [B, T, hidden]; `mask` is boolean [B, 1, T, S] (True = may attend), a flex
+        block mask, or None."""
         bsz, seqlen, _ = x.shape
         # -1 rather than num_heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -187,17 +189,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            # Repeating kv heads keeps every SDPA backend available (enable_gqa narrows the choice).
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-        )
+        out = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.resid_dropout(self.wo(out))
 
@@ -251,7 +243,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-        mask: Optional[torch.Tensor],
+        mask: Optional[AttentionMask],
         is_causal: bool,
         kv_cache: Optional[KVCache],
     ) -> torch.Tensor:
@@ -278,6 +270,8 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.position == "learned" else None
         )
         self.emb_dropout = nn.Dropout(cfg.dropout)
+        # How document masks are computed: "auto" (flex on CUDA, else explicit), "flex" or "mask".
+        self.document_attention = "auto"
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -332,13 +326,15 @@ class Transformer(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for tokens [B, T] (or hidden states in and out on a pipeline's middle stages).
 
         `position_ids` [B, T] default to 0..T-1 (continuing from the cache length with a KV cache).
         `attention_mask` is boolean [B, 1, T, S] or [B, T, S], True where a query may attend to a key
-        (S = cached + new tokens); every query must be allowed at least one key. Without a mask the
-        attention is causal.
+        (S = cached + new tokens); every query must be allowed at least one key. `document_ids`
+        [B, T] number the documents packed into each sample: a token then attends only to earlier
+        tokens of its own document. Without either the attention is causal.
         """
         past = kv_cache.length if kv_cache is not None else 0
         seqlen = tokens.shape[1]
@@ -365,7 +361,12 @@ class Transformer(nn.Module):
             sin = self.rope_sin[position_ids].unsqueeze(2).to(h.dtype)
             rope = (cos, sin)
 
-        mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
+        if document_ids is not None:
+            if attention_mask is not None or kv_cache is not None:
+                raise ValueError("document_ids cannot be combined with attention_mask or a KV cache")
+            mask, is_causal = self._document_mask(document_ids), False
+        else:
+            mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
         # use_flash_attention: false keeps SDPA to its plain (math) kernel, e.g. to rule out a fused one.
         kernels = contextlib.nullcontext() if self.cfg.use_flash_attention else sdpa_kernel(SDPBackend.MATH)
         with kernels:
@@ -379,6 +380,19 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def _document_mask(self, document_ids: torch.Tensor) -> AttentionMask:
+        """Flex block mask on CUDA (fused, no T x T tensor), else an explicit boolean mask for SDPA."""
+        kind = self.document_attention
+        if kind == "auto":
+            use_flex = (
+                flex_available()
+                and document_ids.device.type == "cuda"
+                and self.cfg.use_flash_attention
+                and not (self.training and self.cfg.dropout)
+            )
+            kind = "flex" if use_flex else "mask"
+        return document_block_mask(document_ids) if kind == "flex" else document_mask(document_ids)
 
     @staticmethod
     def _attention_mask(

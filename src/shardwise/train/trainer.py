@@ -55,8 +55,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _model_extras(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Document-aware position ids and attention masks, when the data provides them."""
-    return {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask") if k in mb}
+    """Document-aware position ids and masks, when the data provides them."""
+    keys = ("position_ids", "document_ids", "attention_mask")
+    return {k: mb[k].to(device, non_blocking=True) for k in keys if k in mb}
 
 
 def count_target_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
@@ -105,7 +106,8 @@ class Trainer:
                                 dynamic=dynamic)
         grad_accum = cfg.gradient_accumulation()
         loader = StatefulLoader(self.train_dataset, cfg.train.micro_batch_size, grad_accum, cfg.train.seed,
-                                shuffle=getattr(self.train_dataset, "shuffle", True))
+                                shuffle=getattr(self.train_dataset, "shuffle", True),
+                                num_workers=cfg.data.num_workers)
         total_steps = self._total_steps(loader)
         schedule = LRSchedule(cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, total_steps,
                               cfg.train.decay_style, cfg.train.wsd_decay_ratio)
@@ -136,7 +138,8 @@ class Trainer:
                 done = step + 1
                 result.step = done
                 result.losses[done] = loss
-                window.add(loss, step_tokens, skipped)
+                # Counted from the batches: padded or dynamically batched samples vary in size.
+                window.add(loss, sum(mb["input_ids"].numel() for mb in micro_batches), skipped)
                 bar.update(1)
                 if done % cfg.train.log_steps == 0 or done == total_steps:
                     record = window.record(done, lr, grad_norm, scaler, flops_tok, peak, device)
@@ -156,6 +159,7 @@ class Trainer:
                              result.eval["perplexity"])
                     window.start = time.perf_counter()
         finally:
+            loader.close()
             bar.close()
             writer.close()
         return result
@@ -165,14 +169,10 @@ class Trainer:
     def _prepare_data(self, run_dir: Path) -> None:
         cfg = self.config
         if self.train_dataset is None:
-            from ..data.pretrain import build_pretrain_data
+            from ..data.build import build_data
 
-            if not cfg.data.train_files:
-                raise ConfigError("data.train_files is empty: give globs of text files to train on")
-            self.tokenizer, self.train_dataset, eval_ds = build_pretrain_data(
-                cfg.data.train_files, cfg.data.seq_length, cfg.data.tokenizer, cfg.model.vocab_size,
-                cfg.data.cache_dir,
-                eval_files=cfg.data.eval_files, eval_fraction=cfg.data.eval_fraction)
+            self.tokenizer, self.train_dataset, eval_ds = build_data(
+                cfg.data, cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seed)
             if self.eval_dataset is None:
                 self.eval_dataset = eval_ds
         self.train_dataset = unwrap_loader(self.train_dataset)
@@ -211,8 +211,7 @@ class Trainer:
         train = self.config.train
         if train.max_steps is not None:
             return train.max_steps
-        # StatefulLoader already refused data that holds less than one global batch.
-        return max(1, math.ceil(train.epochs * loader.steps_per_epoch))
+        return loader.steps_for_epochs(train.epochs)
 
     def _step(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
               device: torch.device, step: int) -> tuple[float, float, bool]:

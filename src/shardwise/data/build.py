@@ -1,0 +1,174 @@
+"""The `data` section of a config -> tokenizer, training dataset and (optional) eval dataset.
+
+Pre-training: raw files are prepared into token shards once (cached by input, tokenizer and options;
+`shardwise prepare` does the same ahead of time into a directory you name, which `train_files` may
+point at), then packed into `seq_length` samples with document masks. Instruction tuning: `.jsonl`
+conversations become `InstructionDataset` samples with loss on the assistant turns only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DataError
+from .pretrain import PackedDataset, default_cache_dir, expand_files, files_key
+from .shards import MANIFEST_FILE, TokenShards
+from .tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
+
+if TYPE_CHECKING:
+    from ..config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+
+def prepared_dir(globs: list[str]) -> Path | None:
+    """The directory when `globs` names one `shardwise prepare` output, else None (raw files)."""
+    dirs = [Path(g).expanduser() for g in globs if (Path(g).expanduser() / MANIFEST_FILE).is_file()]
+    if not dirs:
+        return None
+    if len(globs) > 1:
+        raise DataError(
+            f"data files {globs} mix a prepared directory ({dirs[0]}) with other entries; give either one "
+            f"prepared directory or globs of raw files"
+        )
+    return dirs[0]
+
+
+def _prepare_options(data: "DataConfig") -> dict[str, Any]:
+    return {
+        "fmt": data.format, "text_field": data.text_field, "txt_documents": data.txt_documents,
+        "min_chars": data.min_chars, "max_length": data.max_length, "on_bad_line": data.on_bad_line,
+    }
+
+
+def _token_stream(globs: list[str], tokenizer: Tokenizer, data: "DataConfig", cache_dir: str) -> TokenShards:
+    """Token shards of `globs`: a prepared directory as is, raw files prepared (or found) in the cache."""
+    from .prepare import prepare_cached
+
+    directory = prepared_dir(globs)
+    if directory is None:
+        directory = prepare_cached(globs, tokenizer, cache_dir, workers=data.prepare_workers,
+                                   **_prepare_options(data))
+    return TokenShards(directory, tokenizer)
+
+
+def _train_tokenizer(globs: list[str], data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on the training files, kept in the cache for the next run."""
+    from .sources import resolve_inputs
+
+    files = resolve_inputs(globs, data.format)
+    key = files_key([f.path for f in files], "bpe", vocab_size, data.text_field)
+    out = Path(cache_dir).expanduser() / f"tokenizer-{key}"
+    if (out / "tokenizer.json").is_file():
+        logger.info("using cached tokenizer %s", out)
+        return load_tokenizer(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        train_bpe_tokenizer([f.path for f in files], vocab_size, tmp, text_field=data.text_field)
+        if out.exists() and not (out / "tokenizer.json").is_file():
+            shutil.rmtree(out)  # a leftover without tokenizer.json is unusable
+        # Renaming the finished directory keeps a half-trained tokenizer from ever being reused.
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "tokenizer.json").is_file():
+            raise
+        # Another process finished the same tokenizer first; theirs is identical, so use it.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_tokenizer(out)
+
+
+def _tokenizer(data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer:
+    if data.tokenizer is not None:
+        return load_tokenizer(data.tokenizer)
+    if data.kind == "instruction":
+        raise DataError(
+            "data.kind is instruction but data.tokenizer is not set; fine-tuning uses the tokenizer of the "
+            "model it starts from: set data.tokenizer to its directory (a shardwise run has one in "
+            "RUN_DIR/tokenizer)"
+        )
+    if prepared_dir(data.train_files) is not None:
+        raise DataError(
+            f"data.train_files is the prepared directory {data.train_files[0]!r}, so data.tokenizer must be "
+            f"the tokenizer it was prepared with (its manifest.json records the fingerprint)"
+        )
+    return _train_tokenizer(data.train_files, data, vocab_size, cache_dir)
+
+
+def _pretrain_datasets(data: "DataConfig", tokenizer: Tokenizer, cache_dir: str) -> tuple[Any, Any]:
+    seq = data.seq_length
+    flags = {"reset_attention_mask": data.reset_attention_mask, "reset_position_ids": data.reset_position_ids}
+    stream = _token_stream(data.train_files, tokenizer, data, cache_dir)
+    if data.eval_files:
+        if data.eval_fraction:
+            logger.warning("data.eval_files is set, so data.eval_fraction %s is ignored", data.eval_fraction)
+        eval_ds = PackedDataset(_token_stream(data.eval_files, tokenizer, data, cache_dir), seq, **flags)
+        return PackedDataset(stream, seq, **flags), eval_ds
+    if not data.eval_fraction:
+        return PackedDataset(stream, seq, **flags), None
+    cut = stream.num_tokens - int(round(stream.num_tokens * data.eval_fraction))
+    if stream.num_tokens - cut < seq + 1:
+        raise DataError(
+            f"data.eval_fraction {data.eval_fraction} holds out {stream.num_tokens - cut} of "
+            f"{stream.num_tokens} tokens, fewer than the {seq + 1} one eval sample needs; raise "
+            f"eval_fraction, lower seq_length or give data.eval_files"
+        )
+    return PackedDataset(stream, seq, stop=cut, **flags), PackedDataset(stream, seq, start=cut, **flags)
+
+
+def _instruction_datasets(
+    data: "DataConfig", tokenizer: Tokenizer, cache_dir: str, micro_batch_size: int, seed: int
+) -> tuple[Any, Any]:
+    from .sft import InstructionDataset
+
+    if data.eval_fraction:
+        raise DataError(
+            "data.eval_fraction is not supported for instruction data (a tail of conversations is not a "
+            "fair held-out set when files are sorted by topic); put held-out conversations in a file and "
+            "set data.eval_files"
+        )
+    packing_dynamic = data.packing == "dynamic"
+
+    def dataset(globs: list[str], shuffle: bool) -> InstructionDataset:
+        return InstructionDataset(
+            globs, tokenizer, data.seq_length, shuffle=shuffle, template=data.template, packing=data.packing,
+            truncation=data.truncation, on_bad_line=data.on_bad_line, cache_dir=cache_dir, seed=seed,
+            # Dynamic batches hold what micro_batch_size full rows would: the same memory bound.
+            token_budget=micro_batch_size * data.seq_length if packing_dynamic else None,
+        )
+
+    train = dataset(data.train_files, True)
+    return train, dataset(data.eval_files, False) if data.eval_files else None
+
+
+def build_data(
+    data: "DataConfig", vocab_size: int, micro_batch_size: int = 1, seed: int = 0
+) -> tuple[Tokenizer, Any, Any]:
+    """(tokenizer, train dataset, eval dataset or None) as the `data` section describes.
+
+    Without `data.tokenizer`, pre-training trains a byte-level BPE tokenizer of `vocab_size` tokens on
+    the training files (cached). `micro_batch_size` sets the token budget of dynamic SFT batches.
+    """
+    if not data.train_files:
+        raise DataError("data.train_files is empty: give globs of data files (or a prepared directory)")
+    cache_dir = data.cache_dir if data.cache_dir is not None else default_cache_dir()
+    prepared_dir(data.train_files)  # a mix of prepared and raw entries fails before any work
+    tokenizer = _tokenizer(data, vocab_size, cache_dir)
+    if data.kind == "instruction":
+        train, evaluation = _instruction_datasets(data, tokenizer, cache_dir, micro_batch_size, seed)
+    else:
+        train, evaluation = _pretrain_datasets(data, tokenizer, cache_dir)
+    logger.info(
+        "%s data: %d train samples%s", data.kind, len(train),
+        f", {len(evaluation)} eval samples" if evaluation is not None else "",
+    )
+    return tokenizer, train, evaluation
+
+
+__all__ = ["build_data", "expand_files", "prepared_dir"]

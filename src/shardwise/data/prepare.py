@@ -1,0 +1,802 @@
+"""Corpus preparation: raw files -> clean documents -> tokens (worker processes) -> token shards.
+
+`prepare_corpus` streams. Documents are read one at a time (sources.py), cleaned (too short ones
+dropped, exact duplicates dropped) and grouped into chunks of about 256K characters; a pool of
+worker processes tokenises the chunks (at most two per worker in flight) and the main process writes
+the results to the current shard in input order, so the output is the same for any number of workers.
+Peak memory is bounded by chunk size x workers and does not grow with the corpus; the one structure
+that does is the set of document digests used for deduplication (`DigestSet`: 8 bytes per unique
+document, about 0.8 GB per 100 million documents).
+
+The layout written is described in shards.py (`TokenShards` reads it). Everything is written into a
+temp directory next to `out` (`.NAME.tmp-HOST-PID-XXXX`), the manifest last, and the finished
+directory is renamed to `out`: an interrupted run leaves at most a temp directory (removed by the
+next run once its process is gone) and never a half-written `out`. An existing prepared `out` is only
+replaced with `overwrite=True`, and only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..errors import DataError
+from .shards import FORMAT_NAME, FORMAT_VERSION, INDEX_DTYPE, MANIFEST_FILE, TokenShards, shard_names
+from .sources import (
+    FORMATS,
+    ON_BAD_LINE,
+    TXT_DOCUMENTS,
+    InputFile,
+    ReadStats,
+    check_choice,
+    read_documents,
+    resolve_inputs,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_MIN_CHARS = 1
+# A chunk is the unit of work sent to a worker: big enough to amortise the transfer, small enough
+# that (chunks in flight) x (chunk size) stays a few tens of MB.
+_CHUNK_CHARS = 1 << 18
+_CHUNK_DOCS = 4096
+_IN_FLIGHT_PER_WORKER = 2
+_ENV_PARALLEL = "TOKENIZERS_PARALLELISM"
+
+
+def default_workers() -> int:
+    """Tokenising processes by default: the usable cores, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def _check_options(
+    fmt: str = "auto",
+    text_field: str = "text",
+    txt_documents: str = "file",
+    min_chars: int = DEFAULT_MIN_CHARS,
+    max_length: int | None = None,
+    dedup: bool = True,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    on_bad_line: str = "stop",
+) -> dict[str, Any]:
+    """The options that decide the output, checked; they are recorded in the manifest and key the cache."""
+    check_choice("format", fmt, FORMATS)
+    check_choice("txt_documents", txt_documents, TXT_DOCUMENTS)
+    check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
+    if not isinstance(text_field, str) or not text_field:
+        raise DataError(f"text_field must be a non-empty field name, got {text_field!r}")
+    if int(min_chars) < 0:
+        raise DataError(f"min_chars must be 0 or more, got {min_chars}")
+    if max_length is not None and int(max_length) < 1:
+        raise DataError(f"max_length must be at least 1 token (or None for no limit), got {max_length}")
+    if int(shard_tokens) < 1:
+        raise DataError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    return {
+        "format": fmt,
+        "text_field": text_field,
+        "txt_documents": txt_documents,
+        "min_chars": int(min_chars),
+        "max_length": None if max_length is None else int(max_length),
+        "dedup": bool(dedup),
+        "shard_tokens": int(shard_tokens),
+        "on_bad_line": on_bad_line,
+    }
+
+
+def _check_workers(workers: int | None) -> int:
+    if workers is None:
+        return default_workers()
+    if int(workers) < 1:
+        raise DataError(f"workers must be at least 1, got {workers}")
+    return int(workers)
+
+
+# --- deduplication --------------------------------------------------------------------------------
+
+
+class DigestSet:
+    """A set of 64-bit document digests at 8 bytes per entry (a Python set of ints takes ~70).
+
+    Entries live in sorted numpy runs whose sizes shrink geometrically (merged like a binary
+    counter), so a lookup is a few `searchsorted` calls and adding n digests costs O(n log n) overall.
+    This is the only part of preparation whose memory grows with the corpus: 8 bytes per unique
+    document, and twice that briefly while the largest runs merge. With 64-bit digests, two distinct
+    documents collide (one wrongly dropped as a duplicate) with probability about n^2 / 2^65: about
+    3e-4 for 100 million documents.
+    """
+
+    def __init__(self) -> None:
+        """An empty set."""
+        self._runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        """Number of digests held."""
+        return sum(r.size for r in self._runs)
+
+    def add_new(self, digests: np.ndarray) -> np.ndarray:
+        """Add `digests` (uint64); True where a digest was not seen before (nor earlier in `digests`)."""
+        digests = np.asarray(digests, dtype=np.uint64)
+        new = np.zeros(digests.size, dtype=bool)
+        if not digests.size:
+            return new
+        _, first = np.unique(digests, return_index=True)
+        new[first] = True
+        for run in self._runs:
+            pos = np.minimum(np.searchsorted(run, digests), run.size - 1)
+            new &= run[pos] != digests
+        added = np.sort(digests[new])
+        if added.size:
+            self._runs.append(added)
+            while len(self._runs) > 1 and self._runs[-2].size <= 2 * self._runs[-1].size:
+                b, a = self._runs.pop(), self._runs.pop()
+                # Two sorted runs: the stable sort (timsort) merges them in linear time.
+                self._runs.append(np.sort(np.concatenate([a, b]), kind="stable"))
+        return new
+
+
+def _digests(texts: Sequence[str]) -> np.ndarray:
+    blob = b"".join(
+        hashlib.blake2b(t.encode("utf-8", errors="surrogatepass"), digest_size=8).digest() for t in texts
+    )
+    return np.frombuffer(blob, dtype="<u8").astype(np.uint64)
+
+
+def _clean_chunks(
+    docs: Iterable[str], options: dict[str, Any], counts: dict[str, int], seen: DigestSet
+) -> Iterator[list[str]]:
+    """Documents grouped into chunks, without the too-short ones and (with dedup) exact duplicates."""
+    min_chars = options["min_chars"]
+    batch: list[str] = []
+    size = 0
+
+    def flush() -> list[str]:
+        if not options["dedup"]:
+            return batch
+        keep = seen.add_new(_digests(batch))
+        counts["duplicates"] += int(keep.size - keep.sum())
+        return [t for t, k in zip(batch, keep) if k]
+
+    for text in docs:
+        # strip() copies only when there is whitespace at an end; most documents pass the first test.
+        if len(text) < min_chars or (min_chars and len(text.strip()) < min_chars):
+            counts["dropped_short"] += 1
+            continue
+        batch.append(text)
+        size += len(text)
+        if size >= _CHUNK_CHARS or len(batch) >= _CHUNK_DOCS:
+            kept = flush()
+            if kept:
+                yield kept
+            batch, size = [], 0
+    if batch:
+        kept = flush()
+        if kept:
+            yield kept
+
+
+# --- tokenising -----------------------------------------------------------------------------------
+
+Encoded = tuple[np.ndarray, np.ndarray, int]
+
+
+def _encode_texts(tokenizer: Any, texts: list[str], max_length: int | None, dtype: np.dtype) -> Encoded:
+    """(tokens with an EOS after each document, per-document lengths with the EOS, number truncated)."""
+    ids = tokenizer.encode_batch(texts)
+    truncated = 0
+    if max_length is not None:
+        for i, x in enumerate(ids):
+            if len(x) > max_length:
+                ids[i] = x[:max_length]
+                truncated += 1
+    eos = tokenizer.eos_id
+    for x in ids:
+        x.append(eos)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    return tokens, lengths, truncated
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, max_length: int | None, dtype: np.dtype) -> None:
+    # Each worker is one core: the Rust library's own thread pool would only oversubscribe them.
+    os.environ[_ENV_PARALLEL] = "false"
+    # Ctrl-C goes to the whole process group; the main process handles it and stops the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker.update(tokenizer=tokenizer, max_length=max_length, dtype=dtype)
+
+
+def _encode_in_worker(texts: list[str]) -> Encoded:
+    return _encode_texts(_worker["tokenizer"], texts, _worker["max_length"], _worker["dtype"])
+
+
+@contextmanager
+def _env(name: str, value: str, only_if_unset: bool = False) -> Iterator[None]:
+    old = os.environ.get(name)
+    if not (only_if_unset and old is not None):
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _mp_context() -> Any:
+    # fork: workers start at once with the tokenizer already loaded; spawn would re-import torch
+    # (seconds per worker). Where fork does not exist, spawn pickles the tokenizer instead.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+class _Encoder:
+    """Tokenises chunks in order: in this process (workers=1) or in a pool of worker processes."""
+
+    def __init__(self, tokenizer: Any, workers: int, max_length: int | None, dtype: np.dtype) -> None:
+        self.tokenizer, self.workers, self.max_length, self.dtype = tokenizer, workers, max_length, dtype
+        self.pool: ProcessPoolExecutor | None = None
+        self._env: Any = None
+
+    def __enter__(self) -> _Encoder:
+        if self.workers > 1:
+            # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed, out of
+            # memory) its futures fail with BrokenProcessPool instead of waiting forever.
+            self.pool = ProcessPoolExecutor(
+                self.workers, mp_context=_mp_context(), initializer=_init_worker,
+                initargs=(self.tokenizer, self.max_length, self.dtype),
+            )
+            # Start the workers now, with the variable set, so that the tokenizers library sees its
+            # parallelism as configured and does not warn in each worker about forking after threads.
+            with _env(_ENV_PARALLEL, "false", only_if_unset=True):
+                self.pool.submit(int).result()
+        else:
+            # One worker means one core, also for the Rust library's thread pool.
+            self._env = _env(_ENV_PARALLEL, "false")
+            self._env.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if self.pool is not None:
+            if exc_type is not None:
+                # Do not wait for chunks nobody will write: stop the workers now.
+                terminate = getattr(self.pool, "terminate_workers", None)  # Python 3.14+
+                if terminate is not None:
+                    terminate()
+                else:
+                    for proc in list((getattr(self.pool, "_processes", None) or {}).values()):
+                        proc.terminate()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._env is not None:
+            self._env.__exit__(None, None, None)
+
+    def map(self, chunks: Iterable[list[str]]) -> Iterator[Encoded]:
+        """Encoded chunks in the order of `chunks`, with a bounded number in flight."""
+        if self.pool is None:
+            for texts in chunks:
+                yield _encode_texts(self.tokenizer, texts, self.max_length, self.dtype)
+            return
+        pending: deque[Future] = deque()
+        try:
+            for texts in chunks:
+                pending.append(self.pool.submit(_encode_in_worker, texts))
+                if len(pending) >= _IN_FLIGHT_PER_WORKER * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool as e:
+            raise DataError(
+                f"a tokenising worker process died ({e}); if the system ran out of memory, use fewer "
+                f"workers (--workers) or set max_length"
+            ) from e
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Appends the token stream to shard files of `shard_tokens` tokens, with per-shard document indexes."""
+
+    def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
+        self.directory, self.dtype, self.shard_tokens = directory, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.total = 0
+        self._files: tuple[Any, Any] | None = None
+
+    def _open(self) -> None:
+        names = shard_names(len(self.shards))
+        self._files = (open(self.directory / names[0], "wb"), open(self.directory / names[1], "wb"))
+        self._hashes = (hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16))
+        self._names, self._first, self._tokens, self._docs = names, self.total, 0, 0
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: their tokens (EOS included) and their lengths."""
+        starts = self.total + np.cumsum(lengths) - lengths
+        pos = 0
+        while pos < tokens.size:
+            if self._files is None:
+                self._open()
+            take = min(self.shard_tokens - self._tokens, tokens.size - pos)
+            piece = np.ascontiguousarray(tokens[pos : pos + take], dtype=self.dtype)
+            lo, hi = np.searchsorted(starts, [self.total, self.total + take], side="left")
+            index = (starts[lo:hi] - self._first).astype(INDEX_DTYPE)
+            for f, h, data in zip(self._files, self._hashes, (piece, index)):  # type: ignore[arg-type]
+                f.write(memoryview(data).cast("B"))
+                h.update(memoryview(data).cast("B"))
+            self._tokens += take
+            self._docs += int(hi - lo)
+            self.total += take
+            pos += take
+            if self._tokens == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        assert self._files is not None
+        for f in self._files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        self._files = None
+        self.shards.append(
+            {
+                "file": self._names[0],
+                "index": self._names[1],
+                "first_token": self._first,
+                "num_tokens": self._tokens,
+                "num_documents": self._docs,
+                "bytes": self._tokens * self.dtype.itemsize,
+                "index_bytes": self._docs * INDEX_DTYPE.itemsize,
+                "blake2b": self._hashes[0].hexdigest(),
+                "index_blake2b": self._hashes[1].hexdigest(),
+            }
+        )
+
+    def close(self) -> list[dict[str, Any]]:
+        """Finish the last shard; the shard list for the manifest."""
+        if self._files is not None:
+            self._close_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        """Close open files without recording them (the temp directory is removed next)."""
+        if self._files is not None:
+            for f in self._files:
+                f.close()
+            self._files = None
+
+
+# --- the pipeline ---------------------------------------------------------------------------------
+
+
+def _tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    # `_source` names the directory the tokenizer came from; it makes a mismatch message actionable.
+    source = getattr(tokenizer, "_source", None)
+    return {
+        "fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "bos_id": getattr(tokenizer, "bos_id", None),
+        "source": source if isinstance(source, str) else None,
+    }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("shardwise")
+    except Exception:  # not installed (running from a checkout)
+        return "unknown"
+
+
+def _token_dtype(vocab_size: int) -> tuple[str, np.dtype]:
+    # Shards are little-endian on every machine, so they can be copied between them.
+    if vocab_size <= 65535:
+        return "uint16", np.dtype("<u2")
+    return "uint32", np.dtype("<u4")
+
+
+def _no_documents(
+    files: Sequence[InputFile], stats: ReadStats, counts: dict[str, int], options: dict[str, Any]
+) -> DataError:
+    why = [f"{stats.documents} documents read"]
+    if counts["dropped_short"]:
+        why.append(f"{counts['dropped_short']} shorter than min_chars={options['min_chars']}")
+    if counts["duplicates"]:
+        why.append(f"{counts['duplicates']} duplicates")
+    if stats.bad_lines:
+        why.append(f"{stats.bad_lines} bad lines skipped (first: {stats.first_bad_line})")
+    if stats.empty_files:
+        why.append(f"{stats.empty_files} empty files skipped")
+    return DataError(
+        f"no documents to prepare from {len(files)} input files ({'; '.join(why)}); check the inputs, "
+        f"the format and text field (format={options['format']!r}, text_field={options['text_field']!r}) "
+        f"and min_chars"
+    )
+
+
+def _write_corpus(
+    files: Sequence[InputFile], tokenizer: Any, directory: Path, options: dict[str, Any], workers: int
+) -> dict[str, Any]:
+    """Write shards into `directory` and return the manifest (not yet written)."""
+    started = time.perf_counter()
+    dtype_name, dtype = _token_dtype(tokenizer.vocab_size)
+    stats = ReadStats()
+    counts = {"dropped_short": 0, "duplicates": 0, "truncated": 0}
+    docs = read_documents(
+        files,
+        text_field=options["text_field"],
+        txt_documents=options["txt_documents"],
+        on_bad_line=options["on_bad_line"],
+        stats=stats,
+    )
+    chunks = _clean_chunks(docs, options, counts, DigestSet())
+    writer = _ShardWriter(directory, dtype, options["shard_tokens"])
+    documents = 0
+    try:
+        # The pool forks before the progress bar starts its monitor thread.
+        with _Encoder(tokenizer, workers, options["max_length"], dtype) as encoder, tqdm(
+            desc="preparing", unit="doc", unit_scale=True, disable=None
+        ) as bar:
+            for tokens, lengths, truncated in encoder.map(chunks):
+                try:
+                    writer.add(tokens, lengths)
+                except OSError as e:
+                    raise DataError(f"cannot write token shards in {directory}: {e}") from e
+                documents += lengths.size
+                counts["truncated"] += truncated
+                bar.update(lengths.size)
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(
+                    f"{writer.total:,} tokens, {writer.total / elapsed:,.0f} tok/s", refresh=False
+                )
+        try:
+            shards = writer.close()
+        except OSError as e:
+            raise DataError(f"cannot write token shards in {directory}: {e}") from e
+    except BaseException:
+        writer.abort()
+        raise
+    if documents == 0:
+        raise _no_documents(files, stats, counts, options)
+    seconds = time.perf_counter() - started
+    all_counts = {
+        "documents_read": stats.documents,
+        "documents": documents,
+        "tokens": writer.total,
+        "dropped_short": counts["dropped_short"],
+        "duplicates": counts["duplicates"],
+        "truncated": counts["truncated"],
+        "invalid_utf8_documents": stats.invalid_utf8_documents,
+        "replaced_chars": stats.replaced_chars,
+        "bad_lines": stats.bad_lines,
+        "empty_files": stats.empty_files,
+    }
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shardwise_version": _version(),
+        "tokenizer": _tokenizer_info(tokenizer),
+        "dtype": dtype_name,
+        "num_tokens": writer.total,
+        "num_documents": documents,
+        "counts": all_counts,
+        "options": dict(options),
+        "workers": workers,
+        "seconds": round(seconds, 3),
+        "inputs": [
+            {"path": f.path, "format": f.format, "gzip": f.gzip, "bytes": f.bytes,
+             "documents": stats.per_file.get(f.path, 0)}
+            for f in files
+        ],
+        "shards": shards,
+    }
+
+
+def _log_summary(out: Path, manifest: dict[str, Any]) -> None:
+    c = manifest["counts"]
+    seconds = manifest["seconds"]
+    logger.info(
+        "prepared %s: %d documents, %d tokens (%s) in %d shards from %d files, %.1f s (%.0f tokens/s); "
+        "dropped %d shorter than min_chars, %d duplicates; %d truncated to max_length",
+        out, c["documents"], c["tokens"], manifest["dtype"], len(manifest["shards"]), len(manifest["inputs"]),
+        seconds, c["tokens"] / max(seconds, 1e-9), c["dropped_short"], c["duplicates"], c["truncated"],
+    )
+    if c["invalid_utf8_documents"]:
+        logger.warning(
+            "%d documents had invalid UTF-8; %d characters were replaced by U+FFFD",
+            c["invalid_utf8_documents"], c["replaced_chars"],
+        )
+    if c["bad_lines"]:
+        logger.warning("%d bad lines were skipped", c["bad_lines"])
+    if c["empty_files"]:
+        logger.warning("%d empty files were skipped", c["empty_files"])
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # directories cannot be opened on some systems; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- publishing: temp directory -> out ------------------------------------------------------------
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temp directories of earlier runs for `out` on this host whose process is gone."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-{re.escape(_host())}-(\d+)-")
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not (m and entry.is_dir() and not _pid_alive(int(m.group(2)))):
+            continue
+        if m.group(1) == "old" and not os.path.lexists(out) and _is_prepared(entry):
+            # The run died between moving the old `out` aside and moving the new one in: restore it.
+            logger.warning("restoring %s from %s, left by an interrupted preparation", out, entry)
+            os.rename(entry, out)
+            continue
+        logger.info("removing %s, left by an interrupted preparation", entry)
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _is_prepared(path: Path) -> bool:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _check_out(out: Path, existing: str) -> None:
+    """Refuse an `out` that must not be replaced, before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} exists and is a file, not a directory; choose another --out")
+    if not out.exists() or _is_empty_dir(out) or existing == "cache":
+        return
+    if existing == "refuse":
+        raise DataError(
+            f"output directory {out} already exists and is not empty; pass overwrite=True (--overwrite) "
+            f"to replace it (the old one stays until the new one is complete), or choose another --out"
+        )
+    if not _is_prepared(out):
+        raise DataError(
+            f"output directory {out} is not empty and is not a prepared corpus (it has no shardwise "
+            f"{MANIFEST_FILE}); it is not replaced even with overwrite, so that nothing else is deleted. "
+            f"Choose another --out, or empty it yourself"
+        )
+
+
+def _publish(tmp: Path, out: Path, existing: str, tokenizer: Any) -> bool:
+    """Move the finished `tmp` to `out`; False when a complete one by another process was kept instead."""
+    for _ in range(5):  # other processes may be publishing the same `out` at the same time
+        if not os.path.lexists(out):
+            try:
+                os.rename(tmp, out)
+                return True
+            except OSError:
+                continue
+        if _is_empty_dir(out):
+            try:
+                os.rmdir(out)
+            except OSError:
+                pass
+            continue
+        if existing == "cache":
+            try:
+                TokenShards(out, tokenizer)
+                return False  # someone else finished the same preparation first: keep theirs
+            except DataError:
+                pass
+        else:
+            _check_out(out, existing)
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-{_host()}-{os.getpid()}-"))
+        try:
+            os.replace(out, old)  # onto the empty placeholder just made
+        except OSError:
+            old.rmdir()
+            continue
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            os.rename(old, out)  # put the old one back rather than leave nothing
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return True
+    raise DataError(f"could not move the prepared data into {out}: other processes keep changing it")
+
+
+def _prepare(
+    files: Sequence[InputFile],
+    tokenizer: Any,
+    out: Path,
+    options: dict[str, Any],
+    workers: int,
+    existing: str,
+) -> dict[str, Any]:
+    """Prepare into a temp directory next to `out`, then publish it (see `_publish`)."""
+    _remove_stale_temps(out)  # first: it may restore an `out` that a killed run had moved aside
+    _check_out(out, existing)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(f.bytes for f in files)
+    logger.info(
+        "preparing %d files (%.1f MB) into %s with %d worker%s",
+        len(files), total / 1e6, out, workers, "" if workers == 1 else "s",
+    )
+    # os.mkdir (not mkdtemp, which makes it private): `out` gets the usual permissions after the rename.
+    tmp = out.parent / f".{out.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(tmp)
+    except OSError as e:
+        raise DataError(f"cannot create a directory next to {out}: {e}; choose another --out") from e
+    try:
+        manifest = _write_corpus(files, tokenizer, tmp, options, workers)
+        # The manifest last: a directory without one is never read as prepared data.
+        _write_json_atomic(tmp / MANIFEST_FILE, manifest)
+        _fsync_dir(tmp)
+        if _publish(tmp, out, existing, tokenizer):
+            _fsync_dir(out.parent)
+            _log_summary(out, manifest)
+        else:
+            logger.info("%s was prepared by another process meanwhile; using it", out)
+            manifest = TokenShards(out).manifest
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def prepare_corpus(
+    inputs: Sequence[str] | str,
+    tokenizer: Any,
+    out: str | os.PathLike[str],
+    *,
+    fmt: str = "auto",
+    text_field: str = "text",
+    txt_documents: str = "file",
+    min_chars: int = DEFAULT_MIN_CHARS,
+    max_length: int | None = None,
+    dedup: bool = True,
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    on_bad_line: str = "stop",
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Tokenise the files matching `inputs` into token shards in `out`; returns the manifest.
+
+    fmt: "auto" (by extension), "txt", "jsonl" or "parquet". text_field: the JSON field / parquet
+    column holding the text. txt_documents: "file" (a document per file) or "paragraph" (documents
+    separated by blank lines). min_chars: documents with fewer characters (leading and trailing
+    whitespace not counted) are dropped. max_length: documents with more tokens are cut to this many
+    (the EOS after them not counted). dedup: drop exact duplicate documents. workers: tokenising
+    processes (None: the cores, at most 8). shard_tokens: tokens per shard file. on_bad_line: "stop"
+    (DataError) or "skip" (counted) for a bad .jsonl line. overwrite: replace an existing prepared `out`.
+    """
+    options = _check_options(
+        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line
+    )
+    workers = _check_workers(workers)
+    out_path = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    _check_out(out_path, "replace" if overwrite else "refuse")
+    files = resolve_inputs(inputs, fmt)
+    return _prepare(files, tokenizer, out_path, options, workers, "replace" if overwrite else "refuse")
+
+
+def cache_key(files: Sequence[InputFile], tokenizer: Any, options: dict[str, Any]) -> str:
+    """Hash of the input paths, sizes and modification times, the tokenizer and the output options."""
+    parts = []
+    for f in files:
+        st = os.stat(f.path)
+        parts.append([f.path, st.st_size, st.st_mtime_ns])
+    blob = json.dumps([FORMAT_VERSION, parts, tokenizer.fingerprint, sorted(options.items())])
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:20]
+
+
+def prepare_cached(
+    inputs: Sequence[str] | str,
+    tokenizer: Any,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    workers: int | None = None,
+    **options: Any,
+) -> Path:
+    """Directory of token shards for `inputs` in `cache_dir`, prepared unless a complete one exists.
+
+    Keyed by input paths, sizes and mtimes, tokenizer fingerprint and `options` (those of
+    `prepare_corpus`, less `out`, `workers` and `overwrite`). Concurrent or interrupted runs are safe:
+    each prepares into its own temp directory and the first to finish is kept.
+    """
+    from .pretrain import default_cache_dir
+
+    opts = _check_options(**options)
+    n_workers = _check_workers(workers)
+    files = resolve_inputs(inputs, opts["format"])
+    root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+    out = Path(os.path.abspath(root / f"shards-{cache_key(files, tokenizer, opts)}"))
+    if (out / MANIFEST_FILE).is_file():
+        try:
+            shards = TokenShards(out, tokenizer)
+            logger.info("using prepared data %s (%d tokens)", out, shards.num_tokens)
+            return out
+        except DataError as e:
+            logger.warning("prepared data in %s is unusable (%s); preparing it again", out, e)
+    _prepare(files, tokenizer, out, opts, n_workers, "cache")
+    return out
+
+
+__all__ = [
+    "DEFAULT_MIN_CHARS",
+    "DEFAULT_SHARD_TOKENS",
+    "DigestSet",
+    "cache_key",
+    "default_workers",
+    "prepare_cached",
+    "prepare_corpus",
+]

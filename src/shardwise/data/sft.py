@@ -1,0 +1,872 @@
+"""Instruction data (SFT): JSON lines -> templated tokens with assistant-only loss -> batches.
+
+Records
+-------
+Each line of a `.jsonl` file (or each element of a `.json` file holding one JSON array) is one
+conversation. The shape is detected per record:
+
+* alpaca: ``{"instruction": str, "input": str (optional), "output": str, "system": str (optional)}``.
+  The user message is the instruction, or ``instruction + "\\n\\n" + input`` when the input is not
+  empty; the assistant message is the output.
+* chat: ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``: an optional
+  system message first, then user and assistant messages alternating, starting with a user message,
+  with at least one assistant message. A last user message without an answer is dropped (counted as
+  ``unanswered_dropped``): it would only cost tokens.
+
+A record that is not JSON, matches neither shape or breaks these rules is reported by file and line;
+``on_bad_line="stop"`` (default) raises DataError, ``"skip"`` leaves it out, counts it and warns.
+
+Templates (``template=``)
+-------------------------
+``"default"``: seed 003's form. Every user->assistant exchange becomes, in tokens::
+
+    [bos_id] encode("[INST] " + user + " [/INST]") encode(" " + assistant) [eos_id]
+
+where ``bos_id``/``eos_id`` are the tokenizer's own special ids (never the literal text ``[BOS]``),
+the two text pieces are encoded separately (so the answer's first token is the one the model produces
+after the prompt, as at generation time), and a system prompt is put in front of the first user
+message: ``user_1 = system + "\\n\\n" + user_1``. A multi-turn conversation is one sample: its
+exchanges follow each other. Loss is taken on ``encode(" " + assistant)`` and the closing eos of every
+exchange. Without a bos token in the tokenizer the bos is left out.
+
+``"tokenizer"``: the tokenizer's own Jinja chat template (``tokenizer.chat_template``), rendered with
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``pad_token``, as
+`transformers` does. Assistant turn i is found by rendering incrementally: its span is the text
+between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])``, less
+trailing whitespace, which holds its content and the template's end-of-turn marker. A template that
+does not render conversations as growing prefixes is refused per record (use another template).
+
+``"auto"`` (default): ``"tokenizer"`` when the tokenizer has a chat template, else ``"default"``.
+
+A dict: a user template with a format string per role, ``{content}`` standing for the message::
+
+    {"user": "### Instruction:\\n{content}\\n\\n",      # required
+     "assistant": "### Response:\\n{content}\\n",         # required; loss on {content} and what follows
+     "system": "{content}\\n\\n",                        # optional; without it, as "default" does
+     "bos": "turn", "eos": "turn"}                      # optional: "turn" | "sample" | "none"
+
+The text before ``{content}`` in ``assistant`` is prompt (no loss) except for its trailing spaces;
+those spaces, ``{content}`` and the text after it are trained and encoded together (a byte-level BPE
+encodes a word with its leading space, and at generation time the model writes that space itself).
+``bos: "turn"`` puts the bos id before every user message, ``"sample"`` once at the start,
+``"none"`` nowhere; ``eos: "turn"`` puts the (trained) eos id after every assistant message,
+``"sample"`` after the last one only. A ``system`` string puts the system message after the first bos,
+before the first user message. Format strings are filled by plain replacement of ``{content}``,
+so other braces are literal. ``"default"`` is exactly
+``{"user": "[INST] {content} [/INST]", "assistant": " {content}", "bos": "turn", "eos": "turn"}``.
+
+A string holding ``{{`` or ``{%`` is a Jinja chat template used like the tokenizer's.
+
+Samples and batches
+-------------------
+Labels follow the batch contract: ``labels[i]`` is the next token of the same sample where that token
+is trained, else -100, and the last position of a sample is always -100, so no target ever crosses
+into the next sample. Over-long samples (more than ``max_seq_len`` tokens) are cut to ``max_seq_len``
+(``truncation="truncate"``) or left out (``"drop"``); samples left without a trained target are left
+out too; all counted in ``stats``. ``packing``:
+
+* ``"pack"`` (default): samples packed into rows of ``max_seq_len`` by best-fit decreasing (a sample is
+  never split; a multi-turn conversation is one sample), with ``document_ids`` and ``position_ids``
+  restarting per sample; the rest of a row
+  is padding (pad id, label -100, its own document id).
+* ``"pad"``: one sample per row, padded to ``max_seq_len``.
+* ``"dynamic"``: every item is a whole micro-batch (``items_are_batches = True``) of samples of similar
+  length, padded to its longest, with rows x length <= ``token_budget``. Samples are sorted by length
+  (equal lengths in a seeded random order) and cut greedily; the loader shuffles the batches.
+
+Tokens are read and encoded once and kept as flat numpy arrays (tokens, trained-token mask, sample
+offsets), optionally cached in ``cache_dir`` keyed by the files, the tokenizer and the template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from ..errors import DataError
+from .pretrain import expand_files, files_key, token_dtype
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Same value as shardwise.train.trainer.IGNORE_INDEX (not imported: the trainer imports the data package).
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+PACKING_MODES = ("pack", "pad", "dynamic")
+TRUNCATION_MODES = ("truncate", "drop")
+BAD_LINE_MODES = ("stop", "skip")
+DEFAULT_TEMPLATE: dict[str, str] = {
+    "user": "[INST] {content} [/INST]",
+    "assistant": " {content}",
+    "bos": "turn",
+    "eos": "turn",
+}
+SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+# Bump when the cached layout or the rendering changes, so that old caches are never read as new ones.
+_CACHE_VERSION = 1
+_RECORDS_PER_CHUNK = 1024
+_WARN_LINES = 10
+_TEMPLATE_KEYS = {"system", "user", "assistant", "bos", "eos"}
+_PLACEMENTS = ("turn", "sample", "none")
+
+Message = dict[str, str]
+# A piece of a rendered conversation: text to encode or a token id, and whether loss is taken on it.
+Piece = tuple[str | int, bool]
+
+
+class _BadRecord(Exception):
+    """A record that cannot be used; the message says why (without file and line)."""
+
+
+# --- records --------------------------------------------------------------------------------------
+
+
+def _text_field(obj: Mapping[str, Any], key: str, required: bool) -> str:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise _BadRecord(f"missing field {key!r}")
+        return ""
+    if not isinstance(value, str):
+        raise _BadRecord(f"field {key!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _alpaca_messages(obj: Mapping[str, Any]) -> list[Message]:
+    instruction = _text_field(obj, "instruction", True)
+    extra = _text_field(obj, "input", False)
+    output = _text_field(obj, "output", True)
+    system = _text_field(obj, "system", False)
+    user = "\n\n".join(p for p in (instruction, extra) if p)
+    if not user:
+        raise _BadRecord("'instruction' and 'input' are both empty")
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def _chat_messages(raw: Any) -> tuple[list[Message], bool]:
+    if not isinstance(raw, list) or not raw:
+        raise _BadRecord("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    messages: list[Message] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise _BadRecord(f"message {i} is a {type(m).__name__}, not an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _BadRecord(f"message {i} has role {role!r}; the roles are 'system', 'user' and 'assistant'")
+        content = m.get("content")
+        if not isinstance(content, str):
+            what = "no 'content'" if content is None else f"a {type(content).__name__} 'content'"
+            raise _BadRecord(f"message {i} ({role}) has {what}; content must be a string")
+        messages.append({"role": role, "content": content})
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    for i, m in enumerate(turns):
+        want = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != want:
+            where = len(messages) - len(turns) + i
+            raise _BadRecord(
+                f"message {where} is {m['role']!r} where {want!r} was expected: after an optional "
+                f"system message first, user and assistant messages must alternate, starting with user"
+            )
+    unanswered = bool(turns) and turns[-1]["role"] == "user"
+    if unanswered:
+        messages.pop()
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _BadRecord("the conversation has no assistant message, so there is nothing to learn")
+    return messages, unanswered
+
+
+def parse_record(obj: Any) -> tuple[list[Message], bool]:
+    """Messages of one record (alpaca or chat shape) and whether a last unanswered user turn was dropped."""
+    if not isinstance(obj, dict):
+        raise _BadRecord(f"is a JSON {type(obj).__name__}, not an object")
+    if "messages" in obj:
+        return _chat_messages(obj["messages"])
+    if "instruction" in obj or "output" in obj:
+        return _alpaca_messages(obj), False
+    keys = ", ".join(repr(k) for k in list(obj)[:8]) or "none"
+    raise _BadRecord(
+        f"matches neither shape: expected 'messages' (chat) or 'instruction' and 'output' (alpaca); "
+        f"keys found: {keys}"
+    )
+
+
+class _BadLines:
+    """Counts and reports bad records: raises in "stop" mode, warns (the first few) in "skip" mode."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.count = 0
+
+    def __call__(self, where: str, problem: str) -> None:
+        self.count += 1
+        if self.mode == "stop":
+            raise DataError(
+                f"{where}: {problem}; fix the record, or skip such lines with on_bad_line='skip' "
+                f"(data.on_bad_line: skip)"
+            )
+        if self.count <= _WARN_LINES:
+            logger.warning("skipping %s: %s", where, problem)
+        elif self.count == _WARN_LINES + 1:
+            logger.warning("skipping more bad records; only their count is reported from now on")
+
+
+def _json_lines(path: str) -> Iterator[tuple[int, str | None, int]]:
+    """(line number, text or None when not UTF-8, bytes) of the non-blank lines of a file."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                yield lineno, None, len(raw)
+                continue
+            if text.strip():
+                yield lineno, text, len(raw)
+
+
+def iter_records(
+    files: Sequence[str], bad: _BadLines, stats: dict[str, int], progress: Any = None
+) -> Iterator[tuple[str, list[Message]]]:
+    """("file:line", messages) of every usable record; bad ones go to `bad`, counts into `stats`."""
+    for path in files:
+        if not path.endswith(SUFFIXES):
+            raise DataError(
+                f"instruction data file {path!r} is not JSON lines; give .jsonl files (one "
+                f"{{\"instruction\", \"output\"}} or {{\"messages\"}} object per line) or a .json array"
+            )
+        good = seen = 0
+        for where, obj, size in _file_objects(path, bad):
+            seen += 1
+            if progress is not None:
+                progress.update(size)
+            if isinstance(obj, _BadRecord):
+                bad(where, str(obj))
+                continue
+            try:
+                messages, unanswered = parse_record(obj)
+            except _BadRecord as e:
+                bad(where, str(e))
+                continue
+            stats["unanswered_dropped"] += unanswered
+            good += 1
+            yield where, messages
+        if seen == 0:
+            raise DataError(
+                f"instruction data file {path!r} is empty; it needs one JSON object per line "
+                f"(alpaca: instruction/input/output, or chat: messages)"
+            )
+        if good == 0:
+            raise DataError(
+                f"none of the {seen} records of {path!r} is usable (is it a binary or non-JSON-lines "
+                f"file?); see the warnings above for the first problems"
+            )
+        stats["records"] += good
+
+
+def _file_objects(path: str, bad: _BadLines) -> Iterator[tuple[str, Any, int]]:
+    """("file:line", parsed object or _BadRecord, bytes) for each record of a .jsonl or .json file."""
+    if path.endswith(".json"):
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+        if head.startswith(b"\xef\xbb\xbf"):
+            head = head[3:].lstrip()
+        if head.startswith(b"["):
+            try:
+                with open(path, encoding="utf-8-sig") as f:
+                    items = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataError(f"{path!r} starts like a JSON array but does not parse: {e}") from e
+            size = os.path.getsize(path) // max(1, len(items))
+            for i, item in enumerate(items):
+                yield f"{path} item {i}", item, size
+            return
+    for lineno, text, size in _json_lines(path):
+        where = f"{path}:{lineno}"
+        if text is None:
+            yield where, _BadRecord("is not valid UTF-8 text (a binary file?)"), size
+            continue
+        try:
+            yield where, json.loads(text), size
+        except json.JSONDecodeError as e:
+            yield where, _BadRecord(f"is not JSON ({e.msg} at column {e.colno})"), size
+
+
+# --- templates ------------------------------------------------------------------------------------
+
+
+class DictTemplate:
+    """A user template: a format string per role and where bos/eos go (see the module docstring)."""
+
+    def __init__(self, spec: Mapping[str, str], bos_id: int | None, eos_id: int, label: str = "dict") -> None:
+        """Check `spec` and bind the tokenizer's bos/eos ids; `label` names it in logs."""
+        self.label = label
+        unknown = set(spec) - _TEMPLATE_KEYS
+        if unknown:
+            raise DataError(
+                f"template has unknown keys {sorted(unknown)}; a template dict has 'user', 'assistant' "
+                f"and optionally 'system', 'bos', 'eos'"
+            )
+        for key in ("user", "assistant", "system"):
+            value = spec.get(key)
+            if value is None and key != "system":
+                raise DataError(
+                    f"template has no {key!r} format string; give one such as {DEFAULT_TEMPLATE[key]!r}"
+                )
+            if value is not None and (not isinstance(value, str) or value.count("{content}") != 1):
+                raise DataError(f"template[{key!r}] = {value!r} must be a string holding '{{content}}' once")
+        for key in ("bos", "eos"):
+            if spec.get(key, "turn") not in _PLACEMENTS:
+                raise DataError(f"template[{key!r}] = {spec[key]!r}; use one of {', '.join(_PLACEMENTS)}")
+        self.spec = dict(spec)
+        self.user = spec["user"]
+        prompt, answer = spec["assistant"].split("{content}")
+        # Spaces before {content} go with the answer: byte-level BPE encodes a word with its leading
+        # space, and at generation time the model produces that space itself.
+        self.prompt = prompt.rstrip(" ")
+        self.answer_prefix = prompt[len(self.prompt) :]
+        self.answer = answer
+        self.system = spec.get("system")
+        self.bos = spec.get("bos", "turn") if bos_id is not None else "none"
+        self.eos = spec.get("eos", "turn")
+        self.bos_id, self.eos_id = bos_id, eos_id
+        if bos_id is None and spec.get("bos", "turn") != "none":
+            logger.info("the tokenizer has no bos token: the template's bos is left out")
+
+    @property
+    def key(self) -> str:
+        """Identity of the rendering, for the token cache."""
+        return json.dumps([self.spec, self.bos_id, self.eos_id], sort_keys=True)
+
+    def render(self, messages: Sequence[Message]) -> list[Piece]:
+        """Pieces of one conversation (validated by `parse_record`)."""
+        pieces: list[Piece] = []
+        system = ""
+        if messages[0]["role"] == "system":
+            system = messages[0]["content"]
+            messages = messages[1:]
+        if self.bos != "none":
+            pieces.append((self.bos_id, False))  # type: ignore[arg-type]
+        if system and self.system is not None:
+            pieces.append((self.system.replace("{content}", system), False))
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        for i, m in enumerate(messages):
+            if m["role"] == "user":
+                if self.bos == "turn" and i > 0:
+                    pieces.append((self.bos_id, False))  # type: ignore[arg-type]
+                content = m["content"]
+                if i == 0 and system and self.system is None:
+                    content = f"{system}\n\n{content}"
+                pieces.append((self.user.replace("{content}", content) + self.prompt, False))
+            else:
+                pieces.append((self.answer_prefix + m["content"] + self.answer, True))
+                if self.eos == "turn" or (self.eos == "sample" and i == last):
+                    pieces.append((self.eos_id, True))
+        return pieces
+
+
+def _jinja_environment() -> tuple[Any, type[Exception]]:
+    """A sandboxed Jinja environment set up as `transformers` sets it for chat templates, and its error."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # torch depends on jinja2, so this is rare
+        raise DataError(
+            "rendering a Jinja chat template needs jinja2 (pip install jinja2); or use template='default'"
+        ) from e
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env, jinja2.exceptions.TemplateError
+
+
+class JinjaTemplate:
+    """A Jinja chat template (the tokenizer's own, or given); assistant spans found by prefix rendering."""
+
+    def __init__(self, source: str, tokenizer: Tokenizer, origin: str = "template") -> None:
+        """Compile `source`; bos/eos/pad token strings come from `tokenizer`."""
+        self.source = source
+        self.origin = origin
+        self.label = f"jinja ({origin})"
+        env, self._error = _jinja_environment()
+        try:
+            self._template = env.from_string(source)
+        except self._error as e:
+            raise DataError(f"the chat template of {origin} is not valid Jinja: {e}; fix it or use "
+                            f"template='default'") from e
+        self._specials = {
+            "bos_token": tokenizer.bos_token or "",
+            "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token,
+        }
+
+    @property
+    def key(self) -> str:
+        """Identity of the rendering, for the token cache."""
+        return json.dumps([self.source, self._specials], sort_keys=True)
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self._specials)
+        except self._error as e:
+            raise _BadRecord(f"the chat template of {self.origin} failed on it: {e}") from e
+
+    def render(self, messages: Sequence[Message]) -> list[Piece]:
+        """Pieces of one conversation: text before/between assistant turns untrained, the turns trained."""
+        full = self._render(messages, False)
+        pieces: list[Piece] = []
+        cursor = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], True)
+            upto = self._render(messages[: i + 1], False)
+            if not (upto.startswith(before) and full.startswith(upto) and len(before) >= cursor):
+                raise _BadRecord(
+                    f"the chat template of {self.origin} does not render the conversation as growing "
+                    f"prefixes (assistant message {i}), so its answer cannot be located; use "
+                    f"template='default' or a template dict"
+                )
+            # Whitespace after the end-of-turn marker is never generated, so it is not trained.
+            end = max(len(before), len(upto.rstrip()))
+            pieces.append((full[cursor : len(before)], False))
+            pieces.append((full[len(before) : end], True))
+            cursor = end
+        pieces.append((full[cursor:], False))
+        return pieces
+
+
+Renderer = DictTemplate | JinjaTemplate
+
+
+def _tokenizer_chat_template(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template string, or None (a list of named templates gives 'default')."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    elif isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def resolve_template(template: str | Mapping[str, str], tokenizer: Tokenizer) -> Renderer:
+    """The renderer for a `template` option: "auto", "default", "tokenizer", a dict or a Jinja string."""
+    if isinstance(template, Mapping):
+        return DictTemplate(template, tokenizer.bos_id, tokenizer.eos_id)
+    if not isinstance(template, str):
+        raise DataError(
+            f"template must be 'auto', 'default', 'tokenizer', a dict or a Jinja string, got {template!r}"
+        )
+    if "{{" in template or "{%" in template:
+        return JinjaTemplate(template, tokenizer, origin="the template option")
+    if template in ("auto", "tokenizer"):
+        source = _tokenizer_chat_template(tokenizer)
+        if source is not None:
+            return JinjaTemplate(source, tokenizer, origin="the tokenizer")
+        if template == "tokenizer":
+            raise DataError(
+                "template='tokenizer' but the tokenizer has no chat template; add \"chat_template\" to "
+                "its tokenizer_config.json, or use template='default' (seed 003's [INST] form)"
+            )
+        template = "default"
+    if template == "default":
+        return DictTemplate(DEFAULT_TEMPLATE, tokenizer.bos_id, tokenizer.eos_id, label="default")
+    raise DataError(
+        f"unknown template {template!r}; use 'auto', 'default', 'tokenizer', a dict of format strings "
+        f"per role, or a Jinja chat template string"
+    )
+
+
+def _encode_pieces(
+    rendered: Sequence[list[Piece]], tokenizer: Tokenizer
+) -> list[tuple[list[int], list[bool]]]:
+    """Token ids and trained flags of many rendered conversations; text is encoded in one batch."""
+    texts = [p for pieces in rendered for p, _ in pieces if isinstance(p, str) and p]
+    encoded = iter(tokenizer.encode_batch(texts)) if texts else iter(())
+    out = []
+    for pieces in rendered:
+        ids: list[int] = []
+        trained: list[bool] = []
+        for piece, train in pieces:
+            if isinstance(piece, str):
+                if not piece:
+                    continue
+                part = next(encoded)
+            else:
+                part = [piece]
+            ids += part
+            trained += [train] * len(part)
+        out.append((ids, trained))
+    return out
+
+
+def encode_conversation(
+    messages: Sequence[Message], tokenizer: Tokenizer, template: str | Mapping[str, str] = "auto"
+) -> tuple[list[int], list[bool]]:
+    """Token ids of one conversation and, per token, whether loss is taken on it (for inspection)."""
+    try:
+        msgs, _ = _chat_messages([dict(m) for m in messages])
+        pieces = resolve_template(template, tokenizer).render(msgs)
+    except _BadRecord as e:
+        raise DataError(f"conversation: {e}") from e
+    return _encode_pieces([pieces], tokenizer)[0]
+
+
+# --- tokenising and caching -----------------------------------------------------------------------
+
+
+def _tokenize_records(
+    files: Sequence[str], tokenizer: Tokenizer, renderer: Renderer, on_bad_line: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """(tokens, trained mask, sample offsets, reading counts) of all usable records."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    bad = _BadLines(on_bad_line)
+    stats = {"records": 0, "bad_lines": 0, "unanswered_dropped": 0}
+    tok_chunks: list[np.ndarray] = []
+    mask_chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    total = sum(os.path.getsize(f) for f in files)
+
+    def flush(rendered: list[list[Piece]]) -> None:
+        for ids, trained in _encode_pieces(rendered, tokenizer):
+            tok_chunks.append(np.asarray(ids, dtype=dtype))
+            mask_chunks.append(np.asarray(trained, dtype=bool))
+            lengths.append(len(ids))
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing SFT data", disable=None) as bar:
+        rendered: list[list[Piece]] = []
+        for where, messages in iter_records(files, bad, stats, bar):
+            try:
+                rendered.append(renderer.render(messages))
+            except _BadRecord as e:
+                bad(where, str(e))
+                continue
+            if len(rendered) == _RECORDS_PER_CHUNK:
+                flush(rendered)
+                rendered = []
+        flush(rendered)
+    stats["records"] = len(lengths)
+    stats["bad_lines"] = bad.count
+    if not lengths:
+        raise DataError(f"no usable instruction records in {len(files)} file(s); see the warnings above")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return np.concatenate(tok_chunks), np.concatenate(mask_chunks), offsets, stats
+
+
+def _save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
+    """Save via a temp file and os.replace: an interrupted write never leaves a file under `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_sft_tokens(
+    files: Sequence[str],
+    tokenizer: Tokenizer,
+    renderer: Renderer,
+    on_bad_line: str = "stop",
+    cache_dir: str | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """Tokens, trained mask, offsets and reading counts of the files; cached in `cache_dir` when given."""
+    cache: Path | None = None
+    if cache_dir is not None:
+        template_hash = hashlib.sha256(renderer.key.encode("utf-8")).hexdigest()[:16]
+        key = files_key(files, "sft", _CACHE_VERSION, tokenizer.fingerprint, template_hash, on_bad_line)
+        cache = Path(cache_dir).expanduser() / f"sft-{key}.npz"
+        if cache.is_file():
+            try:
+                with np.load(cache, allow_pickle=False) as z:
+                    tokens, mask, offsets = z["tokens"], z["mask"], z["offsets"]
+                    stats = json.loads(str(z["stats"]))
+                logger.info("using cached SFT tokens %s (%d samples)", cache, len(offsets) - 1)
+                return tokens, mask, offsets, stats
+            except (OSError, ValueError, KeyError) as e:
+                logger.warning("SFT token cache %s is unreadable (%s); tokenizing again", cache, e)
+    logger.info("tokenizing %d instruction file(s) with %r", len(files), tokenizer)
+    tokens, mask, offsets, stats = _tokenize_records(files, tokenizer, renderer, on_bad_line)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _save_npz_atomic(cache, tokens=tokens, mask=mask, offsets=offsets, stats=np.array(json.dumps(stats)))
+        logger.info("cached SFT tokens in %s", cache)
+    return tokens, mask, offsets, stats
+
+
+# --- grouping samples into rows and batches -------------------------------------------------------
+
+
+def pack_best_fit(lengths: np.ndarray, capacity: int, seed: int = 0) -> list[np.ndarray]:
+    """Sample indices of each row: best-fit decreasing into rows of `capacity` (ties in seeded order)."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(lengths))
+    order = order[np.argsort(-lengths[order], kind="stable")]
+    # Open rows by exact free space: the best fit is the smallest free space that still holds a sample.
+    have = np.zeros(capacity + 1, dtype=bool)
+    rows_with_free: list[list[int]] = [[] for _ in range(capacity + 1)]
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for s in order.tolist():
+        n = int(lengths[s])
+        hit = int(np.argmax(have[n:])) + n
+        if have[hit]:
+            r = rows_with_free[hit].pop()
+            if not rows_with_free[hit]:
+                have[hit] = False
+        else:
+            r = len(rows)
+            rows.append([])
+            free.append(capacity)
+        rows[r].append(s)
+        free[r] -= n
+        if free[r] > 0:
+            rows_with_free[free[r]].append(r)
+            have[free[r]] = True
+    return [np.asarray(r, dtype=np.int64) for r in rows]
+
+
+def batch_by_budget(lengths: np.ndarray, token_budget: int, seed: int = 0) -> list[np.ndarray]:
+    """Sample indices of each batch: sorted by length (ties seeded), cut so rows x longest <= budget."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(lengths))
+    order = order[np.argsort(lengths[order], kind="stable")]
+    batches: list[np.ndarray] = []
+    start = 0
+    for k, s in enumerate(order.tolist()):
+        # Ascending order: the sample being added is the longest of its batch.
+        if (k + 1 - start) * int(lengths[s]) > token_budget:
+            batches.append(order[start:k])
+            start = k
+    batches.append(order[start:])
+    return batches
+
+
+# --- the dataset ----------------------------------------------------------------------------------
+
+
+class InstructionDataset(Dataset):
+    """The seed documents' SFT dataset: instruction/chat JSON lines -> batch-contract samples.
+
+    Items are packed rows, padded samples or (packing="dynamic") whole micro-batches; see the module
+    docstring for the record shapes, templates and layouts. Counts are in `stats`.
+    """
+
+    def __init__(
+        self,
+        data_files: str | list[str],
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        shuffle: bool = True,
+        *,
+        template: str | Mapping[str, str] = "auto",
+        packing: str = "pack",
+        truncation: str = "truncate",
+        on_bad_line: str = "stop",
+        token_budget: int | None = None,
+        cache_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Read, template and tokenize `data_files` (paths or globs) into samples of <= `max_seq_len`."""
+        for name, value, allowed in (
+            ("packing", packing, PACKING_MODES),
+            ("truncation", truncation, TRUNCATION_MODES),
+            ("on_bad_line", on_bad_line, BAD_LINE_MODES),
+        ):
+            if value not in allowed:
+                raise DataError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        if max_seq_len < 2:
+            raise DataError(f"max_seq_len (data.seq_length) must be at least 2, got {max_seq_len}")
+        if packing == "dynamic":
+            if token_budget is None:
+                token_budget = max_seq_len
+                logger.info("dynamic batching without token_budget: using max_seq_len %d; pass "
+                            "micro_batch_size x seq_length for fuller batches", max_seq_len)
+            if token_budget < max_seq_len:
+                raise DataError(
+                    f"token_budget {token_budget} is below max_seq_len {max_seq_len}, so the longest "
+                    f"samples fit in no batch; raise token_budget (micro_batch_size x seq_length is usual)"
+                )
+        self.files = expand_files(data_files)
+        self.tokenizer = tokenizer
+        self.seq_length = max_seq_len
+        self.shuffle = shuffle
+        self.packing = packing
+        self.truncation = truncation
+        self.token_budget = token_budget
+        self.seed = seed
+        self.items_are_batches = packing == "dynamic"
+        self.pad_id = tokenizer.pad_id
+        renderer = resolve_template(template, tokenizer)
+        self.template_name = renderer.label
+        self._tokens, self._mask, offsets, read_stats = load_sft_tokens(
+            self.files, tokenizer, renderer, on_bad_line, cache_dir
+        )
+        self.stats: dict[str, int] = dict(read_stats)
+        self._select(offsets)
+        self._group()
+        self._report()
+
+    def _select(self, offsets: np.ndarray) -> None:
+        """Apply the length policy and drop samples without a target: sets _starts and _lengths."""
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        too_long = lengths > self.seq_length
+        keep = np.ones(len(lengths), dtype=bool)
+        if self.truncation == "drop":
+            keep &= ~too_long
+            self.stats["dropped_too_long"] = int(too_long.sum())
+            self.stats["truncated"] = 0
+        else:
+            lengths = np.minimum(lengths, self.seq_length)
+            self.stats["truncated"] = int(too_long.sum())
+            self.stats["dropped_too_long"] = 0
+        # A target is a trained token after the sample's first position (labels are shifted by one).
+        trained = np.concatenate([[0], np.cumsum(self._mask, dtype=np.int64)])
+        targets = trained[starts + lengths] - trained[np.minimum(starts + 1, starts + lengths)]
+        no_target = keep & (targets == 0)
+        keep &= ~no_target
+        self.stats["dropped_no_target"] = int(no_target.sum())
+        self._starts = starts[keep].astype(np.int64)
+        self._lengths = lengths[keep].astype(np.int64)
+        self.stats["samples"] = len(self._starts)
+        self.stats["tokens"] = int(self._lengths.sum())
+        self.stats["target_tokens"] = int(targets[keep].sum())
+        if not len(self._starts):
+            raise DataError(
+                f"no instruction sample is left of {len(lengths)} ({self.stats['dropped_too_long']} "
+                f"longer than max_seq_len {self.seq_length}, {self.stats['dropped_no_target']} without "
+                f"an assistant token within it); raise data.seq_length or use truncation='truncate'"
+            )
+
+    def _group(self) -> None:
+        """Group samples into items: packed rows, single padded rows, or budgeted batches."""
+        if self.packing == "pack":
+            groups = pack_best_fit(self._lengths, self.seq_length, self.seed)
+        elif self.packing == "pad":
+            groups = list(np.arange(len(self._lengths), dtype=np.int64).reshape(-1, 1))
+        else:
+            assert self.token_budget is not None  # set in __init__ for dynamic batching
+            groups = batch_by_budget(self._lengths, self.token_budget, self.seed)
+        self._group_offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+        np.cumsum([len(g) for g in groups], out=self._group_offsets[1:])
+        self._group_samples = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+        self.stats["items"] = len(groups)
+        if self.packing == "dynamic":
+            widths = np.array([self._lengths[g].max() * len(g) for g in groups], dtype=np.int64)
+            self.stats["padding_tokens"] = int(widths.sum()) - self.stats["tokens"]
+        else:
+            self.stats["padding_tokens"] = len(groups) * self.seq_length - self.stats["tokens"]
+
+    def _report(self) -> None:
+        s = self.stats
+        logger.info(
+            "instruction data: %d samples (%d tokens, %d trained) in %d %s, template %s; padding %.1f%%",
+            s["samples"], s["tokens"], s["target_tokens"], s["items"],
+            "batches" if self.packing == "dynamic" else "rows", self.template_name,
+            100.0 * s["padding_tokens"] / max(1, s["tokens"] + s["padding_tokens"]),
+        )
+        lost = {k: s[k] for k in ("bad_lines", "truncated", "dropped_too_long", "dropped_no_target",
+                                  "unanswered_dropped") if s.get(k)}
+        if lost:
+            logger.warning("instruction data: %s (max_seq_len %d)",
+                           ", ".join(f"{k} {v}" for k, v in lost.items()), self.seq_length)
+
+    # --- items ------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Number of items: rows ("pack", "pad") or micro-batches ("dynamic")."""
+        return len(self._group_offsets) - 1
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and shifted labels (int64) of kept sample `index`, before grouping."""
+        start, n = int(self._starts[index]), int(self._lengths[index])
+        ids = self._tokens[start : start + n].astype(np.int64)
+        labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+        labels[:-1] = np.where(self._mask[start + 1 : start + n], ids[1:], IGNORE_INDEX)
+        return ids, labels
+
+    def _samples_of(self, item: int) -> np.ndarray:
+        if item < 0:
+            item += len(self)
+        if not 0 <= item < len(self):
+            raise IndexError(f"item {item} out of range for {len(self)} items")
+        return self._group_samples[self._group_offsets[item] : self._group_offsets[item + 1]]
+
+    def _fill(self, rows: Sequence[np.ndarray], width: int) -> dict[str, torch.Tensor]:
+        """Rows (each a list of samples laid end to end) padded to `width`, as batch-contract tensors."""
+        b = len(rows)
+        ids = np.full((b, width), self.pad_id, dtype=np.int64)
+        labels = np.full((b, width), IGNORE_INDEX, dtype=np.int64)
+        pos = np.zeros((b, width), dtype=np.int64)
+        doc = np.zeros((b, width), dtype=np.int64)
+        for r, samples in enumerate(rows):
+            p = 0
+            for d, s in enumerate(samples.tolist()):
+                tok, lab = self.sample(s)
+                n = len(tok)
+                ids[r, p : p + n] = tok
+                labels[r, p : p + n] = lab
+                pos[r, p : p + n] = np.arange(n)
+                doc[r, p : p + n] = d
+                p += n
+            # Padding is a document of its own, so no real token ever attends to it.
+            pos[r, p:] = np.arange(width - p)
+            doc[r, p:] = len(samples)
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(pos),
+            "document_ids": torch.from_numpy(doc),
+        }
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """A row ([T] tensors), or with packing="dynamic" a micro-batch ([b, T_b] tensors)."""
+        samples = self._samples_of(int(index))
+        if self.items_are_batches:
+            width = int(self._lengths[samples].max())
+            return self._fill([samples[k : k + 1] for k in range(len(samples))], width)
+        return {k: v[0] for k, v in self._fill([samples], self.seq_length).items()}
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        """Items `indices` stacked ([B, T]); with packing="dynamic", their batches joined and padded."""
+        groups = [self._samples_of(int(i)) for i in np.asarray(indices).reshape(-1)]
+        if self.items_are_batches:
+            rows = [g[k : k + 1] for g in groups for k in range(len(g))]
+            width = max(int(self._lengths[g].max()) for g in groups)
+            return self._fill(rows, width)
+        return self._fill(groups, self.seq_length)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the kept samples (without padding)."""
+        return self.stats["tokens"]

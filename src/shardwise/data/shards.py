@@ -1,0 +1,280 @@
+"""Reading a prepared corpus: memory-mapped token shards with per-shard document indexes.
+
+A directory written by `prepare_corpus` (prepare.py) holds:
+
+- `shard-00000.bin`, `shard-00001.bin`, ...: the token stream, little-endian uint16 (vocabularies up
+  to 65535 ids) or uint32, each document's tokens followed by EOS. Shards hold `shard_tokens` tokens
+  each (the last one fewer), so a document may continue from one shard into the next.
+- `shard-00000.idx`, ...: int64 offsets, within the shard, at which the documents that begin in it
+  begin (sorted; shard 0 starts with 0).
+- `manifest.json`, written last: format and version, tokenizer fingerprint / vocab size / eos id,
+  dtype, counts, options, inputs and the shard list (see `prepare.py`). A directory without it is not
+  a prepared corpus (or its preparation was interrupted) and is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+FORMAT_NAME = "shardwise-token-shards"
+# Bump when the layout changes; a reader refuses versions it does not know.
+FORMAT_VERSION = 1
+INDEX_DTYPE = np.dtype("<i8")
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def shard_dtype(name: str) -> np.dtype:
+    """The on-disk (little-endian) numpy dtype of a manifest dtype name ("uint16" or "uint32")."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise DataError(f"unknown token dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def shard_names(i: int) -> tuple[str, str]:
+    """File names (tokens, index) of shard `i`."""
+    return f"shard-{i:05d}.bin", f"shard-{i:05d}.idx"
+
+
+def _reprepare_hint(directory: Path) -> str:
+    return (
+        f"prepare it again: `shardwise prepare --input ... --tokenizer ... --out {directory} --overwrite` "
+        f"(or delete the directory; a training run that prepares its own data re-creates it)"
+    )
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a prepared directory, checked for format and version; DataError when absent."""
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        raise DataError(
+            f"prepared data directory {str(d)!r} does not exist; prepare one with "
+            f"`shardwise prepare --input GLOB --tokenizer DIR --out {d}`"
+        )
+    path = d / MANIFEST_FILE
+    if not path.is_file():
+        raise DataError(
+            f"{str(d)!r} has no {MANIFEST_FILE}: it is not a prepared corpus, or its preparation was "
+            f"interrupted before it finished (the manifest is written last, so nothing in it is used); "
+            f"{_reprepare_hint(d)}"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}; the directory is damaged, {_reprepare_hint(d)}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise DataError(
+            f"{path} is not a shardwise token-shard manifest (no \"format\": \"{FORMAT_NAME}\"); "
+            f"point at a directory written by `shardwise prepare`"
+        )
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format version {version!r}, but this shardwise reads version {FORMAT_VERSION}; "
+            f"{_reprepare_hint(d)}, or use the shardwise release that wrote it"
+        )
+    return manifest
+
+
+class TokenShards:
+    """A prepared corpus as one token stream: `read(start, stop)` and `document_starts(start, stop)`.
+
+    Opening checks the manifest and every shard's file sizes (not their contents; `verify()` does
+    that). Shards are memory-mapped on first use, so the object pickles cheaply (only paths and small
+    arrays) and a DataLoader worker maps the files itself.
+    """
+
+    # Document boundaries are always known (PackedDataset builds document masks from them).
+    has_documents = True
+
+    def __init__(self, directory: str | os.PathLike[str], tokenizer: Any | None = None) -> None:
+        """Open `directory`; with `tokenizer`, refuse shards prepared with a different one."""
+        self.directory = Path(directory).expanduser().resolve()
+        self.manifest: dict[str, Any] = read_manifest(self.directory)
+        m = self.manifest
+        d = self.directory
+        try:
+            self.dtype = shard_dtype(m["dtype"])
+            info = m["tokenizer"]
+            self.eos_id = int(info["eos_id"])
+            self.vocab_size = int(info["vocab_size"])
+            self.fingerprint = str(info["fingerprint"])
+            shards = list(m["shards"])
+            self.num_tokens = int(m["num_tokens"])
+            self.num_documents = int(m["num_documents"])
+            self._token_files = [str(d / s["file"]) for s in shards]
+            self._index_files = [str(d / s["index"]) for s in shards]
+            sizes = np.array([int(s["num_tokens"]) for s in shards], dtype=np.int64)
+            docs = np.array([int(s["num_documents"]) for s in shards], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(
+                f"{d / MANIFEST_FILE} is missing or has a malformed entry ({e!r}); the directory is "
+                f"damaged, {_reprepare_hint(d)}"
+            ) from e
+        # Global position of each shard's first token, plus the end: a few numbers per shard.
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._shard_docs = docs
+        if int(self._offsets[-1]) != self.num_tokens or int(docs.sum()) != self.num_documents:
+            raise DataError(
+                f"{d / MANIFEST_FILE} is inconsistent: its shards hold {int(self._offsets[-1])} tokens and "
+                f"{int(docs.sum())} documents, but it says {self.num_tokens} and {self.num_documents}; "
+                f"{_reprepare_hint(d)}"
+            )
+        for i, (tf, xf) in enumerate(zip(self._token_files, self._index_files)):
+            self._check_size(tf, int(sizes[i]) * self.dtype.itemsize)
+            self._check_size(xf, int(docs[i]) * INDEX_DTYPE.itemsize)
+        if tokenizer is not None:
+            self.check_tokenizer(tokenizer)
+        self._tokens: list[np.ndarray | None] = [None] * len(self._token_files)
+        self._index: list[np.ndarray | None] = [None] * len(self._index_files)
+
+    def _check_size(self, path: str, expected: int) -> None:
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise DataError(
+                f"shard file {path} listed in the manifest is missing; the directory is damaged, "
+                f"{_reprepare_hint(self.directory)}"
+            ) from None
+        if size != expected:
+            raise DataError(
+                f"shard file {path} is {size} bytes but the manifest says {expected}: the directory is "
+                f"damaged (truncated or changed after preparation); {_reprepare_hint(self.directory)}"
+            )
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Raise DataError unless `tokenizer` is the one these shards were prepared with."""
+        theirs = self.manifest["tokenizer"]
+        if tokenizer.fingerprint != self.fingerprint:
+            source = theirs.get("source")
+            was = f" ({source})" if source else ""
+            raise DataError(
+                f"{self.directory} was prepared with tokenizer fingerprint {self.fingerprint}{was}, "
+                f"vocab {self.vocab_size}, eos id {self.eos_id}, but the tokenizer given has fingerprint "
+                f"{tokenizer.fingerprint}, vocab {tokenizer.vocab_size}, eos id {tokenizer.eos_id}: the "
+                f"token ids would mean different text. Prepare it again with this tokenizer "
+                f"(`shardwise prepare ... --out {self.directory} --overwrite`), or use the tokenizer "
+                f"it was prepared with"
+            )
+
+    # --- pickling: paths and small arrays only; memmaps are reopened on first use -----------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tokens"] = [None] * len(self._token_files)
+        state["_index"] = [None] * len(self._index_files)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _tokens_of(self, i: int) -> np.ndarray:
+        arr = self._tokens[i]
+        if arr is None:
+            # np.memmap refuses zero-length files, and an empty shard has nothing to map anyway.
+            if self._offsets[i + 1] > self._offsets[i]:
+                arr = np.memmap(self._token_files[i], dtype=self.dtype, mode="r")
+            else:
+                arr = np.zeros(0, self.dtype)
+            self._tokens[i] = arr
+        return arr
+
+    def _index_of(self, i: int) -> np.ndarray:
+        arr = self._index[i]
+        if arr is None:
+            if self._shard_docs[i]:
+                arr = np.memmap(self._index_files[i], dtype=INDEX_DTYPE, mode="r")
+            else:
+                arr = np.zeros(0, INDEX_DTYPE)
+            self._index[i] = arr
+        return arr
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shard files."""
+        return len(self._token_files)
+
+    def __len__(self) -> int:
+        """Tokens in the corpus (same as `num_tokens`)."""
+        return self.num_tokens
+
+    def _check_range(self, start: int, stop: int) -> tuple[int, int]:
+        start, stop = int(start), int(stop)
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) is outside [0, {self.num_tokens}]")
+        return start, stop
+
+    def _shards_in(self, start: int, stop: int) -> range:
+        """Indices of the shards that hold some of the positions [start, stop) (start < stop)."""
+        first = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        last = int(np.searchsorted(self._offsets, stop, side="left")) - 1
+        return range(first, last + 1)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens of global positions [start, stop) (read-only when they lie in one shard)."""
+        start, stop = self._check_range(start, stop)
+        if start == stop:
+            return np.zeros(0, dtype=self.dtype)
+        parts = []
+        for i in self._shards_in(start, stop):
+            base = int(self._offsets[i])
+            lo, hi = max(start, base) - base, min(stop, int(self._offsets[i + 1])) - base
+            if hi > lo:
+                parts.append(self._tokens_of(i)[lo:hi])
+        if len(parts) == 1:
+            return np.asarray(parts[0])
+        return np.concatenate(parts)
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Sorted global positions p, start <= p < stop, at which a document begins (int64)."""
+        start, stop = self._check_range(start, stop)
+        if start == stop:
+            return np.zeros(0, dtype=np.int64)
+        parts = []
+        for i in self._shards_in(start, stop):
+            base = int(self._offsets[i])
+            index = self._index_of(i)
+            lo = int(np.searchsorted(index, start - base, side="left"))
+            hi = int(np.searchsorted(index, stop - base, side="left"))
+            if hi > lo:
+                parts.append(np.asarray(index[lo:hi], dtype=np.int64) + base)
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def verify(self) -> None:
+        """Check every shard's content against the digests in the manifest (reads all data)."""
+        for i, shard in enumerate(self.manifest["shards"]):
+            for path, key in ((self._token_files[i], "blake2b"), (self._index_files[i], "index_blake2b")):
+                want = shard.get(key)
+                if want is None:
+                    continue
+                h = hashlib.blake2b(digest_size=16)
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 22), b""):
+                        h.update(block)
+                if h.hexdigest() != want:
+                    raise DataError(
+                        f"shard file {path} does not match the digest in the manifest: it changed after "
+                        f"preparation; {_reprepare_hint(self.directory)}"
+                    )
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenShards({str(self.directory)!r}, tokens={self.num_tokens}, documents={self.num_documents}, "
+            f"shards={self.num_shards}, dtype={self.dtype.name}, tokenizer={self.fingerprint})"
+        )
