@@ -269,7 +269,7 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
         for mb in loader.next_step():
             x = mb["input_ids"].to(device, non_blocking=True)
             y = mb["labels"].to(device, non_blocking=True)
-            extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "attention_mask") if k in mb}
+            extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "document_ids", "attention_mask") if k in mb}
             with plan.autocast(device.type):
                 logits = model(x, **extras)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / grad_accum

@@ -102,3 +102,10 @@ def test_document_ids_with_a_kv_cache_are_refused() -> None:
     tokens = _tokens(5)
     with pytest.raises(ValueError, match="document_ids"):
         model(tokens, document_ids=torch.zeros_like(tokens), kv_cache=KVCache.for_model(model, 1))
+
+
+def test_one_document_per_sample_takes_the_causal_path() -> None:
+    model = _model()
+    tokens = _tokens(6)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, document_ids=torch.zeros_like(tokens)), model(tokens))

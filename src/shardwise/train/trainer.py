@@ -105,7 +105,10 @@ class Trainer:
             scaler = LossScaler(cfg.optimize.initial_loss_scale if dynamic else float(cfg.optimize.loss_scale),
                                 dynamic=dynamic)
         grad_accum = cfg.gradient_accumulation()
-        loader = StatefulLoader(self.train_dataset, cfg.train.micro_batch_size, grad_accum, cfg.train.seed,
+        # Dynamically batched data holds whole micro-batches per item (sized by micro_batch_size rows).
+        items_per_micro_batch = 1 if getattr(self.train_dataset, "items_are_batches", False) else \
+            cfg.train.micro_batch_size
+        loader = StatefulLoader(self.train_dataset, items_per_micro_batch, grad_accum, cfg.train.seed,
                                 shuffle=getattr(self.train_dataset, "shuffle", True),
                                 num_workers=cfg.data.num_workers)
         total_steps = self._total_steps(loader)
