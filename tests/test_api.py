@@ -388,7 +388,7 @@ def test_seed_002_tensor_parallel_on_one_process_fails_clearly(corpus, tmp_path)
     with pytest.raises(ShardwiseError) as info:
         shardwise.LLMTrainer(model=model, args=args, train_dataset=dataset).train()
     message = str(info.value)
-    assert re.search(r"\b2 devices\b", message), message
+    assert re.search(r"\b2 processes\b", message) and "--nproc 2" in message, message
     assert "tensor_parallel" in message
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -239,12 +239,69 @@ def test_subprocess_user_error_exits_2_without_traceback(tmp_path) -> None:
     assert str(missing) in proc.stderr and proc.stdout == ""
 
 
-def test_nproc_on_a_real_run_is_refused(capsys, data, tmp_path) -> None:
-    """--nproc > 1 without --dry-run would silently train on one device: refused instead."""
-    cfg = tiny_config(data, tmp_path / "cfg.yaml", tmp_path / "run")
-    code, _, err = run_cli(capsys, "train", cfg, "--nproc", "8")
-    assert_user_error(code, err, "--nproc 8", "--dry-run")
+def test_nproc_with_a_layout_that_does_not_fit_fails_before_launching(capsys, data, tmp_path) -> None:
+    """data_parallel 2 on 3 processes: refused with the layouts that fit, before any process starts."""
+    cfg = tiny_config(data, tmp_path / "cfg.yaml", tmp_path / "run", parallel={"data_parallel": 2})
+    code, _, err = run_cli(capsys, "train", cfg, "--nproc", "3")
+    assert_user_error(code, err, "2 processes", "3 are running", "dp 3 x tp 1 x pp 1")
     assert not (tmp_path / "run").exists()
+
+
+def _cli(*argv: str, cwd: Path, pythonpath: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([*pythonpath, str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "shardwise", *argv], capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, PYTHONPATH=path, **env), cwd=cwd)
+
+
+# Loaded by every Python process started with this directory on PYTHONPATH: in a rank (RANK is set)
+# it makes the checkpoint save of step K kill rank R with SIGKILL once, after the save completed.
+_KILL_AFTER_SAVE = """
+import os
+spec = os.environ.get("SHARDWISE_TEST_KILL")
+if spec and "RANK" in os.environ:
+    import signal
+    import shardwise.train.checkpoint as ckpt
+    step, rank, marker = spec.split(":", 2)
+    original = ckpt.save_checkpoint
+    def save_checkpoint(run_dir, at_step, *args, **kwargs):
+        path = original(run_dir, at_step, *args, **kwargs)
+        if at_step == int(step) and os.environ["RANK"] == rank and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+    ckpt.save_checkpoint = save_checkpoint
+"""
+
+
+@pytest.mark.timeout(300)
+def test_nproc_trains_with_data_parallel_and_restarts_a_killed_rank(data, tmp_path) -> None:
+    """`--nproc 2` through torchrun: the same losses as one process; with --max-restarts a rank that
+    is killed after the step-2 checkpoint is restarted with the group, which resumes and ends with the
+    uninterrupted run's losses."""
+    constant = {"decay_style": "constant", "micro_batch_size": 2}
+    single = tiny_config(data, tmp_path / "single.yaml", tmp_path / "single", train={**constant, "micro_batch_size": 4})
+    proc = _cli("train", str(single), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layout = {"data_parallel": 2, "zero_stage": 3}
+    dp2 = tiny_config(data, tmp_path / "dp2.yaml", tmp_path / "dp2", parallel=layout, train=constant)
+    proc = _cli("train", str(dp2), "--nproc", "2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: 4 steps") == 1  # rank 0 reports
+    reference = {r["step"]: r["loss"] for r in metrics(tmp_path / "dp2")}
+    assert list(reference.values()) == pytest.approx([r["loss"] for r in metrics(tmp_path / "single")], abs=1e-4)
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_AFTER_SAVE)
+    marker = tmp_path / "killed-once"
+    killed = tiny_config(data, tmp_path / "killed.yaml", tmp_path / "killed", parallel=layout, train=constant)
+    proc = _cli("train", str(killed), "--nproc", "2", "--max-restarts", "1", cwd=tmp_path,
+                pythonpath=(str(hook),), SHARDWISE_TEST_KILL=f"2:1:{marker}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists(), "rank 1 was never killed"
+    assert "restart 1" in proc.stderr
+    final = {r["step"]: r["loss"] for r in metrics(tmp_path / "killed")}
+    assert final[3] == pytest.approx(reference[3], abs=1e-6) and final[4] == pytest.approx(reference[4], abs=1e-6)
 
 
 # --- real runs -----------------------------------------------------------------------------------------------
@@ -293,7 +350,7 @@ def test_existing_run_is_refused_and_overwrite_replaces_it(capsys, data, trained
 
     # --overwrite with a config this process cannot run fails before it removes anything.
     code, _, err = run_cli(capsys, "train", cfg, "--overwrite", "--set", "parallel.tensor_parallel=2")
-    assert_user_error(code, err, "2 devices", "tensor_parallel")
+    assert_user_error(code, err, "2 processes", "--nproc 2", "tensor_parallel")
     from shardwise.parallel.launch import npu_available
 
     if not npu_available():

@@ -17,6 +17,7 @@ EPILOG = """examples:
   shardwise train configs/demo.yaml                          train as the config describes
   shardwise train configs/seed_train_config.yaml --dry-run   size, layout, tokens and FLOPs per step
   shardwise train cfg.yaml --set train.lr=1e-4               override a key of the config
+  shardwise train cfg.yaml --nproc 4                         one process per device (data/tensor parallel)
   shardwise generate runs/demo --prompt "It is" --max-new-tokens 50
   shardwise tokenizer train --input 'corpus/*.txt' --vocab-size 32000 --out tok/
   shardwise prepare --input 'corpus/*.jsonl' --tokenizer tok/ --out data/prepared
@@ -54,15 +55,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         print(describe_run(cfg, args.nproc))
         return 0
-    if args.nproc not in (None, 1):
-        raise ConfigError(
-            f"--nproc {args.nproc}: launching several processes is not available yet, so a real run uses "
-            "one device; drop --nproc (and set the parallel degrees to 1), or add --dry-run to plan for "
-            f"{args.nproc} devices"
-        )
+    from .parallel.launch import LAUNCH_FLAGS, check_local_devices, launch_env, launch_processes, strip_launch_args
+
+    env = launch_env()
+    given = [f for f in LAUNCH_FLAGS if any(a == f or a.startswith(f + "=") for a in args.argv)]
+    if env is not None and env.world_size > 1:  # started by torchrun / mpirun: this process is one rank
+        if given:
+            raise ConfigError(f"started by {env.launcher} (rank {env.rank} of {env.world_size}): the launcher "
+                              f"already started the processes; drop {', '.join(given)}")
+    elif (args.nproc or 1) > 1 or args.nnodes not in ("1", "1:1") or args.max_restarts:
+        from .parallel.dims import dims_from_config
+
+        check_local_devices(cfg.run.device, args.nproc or 1)
+        if args.nnodes in ("1", "1:1"):
+            dims_from_config(cfg.parallel, args.nproc or 1)  # a wrong layout fails before any process starts
+        return launch_processes(strip_launch_args(args.argv), args.nproc or 1, nnodes=args.nnodes,
+                                node_rank=args.node_rank, master_addr=args.master_addr,
+                                master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
+                                max_restarts=args.max_restarts)
     from .train.trainer import Trainer
 
     result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
+    if env is not None and env.rank != 0:
+        return 0  # rank 0 reports the run
     if not result.losses:  # resumed at the last step
         from .train.checkpoint import resolve_resume
 
@@ -161,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="pre-train or fine-tune as a YAML config describes",
-                       description="Train as CONFIG describes. Seed-document YAML shapes are accepted.")
+    t = sub.add_parser("train", help="pre-train or fine-tune as a YAML config describes", allow_abbrev=False,
+                       description="Train as CONFIG describes. Seed-document YAML shapes are accepted. "
+                                   "With --nproc N (or under torchrun / mpirun) one process per device.")
     t.add_argument("config", help="YAML run config")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
@@ -172,8 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints newer than the one resumed from")
     t.add_argument("--dry-run", action="store_true",
                    help="validate and print model, layout, tokens and FLOPs per step; touch no device or data")
-    t.add_argument("--nproc", type=int, default=None,
-                   help="devices to plan for with --dry-run (resolves data_parallel: -1)")
+    launch = t.add_argument_group("launch (several processes)")
+    launch.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="processes on this machine, one per GPU/NPU (or a share of the CPU); >1 starts "
+                             "them through torchrun; with --dry-run: devices to plan for")
+    launch.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="machines taking part (default 1)")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="K",
+                        help="this machine's number 0..nnodes-1 (with --master-addr/--master-port)")
+    launch.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="host of node 0")
+    launch.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                        help="free port on --master-addr (default: any free port on one machine)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="c10d rendezvous instead of --master-addr/--master-port/--node-rank")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart the group up to K times after a failure, resuming from the newest "
+                             "checkpoint")
     t.set_defaults(func=_cmd_train)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint",
@@ -246,12 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `shardwise` command."""
     args = build_parser().parse_args(argv)
+    # The raw arguments (with a global -v) are what `--nproc` hands to every rank.
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     setup_logging(args.verbose)
+    from .parallel.launch import record_failure
+
     try:
         return args.func(args)
     except ShardwiseError as e:
+        record_failure(e)  # under a launcher, its summary then names this error
         print(f"shardwise: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        record_failure(e)
+        raise
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130

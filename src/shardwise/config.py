@@ -32,6 +32,9 @@ class ParallelConfig(_Section):
     """How the run is split over devices. The product dp x tp x pp must equal the device count."""
 
     data_parallel: int = Field(1, description="data-parallel degree; -1 = what the device count leaves")
+    data_parallel_replicate: int = Field(
+        1, ge=1, description="HSDP: replicas of the sharded group (e.g. nodes); must divide data_parallel"
+    )
     tensor_parallel: int = Field(1, ge=1, description="tensor (model) parallel degree")
     sequence_parallel: bool = Field(True, description="shard norms/dropout over the sequence with TP")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages")
@@ -151,6 +154,9 @@ class TrainConfig(_Section):
     save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
     nan_policy: Literal["stop", "skip"] = Field("stop", description="on a NaN/Inf loss")
+    check_replicas_steps: Optional[int] = Field(
+        None, ge=1, description="every N steps compare parameter checksums across data-parallel replicas"
+    )
     peak_tflops: Optional[float] = Field(None, gt=0, description="device peak for MFU (default: table/measured)")
     progress_bar: bool = Field(True, description="show a progress bar")
     tensorboard: bool = Field(True, description="write TensorBoard events when it is installed")
@@ -224,6 +230,9 @@ class RunSection(_Section):
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device kind")
     compile: bool = Field(False, description="torch.compile the model (seed: mode graph / mode 0)")
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
+    timeout_s: float = Field(
+        600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
+    )
 
 
 class RunConfig(_Section):
@@ -256,7 +265,13 @@ class RunConfig(_Section):
                 f"{m.max_position_embeddings}; lower seq_length or raise max_position_embeddings"
             )
         if p.tensor_parallel > 1:
-            for name, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+            if p.sequence_parallel and self.data.seq_length % p.tensor_parallel:
+                raise ValueError(
+                    f"sequence parallel splits each sample's {self.data.seq_length} positions over "
+                    f"tensor_parallel {p.tensor_parallel} ranks: make data.seq_length a multiple of it"
+                )
+            for name, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                            ("intermediate_size", m.intermediate_size)):
                 if n % p.tensor_parallel:
                     raise ValueError(
                         f"parallel.tensor_parallel {p.tensor_parallel} must divide model.{name} {n}"

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from shardwise.config import validate
 from shardwise.data.pretrain import PackedDataset

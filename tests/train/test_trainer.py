@@ -125,11 +125,12 @@ def test_tensorboard_events_are_written(tmp_path, dataset):
 
 def test_offload_is_refused_on_an_accelerator_and_harmless_on_cpu(tmp_path, dataset):
     from shardwise.errors import ConfigError
+    from shardwise.parallel.dims import ParallelDims
     from shardwise.train.trainer import check_offload
 
     cfg = with_changes(tiny_config(tmp_path, max_steps=1), optimize={"offload_optimizer": True})
     with pytest.raises(ConfigError, match="optimize.offload_optimizer"):
-        check_offload(cfg, torch.device("cuda"))
+        check_offload(cfg, torch.device("cuda"), ParallelDims())
     assert _run(cfg, dataset).step == 1
 
 

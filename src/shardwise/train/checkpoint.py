@@ -1,17 +1,26 @@
-"""Atomic, resumable checkpoints written with torch.distributed.checkpoint (DCP).
+"""Atomic, resumable, resharding checkpoints written with torch.distributed.checkpoint (DCP).
 
 Layout of a run directory:
 
     RUN_DIR/checkpoints/step_00000100/   one complete checkpoint
-        .metadata.json                   DCP metadata, as JSON (never pickle)
-        __0_0.distcp ...                 tensors: model, optimizer state, fp32 master weights
-        trainer_state.json               step, data position, loss scaler, tensor shapes
-        rng_rank0.json                   random generator states, one file per rank
+        .metadata.json                   DCP metadata of every rank's shards, as JSON (never pickle)
+        __0_0.distcp __1_0.distcp ...    tensors, one file per rank: model, optimizer state, fp32 masters
+        trainer_state.json               step, data position, loss scaler, global tensor shapes (rank 0)
+        rng_rank0.json rng_rank1.json    random generator states, one file per rank
         config.yaml, tokenizer/          what `shardwise generate` needs to use it on its own
 
-A checkpoint is written into a hidden temporary directory and renamed into place only when every
-file is on disk, so a crash during a save leaves the previous checkpoints untouched. Tensors are
-read back with `torch.load(weights_only=True)` by DCP and metadata with `json`: nothing is unpickled.
+Tensors are stored by canonical name in groups: `model.<param>` (no wrapper prefixes such as
+`_checkpoint_wrapped_module.` or `_orig_mod.`), `optim.<param>.<state key>` and, at precision level
+O2, `master.<param>`. DCP records every tensor by its global shape and each shard by its offsets, so
+a checkpoint written under one layout (one process, FSDP2/ZeRO, tensor parallel, pipeline stages that
+each hold some layers) loads under any other: every rank reads the pieces its own shards cover.
+
+A checkpoint is written into a hidden temporary directory shared by all ranks and renamed into place
+by rank 0 only when every rank's files are on disk; a failure on any rank stops every rank before the
+rename, so the previous checkpoints stay the newest good ones. Tensors are read back with
+`torch.load(weights_only=True)` by DCP and metadata with `json`: nothing is unpickled. (DCP exchanges
+its save and load plans between the processes of a job with pickled objects in memory; nothing
+pickled is written to disk.)
 """
 
 from __future__ import annotations
@@ -155,13 +164,72 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+# --- Ranks: who does what, and failing together ---------------------------------------------------------
+#
+# Every rank of the group takes part in a save and a load. A failure on one rank must stop all of
+# them at the same point (never leave the others waiting in a collective until the timeout), and the
+# user, who sees rank 0's log, must see the failing rank's message. `_agree` does that without pickle:
+# a flag per rank, then the first failing rank's message as a tensor of character codes.
+
+_MESSAGE_CHARS = 2048
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: Any = None) -> int:
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _collective_device(group: Any = None) -> torch.device:
+    """Where small control tensors live for this group's backend (CPU for gloo, else the accelerator)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _agree(error: Exception | None, group: Any = None, what: str = "the checkpoint",
+           verbatim: bool = False) -> None:
+    """Raise on every rank if any rank failed: its own error where it failed, the first failing rank's
+    message elsewhere (`verbatim`: the message as it is, else prefixed with the rank and `what`)."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    device = _collective_device(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    if error is not None:
+        flags[rank] = 1
+    dist.all_reduce(flags, group=group)
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    first = failed[0]
+    text = torch.zeros(_MESSAGE_CHARS, dtype=torch.int32, device=device)
+    if rank == first:
+        message = str(error) if verbatim else f"{type(error).__name__}: {error}"
+        codes = list(message.encode("utf-8", "replace"))[:_MESSAGE_CHARS]
+        text[: len(codes)] = torch.tensor(codes, dtype=torch.int32, device=device)
+    dist.all_reduce(text, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    message = bytes(c for c in text.tolist() if c).decode("utf-8", "replace")
+    if verbatim:
+        raise CheckpointError(message)
+    raise CheckpointError(f"{what} failed on rank {first} (ranks failing: {failed}): {message}")
+
+
+def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Exception | None]:
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - handed to `_agree`, which raises it again
+        return None, e
 
 
 # --- RNG ------------------------------------------------------------------------------------------------------
@@ -248,55 +316,89 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return path
 
 
-# --- Save and load ---------------------------------------------------------------------------------------
+# --- Save and load: flat tensor groups -------------------------------------------------------------------
 
 
 def tensor_shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """Name -> shape, recorded so that a load into another model shape fails clearly."""
+    """Name -> (global) shape, recorded so that a load into another model shape fails clearly."""
     return {k: list(v.shape) for k, v in tensors.items()}
+
+
+def _check_tensor_values(tensors: dict[str, dict[str, Any]]) -> None:
+    for group, items in tensors.items():
+        for name, value in items.items():
+            if not torch.is_tensor(value):
+                raise CheckpointError(
+                    f"checkpoint item {group}.{name} is a {type(value).__name__}, not a tensor: checkpoints "
+                    "hold tensors only (anything else would need pickle); put it in the trainer state")
+
+
+def _shapes_from_metadata(md: Metadata, groups: Any) -> dict[str, dict[str, list[int]]]:
+    """Global shapes of every tensor that any rank saved, by group (DCP keys are `group.name`)."""
+    shapes: dict[str, dict[str, list[int]]] = {g: {} for g in groups}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            group, _, name = fqn.partition(".")
+            shapes.setdefault(group, {})[name] = list(item.size)
+    return shapes
 
 
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                     trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
-                    keep: int = 3) -> Path:
+                    keep: int = 3, *, process_group: Any = None) -> Path:
     """Write a checkpoint for `step` atomically, then drop all but the newest `keep`.
 
     `tensors` maps groups ("model", "optim", "master") to flat name -> tensor dicts; `extra_files`
     maps names inside the checkpoint to files or directories to copy (config, tokenizer).
+
+    Distributed (torch.distributed initialised): every rank of `process_group` (default: all) calls
+    this with its own tensors - DTensor shards (FSDP2, tensor parallel) or plain tensors, and the
+    ranks need not hold the same names (pipeline stages); replicated tensors are written once.
+    `run_dir` must be the same shared directory on every rank. `trainer_state` and `extra_files` are
+    taken from rank 0 only. Every rank returns the final path, or every rank raises.
     """
+    group = process_group
+    rank = _rank(group)
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     if final.exists():
         log.info("checkpoint %s already exists; not saving it again", final)
         return final
     tmp = root / f".step_{step:08d}.tmp"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
-        tmp.mkdir()
-    _barrier()
+
+    def prepare() -> None:
+        _check_tensor_values(tensors)
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(root)
+            tmp.mkdir()
+    _, error = _attempt(prepare)
+    _agree(error, group, f"preparing {tmp}")
+    # DCP stops every rank with a CheckpointException when any rank fails inside it.
     with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True),
-                 no_dist=not dist.is_initialized())
-    _write_json_atomic(tmp / f"rng_rank{_rank()}.json", rng_state())
-    _barrier()
-    if _rank() == 0:
+        metadata = dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True),
+                            process_group=group, no_dist=not _distributed())
+    _, error = _attempt(lambda: _write_json_atomic(tmp / f"rng_rank{rank}.json", rng_state()))
+    _agree(error, group, f"writing {tmp}")
+
+    def finish() -> None:  # rank 0, once every rank's files are on disk
         for name, src in (extra_files or {}).items():
             src = Path(src)
             if src.is_dir():
                 shutil.copytree(src, tmp / name)
             elif src.is_file():
                 shutil.copy2(src, tmp / name)
-        state = dict(trainer_state, step=step,
-                     shapes={g: tensor_shapes(t) for g, t in tensors.items()})
+        state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, tensors))
         _write_json_atomic(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)
         _prune(run_dir, keep)
-    _barrier()
-    log.info("saved checkpoint %s", final)
+    _, error = _attempt(finish) if rank == 0 else (None, None)
+    _agree(error, group, f"finishing {final}")  # the other ranks wait here for the rename
+    if rank == 0:
+        log.info("saved checkpoint %s", final)
     return final
 
 
@@ -331,40 +433,245 @@ _MISMATCH_HINTS = {
 }
 
 
-def check_shapes(path: str | Path, group: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Fail naming the first tensor whose saved shape differs from the run's (or is missing)."""
-    saved = read_trainer_state(path).get("shapes", {}).get(group, {})
-    hint = _MISMATCH_HINTS.get(group, _MISMATCH_HINTS["model"])
+def _hint(group: str) -> str:
+    return _MISMATCH_HINTS.get(group, _MISMATCH_HINTS["model"])
+
+
+def _check_held(path: str | Path, group: str, tensors: dict[str, torch.Tensor], saved: dict) -> None:
+    """The tensors this process holds must be in the checkpoint, with the same (global) shape."""
     for name, t in tensors.items():
         if name not in saved:
-            raise CheckpointError(f"checkpoint {path} has no tensor {group}.{name}: {hint}")
+            raise CheckpointError(f"checkpoint {path} has no tensor {group}.{name}: {_hint(group)}")
         if list(t.shape) != saved[name]:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this run: {group}.{name} has shape {saved[name]} in the "
-                f"checkpoint but {list(t.shape)} here; {hint}"
+                f"checkpoint but {list(t.shape)} here; {_hint(group)}"
             )
+
+
+def _extra_error(path: str | Path, group: str, extra: list[str]) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} holds {group}.{sorted(extra)[0]}, which this run lacks: "
+                           f"{_hint(group)}")
+
+
+def check_shapes(path: str | Path, group: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fail naming the first tensor whose saved shape differs from the run's (or is missing)."""
+    saved = read_trainer_state(path).get("shapes", {}).get(group, {})
+    _check_held(path, group, tensors, saved)
     extra = sorted(set(saved) - set(tensors))
     if extra:
-        raise CheckpointError(f"checkpoint {path} holds {group}.{extra[0]}, which this run lacks: {hint}")
+        raise _extra_error(path, group, extra)
 
 
-def _dcp_load(tensors: dict, path: Path) -> None:
+def check_all_shapes(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]],
+                     process_group: Any = None) -> None:
+    """`check_shapes` for every group, across the ranks of a distributed run.
+
+    Each rank checks the tensors it holds; a saved tensor counts as lacking only when no rank holds it
+    (pipeline stages hold some layers each). Every rank raises the same message, or none does.
+    """
+    if not _distributed():
+        _check_tensor_values(tensors)
+        for group, group_tensors in tensors.items():
+            check_shapes(path, group, group_tensors)
+        return
+
+    def check_held() -> dict:
+        _check_tensor_values(tensors)
+        saved = read_trainer_state(path).get("shapes", {})
+        for g, t in tensors.items():
+            _check_held(path, g, t, saved.get(g, {}))
+        return saved
+    shapes, error = _attempt(check_held)
+    _agree(error, process_group, verbatim=True)
+    # Which saved names does any rank hold? One flag per group ("this rank loads the group"), then one
+    # per saved name, in an order every rank derives from the same file.
+    groups = sorted(shapes)
+    names = {g: sorted(shapes[g]) for g in groups}
+    flags = []
+    for g in groups:
+        held = tensors.get(g)
+        flags.append(int(held is not None))
+        flags.extend(int(held is not None and n in held) for n in names[g])
+    if not flags:
+        return
+    reduced = torch.tensor(flags, dtype=torch.int32, device=_collective_device(process_group))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=process_group)
+    reduced_list, i = reduced.tolist(), 0
+    for g in groups:
+        loaded, held = reduced_list[i], reduced_list[i + 1: i + 1 + len(names[g])]
+        i += 1 + len(names[g])
+        extra = [n for n, h in zip(names[g], held) if not h]
+        if loaded and extra:
+            raise _extra_error(path, g, extra)
+
+
+def _dcp_load(tensors: dict, path: Path, process_group: Any = None, no_dist: bool | None = None) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(tensors, storage_reader=JsonMetadataReader(path), no_dist=not dist.is_initialized())
+        dcp.load(tensors, storage_reader=JsonMetadataReader(path), process_group=process_group,
+                 no_dist=not _distributed() if no_dist is None else no_dist)
 
 
-def load_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Load tensors in place (after checking shapes), restore RNG, and return the trainer state."""
+def load_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]], *,
+                    process_group: Any = None) -> dict:
+    """Load tensors in place (after checking shapes), restore RNG, and return the trainer state.
+
+    Distributed: every rank calls it with the tensors it holds (DTensor shards or plain tensors, any
+    layout); each reads the parts of the saved tensors that its shards cover.
+    """
     path = Path(path)
-    for group, group_tensors in tensors.items():
-        check_shapes(path, group, group_tensors)
-    _dcp_load(tensors, path)
-    rng_file = path / f"rng_rank{_rank()}.json"
+    check_all_shapes(path, tensors, process_group)
+    _dcp_load(tensors, path, process_group)
+    rng_file = path / f"rng_rank{_rank(process_group)}.json"
     if rng_file.is_file():
         with open(rng_file, encoding="utf-8") as f:
             set_rng_state(json.load(f))
     return read_trainer_state(path)
+
+
+# --- Save and load: models and optimizers in any layout -------------------------------------------------
+#
+# A run's model may be split into parts (pipeline stages; several per rank with interleaved
+# schedules), each wrapped for recompute, compile, FSDP2 or DDP and sharded as DTensors. These
+# functions take the parts as they are and name everything canonically.
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def canonical_param_names(model_parts: Any) -> dict[int, str]:
+    """id(parameter) -> its canonical name (no `_checkpoint_wrapped_module.`, `_orig_mod.`, DDP's
+    `module.`), the name `get_model_state_dict` gives it."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names: dict[int, str] = {}
+    for part in _as_list(model_parts):
+        for name, p in part.named_parameters():
+            fqns = _get_fqns(part, name)
+            if len(fqns) != 1:
+                raise CheckpointError(f"parameter {name} maps to several names {sorted(fqns)}: flat-parameter "
+                                      "FSDP (version 1) is not supported; use fully_shard (FSDP2)")
+            names.setdefault(id(p), next(iter(fqns)))
+    return names
+
+
+def model_state(model_parts: Any) -> list[dict[str, torch.Tensor]]:
+    """Each part's state dict by canonical name; FSDP2 / tensor-parallel shards stay DTensors."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return [dict(get_model_state_dict(part)) for part in _as_list(model_parts)]
+
+
+def optimizer_state(model_parts: Any, optimizers: Any) -> dict[str, torch.Tensor]:
+    """Optimizer state as `param_name.key` -> tensor (as `optimizer_state_by_name` in the trainer).
+
+    One optimizer over all parts or one per part both work; a parameter without state (frozen, or
+    owned by another rank's ZeRO-1 shard) has no entry. Non-tensor state is left out (no pickle).
+    """
+    names = canonical_param_names(model_parts)
+    out: dict[str, torch.Tensor] = {}
+    for opt in _as_list(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if not state:
+                    continue
+                if id(p) not in names:
+                    raise CheckpointError("the optimizer steps a parameter that none of the model parts "
+                                          "holds; pass every model part the optimizer covers")
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        out[f"{names[id(p)]}.{key}"] = value
+    return out
+
+
+@torch.no_grad()
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazy state (one step with zero gradients and lr 0) so a load fills it.
+
+    Existing gradients are kept; parameters and an existing state are left as they are.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def sharded_tensors(model_parts: Any, optimizers: Any = None,
+                    extra_groups: dict[str, dict[str, torch.Tensor]] | None = None
+                    ) -> dict[str, dict[str, torch.Tensor]]:
+    """The groups a checkpoint holds: "model" (all parts merged), "optim" (when optimizers are given)
+    and any `extra_groups` (e.g. "master": fp32 master weights by name)."""
+    model: dict[str, torch.Tensor] = {}
+    for sd in model_state(model_parts):
+        model.update(sd)
+    groups = {"model": model}
+    if optimizers is not None:
+        groups["optim"] = optimizer_state(model_parts, optimizers)
+    groups.update(extra_groups or {})
+    return groups
+
+
+def save_sharded_checkpoint(run_dir: str | Path, step: int, model_parts: Any, optimizers: Any,
+                            trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
+                            keep: int = 3, *, extra_groups: dict[str, dict[str, torch.Tensor]] | None = None,
+                            process_group: Any = None) -> Path:
+    """Save a model (one module or a list of parts) and its optimizer(s) from every rank.
+
+    Call it on every rank with that rank's parts and optimizers, in any layout; see `save_checkpoint`
+    for the rest. Without torch.distributed it is a one-process save.
+    """
+    tensors, error = _attempt(sharded_tensors, model_parts, optimizers, extra_groups)
+    _agree(error, process_group, "collecting the tensors to save")
+    return save_checkpoint(run_dir, step, tensors, trainer_state, extra_files, keep,
+                           process_group=process_group)
+
+
+def load_sharded_checkpoint(path: str | Path, model_parts: Any, optimizers: Any = None, *,
+                            extra_groups: dict[str, dict[str, torch.Tensor]] | None = None,
+                            process_group: Any = None) -> dict:
+    """Load a checkpoint of any layout into this run's parts and optimizer(s); return the trainer state.
+
+    Every rank calls it with what it holds. Optimizer state is created first when it does not exist
+    yet, then filled in place; the model is loaded through DCP and set with `set_model_state_dict`.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    parts = _as_list(model_parts)
+
+    def collect() -> tuple[list[dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        for opt in _as_list(optimizers):
+            ensure_optimizer_state(opt)
+        per_part = model_state(parts)
+        groups = {"model": {k: v for sd in per_part for k, v in sd.items()}}
+        if optimizers is not None:
+            groups["optim"] = optimizer_state(parts, optimizers)
+        groups.update(extra_groups or {})
+        return per_part, groups
+
+    collected, error = _attempt(collect)
+    _agree(error, process_group, "preparing the load")
+    per_part, tensors = collected
+    state = load_checkpoint(path, tensors, process_group=process_group)
+    for part, sd in zip(parts, per_part):
+        set_model_state_dict(part, sd)
+    return state
 
 
 # --- Using a checkpoint on its own (generation, from_pretrained) ------------------------------------------
@@ -397,9 +704,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     weights = dict(model.state_dict())
     groups = read_trainer_state(path).get("shapes", {})
     check_shapes(path, "model", weights)
-    _dcp_load({"model": weights}, path)
+    # Each process reads the whole model on its own, whatever layout wrote it.
+    _dcp_load({"model": weights}, path, no_dist=True)
     if "master" in groups:  # level O2: the fp32 master copies are the exact weights
         masters = {n: weights[n] for n in groups["master"] if n in weights}
-        _dcp_load({"master": masters}, path)
+        _dcp_load({"master": masters}, path, no_dist=True)
     model.eval()
     return model, cfg

@@ -1,0 +1,603 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: split a model into stages, schedule them, step.
+
+The order of use (torchtitan's): `split_model` -> tensor parallel -> recompute -> compile -> data
+parallel, each applied to every chunk, then `build_schedule` and, once per optimizer step,
+`pipeline_step`; `clip_grad_norm_pp` clips with the norm of all stages' gradients.
+
+How a model becomes stages. The model is cut into `pipeline_parallel x virtual_stages` stages of
+consecutive layers; stage 0 also owns the embeddings, the last stage the final norm and output
+projection. A rank owns `virtual_stages` stages ("chunks"): stage `rank + k * pp` for looped
+schedules (gpipe, 1f1b, interleaved_1f1b, zero_bubble except below), or the V pair
+(`rank`, `2 * pp - 1 - rank`) for ZBV, so that rank 0 holds the first and the last stage. Each chunk
+is the model with the other stages' layers deleted and `tok_embeddings` / `pos_embeddings` /
+`norm` / `output` set to None where the stage does not own them. Layers keep their keys ("2", "3",
+...), so parameter names are those of the whole model and checkpoints reshard between layouts.
+
+Schedules. `gpipe` -> ScheduleGPipe, `1f1b` -> Schedule1F1B (virtual_stages 1),
+`interleaved_1f1b` -> ScheduleInterleaved1F1B (virtual_stages >= 2), `zero_bubble` ->
+ScheduleZBVZeroBubble when virtual_stages is 2 (the V-shaped ZB-V of the zero-bubble paper: two
+chunks per rank, the bubble filled with weight-gradient work) and ScheduleInterleavedZeroBubble
+(ZB1P) for any other virtual_stages, including 1.
+
+Per-micro-batch inputs. `position_ids`, `document_ids` and `attention_mask` are not activations:
+they are given to the schedule as keyword arguments on every rank; the schedule splits them into
+micro-batches along dim 0 and hands micro-batch i's slice to every stage's forward together with the
+hidden states it receives (kwargs need no gradient and are never sent between stages).
+
+Loss. The schedule's loss function returns, per micro-batch, the sum of its token losses divided by
+the number of target tokens of the whole step (`global_tokens`, all micro-batches and, with data
+parallel, all replicas), and the schedule does not rescale gradients, so the gradients are those of
+one process computing sum(token losses) / global_tokens. `pipeline_step` returns that step loss on
+every pipeline rank (broadcast from the rank that holds the last stage).
+
+Tied embeddings (`tie_embeddings`). The first stage's embedding and the last stage's output
+projection are separate copies of the shared matrix (on different ranks, or both on rank 0 for a V
+schedule): `pipeline_step` adds the two gradients (point to point between the two ranks, or locally)
+so both copies get the one-process gradient and stay equal under the optimizer, and
+`Pipeline.norm_exclusions()` names the copy that `clip_grad_norm_pp` must not count twice.
+
+Batch shapes. The stages infer the activation shapes from the first step (a forward and backward
+of one micro-batch) and keep them; when a later step's batch has another shape (dynamic batching),
+`pipeline_step` rebuilds the stages and schedule, paying that inference again.
+
+Known limits (torch 2.13): the zero-bubble schedules refuse `torch.compile`d submodules
+(`module.compile()` in place passes the check); with FSDP2 they need `reshard_after_forward=False`
+(per block or per stage root alike): with True some stages' gradients come out None or wrong,
+silently. The schedule still reshards at the end of each step, so between steps the parameters are
+sharded as with ZeRO-3 (torchtitan's default under PP too).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+IGNORE_INDEX = -100
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+_MODEL_EXTRAS = ("position_ids", "document_ids", "attention_mask")
+
+
+# --- the layout: which stage owns which layers, which rank owns which stage --------------------------
+
+
+def schedule_style(schedule: str, virtual_stages: int = 1) -> str:
+    """"v" when the schedule places its two chunks per rank in a V (ZBV), else "loop"."""
+    return "v" if schedule == "zero_bubble" and virtual_stages == 2 else "loop"
+
+
+def schedule_class(schedule: str, virtual_stages: int = 1) -> type:
+    """The torch.distributed.pipelining schedule class for one of our schedule names."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    if schedule == "gpipe":
+        return ScheduleGPipe
+    if schedule == "1f1b":
+        return Schedule1F1B
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B
+    if schedule == "zero_bubble":
+        return ScheduleZBVZeroBubble if virtual_stages == 2 else ScheduleInterleavedZeroBubble
+    raise ConfigError(f"parallel.schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+
+
+def check_pipeline(num_layers: int, pp_size: int, virtual_stages: int = 1, schedule: str = "1f1b",
+                   stage_layers: Optional[list[int]] = None, micro_batch_num: Optional[int] = None) -> list[int]:
+    """Validate a pipeline layout before any process starts; return the layer count of every stage.
+
+    Raises ConfigError naming the setting to change.
+    """
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule {schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if pp_size < 1 or virtual_stages < 1:
+        raise ConfigError(
+            f"parallel.pipeline_parallel ({pp_size}) and parallel.virtual_stages ({virtual_stages}) must be >= 1")
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
+        raise ConfigError(
+            f"parallel.schedule {schedule} runs one stage per rank, but virtual_stages is {virtual_stages}; "
+            "set virtual_stages: 1, or use schedule interleaved_1f1b or zero_bubble for several chunks per rank")
+    if schedule == "interleaved_1f1b" and virtual_stages < 2:
+        raise ConfigError(
+            "parallel.schedule interleaved_1f1b needs virtual_stages >= 2 (model chunks per rank); "
+            "set virtual_stages: 2, or use schedule 1f1b for one stage per rank")
+    num_stages = pp_size * virtual_stages
+    counts = stage_layer_counts(num_layers, num_stages, stage_layers)
+    if micro_batch_num is not None:
+        _check_micro_batches(micro_batch_num, pp_size, num_stages, schedule, virtual_stages)
+    return counts
+
+
+def _check_micro_batches(n: int, pp_size: int, num_stages: int, schedule: str, virtual_stages: int) -> None:
+    if n < 1:
+        raise ConfigError(f"parallel.micro_batch_num must be >= 1, got {n}")
+    if schedule == "gpipe" or pp_size == 1:
+        return
+    if n < pp_size:
+        raise ConfigError(
+            f"parallel.micro_batch_num {n} is below pipeline_parallel {pp_size}: schedule {schedule} needs at "
+            f"least one micro-batch per stage in flight; set micro_batch_num >= {pp_size} (more shrinks the bubble)")
+    if schedule in ("interleaved_1f1b", "zero_bubble") and schedule_style(schedule, virtual_stages) == "loop":
+        rounds = max(1, n // pp_size)
+        if n % rounds:
+            raise ConfigError(
+                f"parallel.micro_batch_num {n} does not suit schedule {schedule} with pipeline_parallel "
+                f"{pp_size}: it must be a multiple of micro_batch_num // pipeline_parallel = {rounds}; "
+                f"use a multiple of {pp_size}")
+
+
+def stage_layer_counts(num_layers: int, num_stages: int, stage_layers: Optional[list[int]] = None) -> list[int]:
+    """Layers of each stage: `stage_layers` when given (validated), else as even as possible.
+
+    The default gives the extra layers to the earliest stages (the last stage also runs the output
+    projection and the loss, usually the heaviest part of a step).
+    """
+    if stage_layers is None:
+        if num_stages > num_layers:
+            raise ConfigError(
+                f"pipeline_parallel x virtual_stages = {num_stages} stages exceeds model.num_layers {num_layers}; "
+                "every stage needs at least one layer: lower pipeline_parallel or virtual_stages")
+        base, extra = divmod(num_layers, num_stages)
+        return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    counts = list(stage_layers)
+    if len(counts) != num_stages:
+        raise ConfigError(
+            f"parallel.stage_layers has {len(counts)} entries but the pipeline has pipeline_parallel x "
+            f"virtual_stages = {num_stages} stages; give one layer count per stage (in stage order)")
+    if any(not isinstance(c, int) or c < 0 for c in counts):
+        raise ConfigError(f"parallel.stage_layers {counts} must be non-negative integers")
+    if sum(counts) != num_layers:
+        raise ConfigError(
+            f"parallel.stage_layers {counts} sums to {sum(counts)}, not model.num_layers {num_layers}")
+    empty_middle = [s for s in range(1, num_stages - 1) if counts[s] == 0]
+    if empty_middle or (num_stages == 1 and num_layers == 0):
+        raise ConfigError(
+            f"parallel.stage_layers {counts} leaves stage(s) {empty_middle} without layers; only the first "
+            "stage (embeddings) and the last (norm and output) may have 0 layers")
+    return counts
+
+
+def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int = 1, style: str = "loop") -> list[int]:
+    """The stages that pipeline rank `pp_rank` owns, in the order its chunks are returned."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp_size - 1}")
+    if style == "v":
+        if virtual_stages != 2:
+            raise ConfigError(
+                f"a V-shaped schedule needs exactly 2 chunks per rank, got virtual_stages {virtual_stages}")
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+
+
+def stage_rank(stage: int, pp_size: int, num_stages: int, style: str) -> int:
+    """The pipeline rank that owns `stage`."""
+    if style == "v":
+        return stage if stage < pp_size else num_stages - 1 - stage
+    return stage % pp_size
+
+
+# --- splitting the model ------------------------------------------------------------------------------
+
+
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1,
+                stage_layers: Optional[list[int]] = None, schedule: str = "1f1b") -> list[nn.Module]:
+    """This pipeline rank's model chunks, in stage order of `stage_indices`.
+
+    Each chunk is a shallow copy of `model` that keeps only its stage's layers (and the embeddings on
+    the first stage, final norm and output on the last); the chunks share their submodules and
+    parameters with `model`, which must not be used afterwards (drop it: the other stages' layers are
+    freed with it). Build the whole model with the same seed on every rank for weights identical to
+    one process, or split a meta-device model and call `materialize_chunks`. Each chunk carries
+    `pp_stage_index`, `pp_num_stages`, `pp_style` and `pp_layers` (the original layer indices it holds).
+    """
+    num_layers = len(model.layers)
+    counts = check_pipeline(num_layers, pp_size, virtual_stages, schedule, stage_layers)
+    style = schedule_style(schedule, virtual_stages)
+    num_stages = pp_size * virtual_stages
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    keys = list(model.layers.keys())
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
+    chunks = []
+    for stage in stage_indices(pp_rank, pp_size, virtual_stages, style):
+        keep = keys[starts[stage]:starts[stage] + counts[stage]]
+        chunk = _shallow_chunk(model)
+        for key in keys:
+            if key not in keep:
+                del chunk.layers[key]
+        if stage != 0:
+            chunk.tok_embeddings = None
+            if getattr(chunk, "pos_embeddings", None) is not None:
+                chunk.pos_embeddings = None
+        if stage != num_stages - 1:
+            chunk.norm = None
+            chunk.output = None
+        chunk.pp_stage_index = stage
+        chunk.pp_num_stages = num_stages
+        chunk.pp_style = style
+        chunk.pp_layers = [int(k) for k in keep]
+        chunk.pp_tied = tied and num_stages > 1
+        chunks.append(chunk)
+    by_stage = {c.pp_stage_index: c for c in chunks}
+    if tied and num_stages > 1 and 0 in by_stage and num_stages - 1 in by_stage:
+        # A V rank holds both stages: the last one gets its own copy of the tied matrix, as on
+        # another rank, so that each chunk can be wrapped (FSDP2) on its own; the copies are kept
+        # equal by summing their gradients.
+        last = by_stage[num_stages - 1]
+        last.output.weight = nn.Parameter(last.output.weight.detach().clone())
+    return chunks
+
+
+def materialize_chunks(chunks: list[nn.Module], device: torch.device | str, dtype: torch.dtype) -> list[nn.Module]:
+    """Allocate and initialise the chunks of a meta-device model split by `split_model`.
+
+    Each chunk is initialised from the global RNG in stage order, so the weights differ from a whole
+    model built with the same seed (for identical weights build the whole model and split it); the
+    last stage's copy of a tied matrix gets the first stage's values in `build_schedule`.
+    """
+    from ..models import materialize
+
+    for chunk in chunks:
+        materialize(chunk, device, dtype)
+    return chunks
+
+
+def _shallow_chunk(model: nn.Module) -> nn.Module:
+    """A copy of `model` and of its `layers` container that shares every other module and tensor."""
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        if m is not model and m is not model.layers:
+            memo[id(m)] = m
+    for t in list(model.parameters()) + list(model.buffers()):
+        memo[id(t)] = t
+    return copy.deepcopy(model, memo)
+
+
+def named_parameters(chunks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) over all chunks of a rank with the whole model's names, each parameter once."""
+    seen: set[int] = set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+
+# --- the schedule -------------------------------------------------------------------------------------
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over the labels that are not IGNORE_INDEX (as the trainer's)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+class _StepLoss:
+    """The schedule's loss: a micro-batch's token-loss sum over the step's global target-token count
+    (`global_tokens`, set by `pipeline_step` before each schedule step)."""
+
+    def __init__(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_sum = loss_sum
+        self.global_tokens: Any = 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum(output, target) / self.global_tokens
+
+
+@dataclass
+class Pipeline:
+    """A built schedule and what a step needs to know about this rank's part of the pipeline."""
+
+    schedule: Any  # torch.distributed.pipelining schedule
+    stages: list  # PipelineStage, one per chunk
+    chunks: list[nn.Module]
+    group: Any  # the pipeline process group
+    pp_rank: int
+    pp_size: int
+    num_stages: int
+    micro_batch_num: int
+    schedule_name: str
+    first_rank: int  # pipeline rank holding stage 0
+    last_rank: int  # pipeline rank holding the last stage
+    device: torch.device
+    step_loss: _StepLoss  # the schedule's loss function; .loss_sum(logits, labels) sums token losses
+    has_first: bool = False
+    has_last: bool = False
+    tied: bool = False  # the first and last stage hold copies of one tied embedding matrix
+    step_kwargs: dict = field(default_factory=dict)  # extra arguments of schedule.step this torch accepts
+    batch_shape: Optional[tuple] = None  # the input shape the stages were set up for
+
+    def rebuild(self) -> None:
+        """(Re)create the PipelineStages and the schedule. The stages learn the activation shapes from
+        the first step and keep them, so `pipeline_step` calls this when the batch shape changes."""
+        from torch.distributed.pipelining import PipelineStage
+
+        self.stages = [PipelineStage(c, c.pp_stage_index, self.num_stages, self.device, group=self.group)
+                       for c in self.chunks]
+        cls = schedule_class(self.schedule_name, self.num_stages // self.pp_size)
+        single = len(self.stages) == 1 and self.schedule_name in ("gpipe", "1f1b")
+        # scale_grads=False: the loss already carries the step's normalisation, micro-batch count included.
+        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=self.micro_batch_num,
+                            loss_fn=self.step_loss, scale_grads=False)
+        accepts = inspect.signature(self.schedule.step).parameters
+        self.step_kwargs = {"return_outputs": False} if "return_outputs" in accepts else {}
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        self.batch_shape = None
+
+    def norm_exclusions(self) -> list[nn.Parameter]:
+        """Parameters whose gradient is already counted in the global norm (the last stage's copy of a
+        tied embedding matrix); read at call time, so wrappers that replace parameters (FSDP2) are seen."""
+        _, last = self._tied_params()
+        return [last] if last is not None else []
+
+    def _tied_params(self) -> tuple[Optional[nn.Parameter], Optional[nn.Parameter]]:
+        """This rank's copies of a tied embedding matrix: (first stage's, last stage's), None where
+        the rank does not hold the stage or the model does not tie."""
+        if not self.tied:
+            return None, None
+        first = next((c.tok_embeddings.weight for c in self.chunks if c.pp_stage_index == 0), None)
+        last = next((c.output.weight for c in self.chunks if c.pp_stage_index == self.num_stages - 1), None)
+        return first, last
+
+    def _combine(self, first: Optional[torch.Tensor], last: Optional[torch.Tensor], add: bool) -> None:
+        """Make both copies `first + last` (add) or `first` (not add), locally or with the peer rank."""
+        first, last = (_local(t) if t is not None else None for t in (first, last))
+        if first is not None and last is not None:  # both stages on this rank (V schedule)
+            if add:
+                first.add_(last)
+            last.copy_(first)
+            return
+        mine = first if first is not None else last
+        if mine is None or self.pp_size == 1:
+            return
+        peer = dist.get_global_rank(self.group, self.last_rank if first is not None else self.first_rank)
+        other = torch.empty_like(mine)
+        ops = [dist.P2POp(dist.isend, mine.contiguous(), peer, self.group),
+               dist.P2POp(dist.irecv, other, peer, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if add:
+            mine.add_(other)  # a + b on one rank, b + a on the other: the same bits
+        elif last is not None:
+            mine.copy_(other)
+
+    @torch.no_grad()
+    def sync_tied_weights(self) -> None:
+        """Give the last stage's copy of a tied embedding matrix the first stage's values."""
+        first, last = self._tied_params()
+        self._combine(first, last, add=False)
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Give both copies of a tied matrix the sum of their gradients (after backward)."""
+        params = self._tied_params()
+        for p in params:
+            if p is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._combine(*(p.grad if p is not None else None for p in params), add=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view that writes through), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def build_schedule(chunks: list[nn.Module], pp_mesh: Any, device: torch.device | str, micro_batch_num: int,
+                   schedule_name: str,
+                   loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> Pipeline:
+    """Wrap this rank's (parallelised) chunks in PipelineStages and build the schedule.
+
+    `pp_mesh` is the 1-D "pp" DeviceMesh (or a ProcessGroup). `loss_fn(logits, labels)` returns the
+    SUM of token losses of a micro-batch (default: `token_loss_sum`); the schedule divides it by the
+    step's global target-token count that `pipeline_step` passes.
+    """
+    if not chunks:
+        raise ValueError("build_schedule needs this rank's model chunks (from split_model)")
+    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    pp_rank, pp_size = dist.get_rank(group), dist.get_world_size(group)
+    num_stages = chunks[0].pp_num_stages
+    virtual_stages = num_stages // pp_size
+    style = schedule_style(schedule_name, virtual_stages)
+    if num_stages != pp_size * len(chunks):
+        raise ConfigError(
+            f"the chunks were split for {num_stages} stages but {pp_size} ranks x {len(chunks)} chunks "
+            f"= {pp_size * len(chunks)}; split_model and build_schedule need the same layout")
+    expected = stage_indices(pp_rank, pp_size, virtual_stages, style)
+    got = [c.pp_stage_index for c in chunks]
+    if got != expected or any(c.pp_style != style for c in chunks):
+        raise ConfigError(
+            f"pipeline rank {pp_rank} holds stages {got} but schedule {schedule_name} with virtual_stages "
+            f"{virtual_stages} expects {expected}; pass the same schedule to split_model and build_schedule")
+    _check_micro_batches(micro_batch_num, pp_size, num_stages, schedule_name, virtual_stages)
+    step_loss = _StepLoss(loss_fn or token_loss_sum)
+    pipe = Pipeline(
+        schedule=None, stages=[], chunks=list(chunks), group=group, pp_rank=pp_rank, pp_size=pp_size,
+        num_stages=num_stages, micro_batch_num=micro_batch_num, schedule_name=schedule_name,
+        first_rank=stage_rank(0, pp_size, num_stages, style),
+        last_rank=stage_rank(num_stages - 1, pp_size, num_stages, style), device=torch.device(device),
+        step_loss=step_loss, tied=any(getattr(c, "pp_tied", False) for c in chunks))
+    pipe.rebuild()
+    pipe.sync_tied_weights()
+    return pipe
+
+
+def _extras(position_ids: Optional[torch.Tensor], document_ids: Optional[torch.Tensor],
+            attention_mask: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    given = {"position_ids": position_ids, "document_ids": document_ids, "attention_mask": attention_mask}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _check_batch(pipe: Pipeline, input_ids: torch.Tensor, extras: dict[str, torch.Tensor]) -> None:
+    rows = input_ids.shape[0]
+    if rows % pipe.micro_batch_num:
+        raise ConfigError(
+            f"a pipeline step needs a batch divisible into micro_batch_num {pipe.micro_batch_num} micro-batches, "
+            f"got {rows} samples; make the samples per step a multiple of micro_batch_num")
+    for name, t in extras.items():
+        if t.shape[0] != rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows but input_ids has {rows}; give one row per sample")
+
+
+def _broadcast_loss(pipe: Pipeline, local: Optional[torch.Tensor]) -> torch.Tensor:
+    value = local.detach().float().reshape(()) if local is not None else torch.zeros((), device=pipe.device)
+    value = value.to(pipe.device).clone()
+    if pipe.pp_size > 1:
+        dist.broadcast(value, src=dist.get_global_rank(pipe.group, pipe.last_rank), group=pipe.group)
+    return value
+
+
+def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None, global_tokens: Any = None,
+                  finish_step: bool = True) -> torch.Tensor:
+    """Forward and backward of one step's batch ([micro_batch_num x micro-batch rows, T]) through the
+    pipeline, accumulating gradients; return the step's loss on every pipeline rank.
+
+    Call it on every rank of the pipeline with the same batch (only the first stage reads
+    `input_ids`, only the last `labels`; the position/document ids reach every stage).
+    `global_tokens` is the number of target tokens of the whole optimizer step over all data-parallel
+    ranks (an int or a tensor); by default this batch's count, right without data parallelism or
+    accumulation. The returned loss is sum(token losses of this batch) / global_tokens.
+    To accumulate several pipeline steps into one optimizer step, pass `finish_step=False` to all but
+    the last (the tied-embedding gradients are exchanged once, after the last).
+    """
+    extras = _extras(position_ids, document_ids, attention_mask)
+    _check_batch(pipe, input_ids, extras)
+    device = pipe.device
+    labels = labels.to(device)
+    if global_tokens is None:
+        global_tokens = int((labels != IGNORE_INDEX).sum())
+    extras = {k: v.to(device) for k, v in extras.items()}
+    args = (input_ids.to(device),) if pipe.has_first else ()
+    shape = (tuple(input_ids.shape), tuple((k, tuple(v.shape)) for k, v in sorted(extras.items())))
+    if pipe.batch_shape is not None and shape != pipe.batch_shape:
+        pipe.rebuild()  # new shapes: the next step infers them again (one extra forward and backward)
+    pipe.batch_shape = shape
+    losses: list[torch.Tensor] = []
+    pipe.step_loss.global_tokens = global_tokens
+    pipe.schedule.step(*args, target=labels if pipe.has_last else None, losses=losses if pipe.has_last else None,
+                       **pipe.step_kwargs, **extras)
+    if finish_step:
+        pipe.sync_tied_grads()
+    local = torch.stack([loss.detach() for loss in losses]).sum() if losses else None
+    return _broadcast_loss(pipe, local)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send_activation(t: torch.Tensor, dst: int, group: Any) -> None:
+    header = torch.zeros(8, dtype=torch.long, device=t.device)
+    header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+    header[2:2 + t.dim()] = torch.tensor(t.shape)
+    dist.send(header, dst=dist.get_global_rank(group, dst), group=group)
+    dist.send(t.contiguous(), dst=dist.get_global_rank(group, dst), group=group)
+
+
+def _recv_activation(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(8, dtype=torch.long, device=device)
+    dist.recv(header, src=dist.get_global_rank(group, src), group=group)
+    shape = header[2:2 + int(header[1])].tolist()
+    t = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
+    dist.recv(t, src=dist.get_global_rank(group, src), group=group)
+    return t
+
+
+@torch.no_grad()
+def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
+                  position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Forward only: the SUM of token losses of the batch (any number of rows), on every pipeline rank.
+
+    Runs the stages one after the other with plain send/recv rather than through the schedule:
+    torch's `schedule.eval` fails on V schedules (ZBV) in torch 2.13, and switching a schedule between
+    eval and training re-runs its shape inference. Call it on every pipeline rank with the same batch.
+    """
+    device = pipe.device
+    extras = {k: v.to(device) for k, v in _extras(position_ids, document_ids, attention_mask).items()}
+    by_stage = {c.pp_stage_index: c for c in pipe.chunks}
+    style = pipe.chunks[0].pp_style
+    owner = [stage_rank(s, pipe.pp_size, pipe.num_stages, style) for s in range(pipe.num_stages)]
+    was_training = [c.training for c in pipe.chunks]
+    for c in pipe.chunks:
+        c.eval()
+    local = None
+    try:
+        h = input_ids.to(device)
+        for s in range(pipe.num_stages):
+            if owner[s] != pipe.pp_rank:
+                continue
+            if s > 0 and owner[s - 1] != pipe.pp_rank:
+                h = _recv_activation(owner[s - 1], pipe.group, device)
+            h = by_stage[s](h, **extras)
+            if s == pipe.num_stages - 1:
+                local = pipe.step_loss.loss_sum(h, labels.to(device))
+            elif owner[s + 1] != pipe.pp_rank:
+                _send_activation(h, owner[s + 1], pipe.group)
+    finally:
+        for c, mode in zip(pipe.chunks, was_training):
+            c.train(mode)
+    return _broadcast_loss(pipe, local)
+
+
+# --- gradient clipping over all stages -----------------------------------------------------------------
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm_pp(params: Iterable[torch.Tensor], max_norm: Optional[float], pp_mesh: Any,
+                      norm_type: float = 2.0, exclude: Iterable[torch.Tensor] = (), foreach: bool = True
+                      ) -> torch.Tensor:
+    """Clip the gradients of this rank's parameters by the norm over ALL pipeline stages; return it.
+
+    Each rank's norm covers only its stages' parameters; the p-th powers are summed over the
+    pipeline group (the maximum for the inf-norm). `exclude`: parameters whose gradient is counted
+    on another rank (`Pipeline.norm_exclusions()`); they are still clipped. DTensor gradients (TP,
+    FSDP2) contribute their full norm. `max_norm` None or 0 only measures.
+    """
+    params = [p for p in params if p.grad is not None]
+    skip = {id(p) for p in exclude}
+    counted = [p.grad for p in params if id(p) not in skip]
+    norm_type = float(norm_type)
+    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    if counted:
+        local = _local_tensor(torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)).float()
+    else:
+        ref = params[0].grad if params else None
+        device = _local_tensor(ref).device if ref is not None else _group_device(group)
+        local = torch.zeros((), device=device)
+    if math.isinf(norm_type):
+        total = local.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = local ** norm_type
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        total = total ** (1.0 / norm_type)
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
+
+
+def _group_device(group: Any) -> torch.device:
+    backend = dist.get_backend(group) if group is not None else "gloo"
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,387 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, on DTensor.
+
+`apply_tensor_parallel(model, tp_mesh)` rewrites a `shardwise.models.Transformer` in place, from
+outside and without touching model code (torchtitan's recipe), so that each rank of `tp_mesh` holds
+1/tp of every projection:
+
+- q/k/v, w1, w3 are column-parallel (each rank computes its own heads / MLP columns), wo and w2 are
+  row-parallel (partial sums reduced across the TP group). The attention reshapes with
+  `view(B, T, -1, head_dim)`, so a rank sees num_heads/tp query heads and num_kv_heads/tp kv heads;
+  its query heads use exactly its kv heads (GQA groups never straddle ranks when tp divides both).
+- The token (and learned position) embeddings are row-parallel over the vocabulary; the output
+  projection is column-parallel over the vocabulary, and with `loss_parallel` its logits stay
+  sharded on the vocabulary dimension (a DTensor): the loss never gathers [B, T, vocab].
+- With sequence parallelism the activations between blocks are sharded on the sequence dimension
+  (dimension 1), norms and dropouts run on 1/tp of the tokens, and attention / feed-forward gather
+  the sequence on entry (all-gather) and reduce-scatter it on exit. Without it the activations are
+  replicated and the norms compute on the full sequence.
+
+Every parameter becomes a DTensor (norm weights as Replicate ones even without sequence
+parallelism), so foreach optimizers and `clip_grad_norm_(..., foreach=True)` see one kind of tensor.
+
+Trainer integration (see `token_loss_sum_tp`, `loss_context`, `full_value`):
+    apply_tensor_parallel(model, meshes["tp"])            # after the pipeline split, before recompute
+    loss = token_loss_sum_tp(logits, labels) / n_tokens   # plain scalar; backward anywhere
+    grad_norm = full_value(clip_grad_norm_(params, max_norm, foreach=True))
+
+Apply it to a materialized model (not on the meta device). TP rank 0's values are what every rank
+ends up with (sharded weights are scattered from it, replicated ones broadcast), so the ranks need
+not agree beforehand. Tied embeddings (GPT-2) stay tied: the embedding (row-parallel) and the output
+projection (column-parallel) both shard the [vocab, hidden] matrix on dim 0, so one DTensor serves
+both, and its gradient collects both uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from ..errors import ConfigError
+
+IGNORE_INDEX = -100
+
+__all__ = [
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "full_value",
+    "full_grads",
+    "loss_context",
+    "token_loss_sum_tp",
+]
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def check_tensor_parallel(cfg: Any, tp: int) -> None:
+    """Refuse a model config that `tp` ranks cannot split: tp must divide the query heads, the kv
+    heads (a GQA group must live on one rank) and the MLP width. The vocabulary may be uneven."""
+    if tp <= 1:
+        return
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
+    if heads % tp or kv_heads % tp:
+        valid = [t for t in range(1, kv_heads + 1) if heads % t == 0 and kv_heads % t == 0]
+        raise ConfigError(
+            f"tensor_parallel {tp} must divide both num_heads ({heads}) and num_kv_heads ({kv_heads}); "
+            f"degrees that fit this model: {', '.join(map(str, valid))}"
+        )
+    width = cfg.intermediate_size
+    if width is not None and width % tp:
+        # The column-parallel MLP output is handed on as a local tensor, which DTensor can only
+        # re-wrap correctly when every rank holds the same number of columns.
+        raise ConfigError(
+            f"tensor_parallel {tp} must divide the MLP width intermediate_size ({width}); "
+            f"use an intermediate_size that is a multiple of {tp}"
+        )
+
+
+# --- parallel styles this file adds ---------------------------------------------------------------
+
+
+def _broadcast_replicate(_name: str, module: nn.Module, mesh: Any) -> None:
+    """Make every direct parameter of `module` a Replicate DTensor, broadcast from TP rank 0."""
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        dt = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=0)
+        module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class _SequenceParallelNorm(SequenceParallel):
+    """torch's SequenceParallel, but the replicated weights are broadcast from rank 0 instead of
+    assumed equal (torch assumes ones-init; we may run after a checkpoint load or custom init)."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:  # noqa: D102
+        _broadcast_replicate(name, module, device_mesh)
+
+
+class _ReplicateParallel(ParallelStyle):
+    """Replicated parameters and computation on plain tensors that are replicated across the TP group
+    (the norms without sequence parallelism): inputs become Replicate DTensors, outputs local tensors.
+    Only so that the weights are DTensors like every other parameter (foreach ops refuse a mix)."""
+
+    @staticmethod
+    def _input_fn(_mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+            for x in inputs
+        )
+
+    @staticmethod
+    def _output_fn(_mod: nn.Module, out: Any, _mesh: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(module, device_mesh, _broadcast_replicate, self._input_fn, self._output_fn)
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+def _positional_arity(module: nn.Module) -> int:
+    """How many positional arguments `module.forward` takes (PrepareModuleInput wants one layout each)."""
+    return len(inspect.signature(module.forward).parameters)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: Any, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> None:
+    """Shard `model` (a shardwise Transformer, possibly one pipeline stage of it) over `tp_mesh`, in place.
+
+    `sequence_parallel`: activations between blocks sharded on the sequence (needs the sequence
+    length divisible by tp; checked on every forward). `loss_parallel`: the logits are returned as a
+    DTensor sharded on the vocabulary; compute the loss with `token_loss_sum_tp` (or the plain
+    cross-entropy inside `loss_context(True)`, backward included). Without it the logits are a plain
+    replicated tensor. Tied embeddings stay tied (both use the same vocabulary-sharded DTensor).
+    Dropout: with sequence parallelism every dropout acts on sharded activations, and each TP rank
+    draws its masks from its own RNG stream (the shared stream is untouched outside the forward).
+    """
+    if getattr(model, "_shardwise_tp", None) is not None:
+        raise ValueError("tensor parallel is already applied to this model")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs the 1-D TP mesh (meshes['tp']), got a {tp_mesh.ndim}-D mesh")
+    tp = tp_mesh.size()
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        check_tensor_parallel(cfg, tp)
+    if tp == 1:
+        return
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"apply_tensor_parallel needs a materialized model (build_model / materialize first), but "
+            f"{meta[0]} is on the meta device; sharded weights are scattered from TP rank 0's values"
+        )
+    sp = sequence_parallel
+    tok = getattr(model, "tok_embeddings", None)
+    output = getattr(model, "output", None)
+    tied = tok is not None and output is not None and output.weight is tok.weight
+
+    # Activations leave the embeddings sequence-sharded (SP) or replicated; the final norm hands
+    # them to the output projection, which gathers the sequence and shards the vocabulary.
+    act = Shard(1) if sp else Replicate()
+    norm_style = (lambda: _SequenceParallelNorm()) if sp else (lambda: _ReplicateParallel())
+    root_plan: dict[str, ParallelStyle] = {}
+    if tok is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if getattr(model, "pos_embeddings", None) is not None:
+        # position_ids [1 or B, T] arrive whole; the output is sharded like the token embeddings.
+        root_plan["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if getattr(model, "norm", None) is not None:
+        root_plan["norm"] = norm_style()
+    if output is not None:
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=act,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+    if tied:
+        # parallelize_module gave each module its own DTensor copy; share the embedding's again
+        # (both are sharded on dim 0 = vocabulary, so one tensor serves both uses).
+        output.weight = tok.weight
+
+    for block in model.layers.values():
+        # Applied after recompute by mistake? Plan the wrapped block (its hooks work either way).
+        block = getattr(block, "_checkpoint_wrapped_module", block)
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": norm_style(),
+            "ffn_norm": norm_style(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=act),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=act),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            # Attention.forward(x, rope, mask, is_causal, kv_cache): only x is sequence-sharded; the
+            # root builds rope (from position_ids) and the mask (from document_ids) unsharded, and
+            # they pass untouched (layout None), matching q/k/v, which hold the whole sequence.
+            rest = (None,) * (_positional_arity(block.attention) - 1)
+            plan["attention"] = PrepareModuleInput(
+                input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest
+            )
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, plan)
+
+    leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if leftover:
+        raise RuntimeError(
+            f"tensor parallel left these parameters as plain tensors: {', '.join(leftover[:8])}; "
+            "the TP plan in shardwise/parallel/tensor.py does not know their module"
+        )
+
+    if sp and tok is not None:
+        model.register_forward_pre_hook(_sequence_check(tp), with_kwargs=True)
+    elif sp:
+        # A later pipeline stage receives hidden states already split on the sequence, so the
+        # model's default positions (0..T_local-1) would be wrong: supply the full sequence's.
+        model.register_forward_pre_hook(_full_positions(tp), with_kwargs=True)
+    if sp and _has_dropout(model):
+        _install_rank_rng(model, tp_mesh)
+    model._shardwise_tp = {"tp": tp, "sequence_parallel": sp, "loss_parallel": loss_parallel}
+
+
+def _sequence_check(tp: int):  # noqa: ANN202 - a forward pre-hook
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = args[0] if args else kwargs.get("tokens")
+        if tokens is not None and tokens.dim() >= 2 and tokens.shape[1] % tp:
+            raise ValueError(
+                f"sequence parallel splits the sequence over {tp} ranks, but it has {tokens.shape[1]} tokens; "
+                f"use a sequence length divisible by {tp} (data.seq_len) or turn sequence_parallel off"
+            )
+
+    return hook
+
+
+def _full_positions(tp: int):  # noqa: ANN202 - a forward pre-hook
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        h = args[0] if args else kwargs.get("tokens")
+        if h is None or kwargs.get("position_ids") is not None or kwargs.get("kv_cache") is not None or len(args) > 1:
+            return None
+        positions = torch.arange(h.shape[1] * tp, device=h.device).unsqueeze(0)
+        return args, {**kwargs, "position_ids": positions}
+
+    return hook
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    cfg_p = getattr(getattr(model, "cfg", None), "dropout", 0.0) or 0.0
+    return cfg_p > 0 or any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def _install_rank_rng(model: nn.Module, tp_mesh: Any) -> None:
+    """Run the training forward on an RNG stream of this TP rank, so sharded activations get
+    independent dropout masks (with one shared stream rank r's shard would get rank 0's mask).
+    Backward needs no hook: dropout saves its mask, and recompute restores the RNG state it saved."""
+    device_type = tp_mesh.device_type
+    dev = torch.get_device_module(device_type) if device_type != "cpu" else None
+
+    def get_state() -> torch.Tensor:
+        return dev.get_rng_state() if dev is not None else torch.get_rng_state()
+
+    def set_state(state: torch.Tensor) -> None:
+        if dev is not None:
+            dev.set_rng_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    # Derive each rank's stream from the shared one: every rank draws the same base seed (keeping
+    # the shared streams in step), then offsets it by its TP coordinate.
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    rank = tp_mesh.get_local_rank()
+    gen_state: dict[str, Optional[torch.Tensor]] = {"shared": None}
+    gen_state["rank"] = torch.Generator(device=device_type).manual_seed(base + 7919 * (rank + 1)).get_state()
+
+    def pre(mod: nn.Module, _args: tuple) -> None:
+        if mod.training:
+            gen_state["shared"] = get_state()
+            set_state(gen_state["rank"])
+
+    def post(mod: nn.Module, _args: tuple, _out: Any) -> None:
+        if mod.training and gen_state["shared"] is not None:
+            gen_state["rank"] = get_state()
+            set_state(gen_state["shared"])
+            gen_state["shared"] = None
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
+
+
+# --- loss ------------------------------------------------------------------------------------------
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's `loss_parallel()` when the logits are vocabulary-sharded, else a no-op. Inside it the
+    trainer's plain `F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+    ignore_index=-100, reduction="sum")` works on the sharded logits; the `backward()` of that loss
+    must run inside the same context, and the loss is a (replicated) DTensor: `full_value(loss)`
+    before mixing it with plain tensors. `token_loss_sum_tp` needs none of that."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def _vocab_shard_dim(logits: DTensor) -> Optional[int]:
+    """The mesh dimension that shards the last (vocabulary) dimension, or None."""
+    last = logits.ndim - 1
+    for i, p in enumerate(logits.placements):
+        if isinstance(p, Shard) and p.dim in (-1, last):
+            return i
+    return None
+
+
+def token_loss_sum_tp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over label positions != -100, as a plain scalar tensor.
+
+    `logits` [B, T, V] may be a plain tensor, a replicated DTensor, or a DTensor sharded on the
+    vocabulary over a 1-D TP mesh (loss parallel): then each rank computes on its V/tp columns and
+    only [B*T] statistics cross ranks. The result is the same value on every TP rank, differentiable,
+    and needs no context manager: call `backward()` wherever the trainer does.
+    """
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    vdim = _vocab_shard_dim(logits)
+    if vdim is None:
+        return token_loss_sum_tp(logits.full_tensor(), labels)
+    mesh = logits.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError("token_loss_sum_tp supports logits on a 1-D TP mesh only")
+    vocab = logits.shape[-1]
+    local = logits.to_local().flatten(0, -2).float()  # [N, V_local]
+    # This rank's vocabulary range: DTensor shards like torch.chunk (the last ranks may hold fewer).
+    chunk = -(-vocab // mesh.size())
+    start = min(chunk * mesh.get_local_rank(), vocab)
+    n_local = local.shape[-1]
+
+    def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        # Partial -> Replicate is differentiable: its backward hands every rank the same gradient.
+        return DTensor.from_local(t, mesh, [Partial(op)], run_check=False).full_tensor()
+
+    target = labels.flatten().to(local.device)
+    valid = target != IGNORE_INDEX
+    with torch.no_grad():
+        gmax = all_reduce(local.max(dim=-1).values if n_local else
+                          torch.full(local.shape[:1], float("-inf"), device=local.device), "max")
+    sum_exp = all_reduce(torch.exp(local - gmax.unsqueeze(-1)).sum(dim=-1), "sum")
+    mine = valid & (target >= start) & (target < start + n_local)
+    idx = torch.where(mine, target - start, 0).clamp(0, max(n_local - 1, 0)).unsqueeze(-1)
+    picked = local.gather(-1, idx).squeeze(-1) if n_local else torch.zeros_like(sum_exp)
+    target_logit = all_reduce(torch.where(mine, picked, 0.0), "sum")
+    per_token = torch.log(sum_exp) + gmax - target_logit
+    return torch.where(valid, per_token, 0.0).sum()
+
+
+# --- helpers for the trainer and tests -------------------------------------------------------------
+
+
+def full_value(t: Any) -> Any:
+    """A DTensor's full value as a plain tensor (a collective: every rank of its mesh must call it);
+    anything else unchanged. For the clip_grad_norm_ result and a loss_context loss."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_grads(model: nn.Module) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+    """(name, full gradient) for every parameter, gathering DTensor gradients (collective, in
+    parameter order on every rank)."""
+    for name, p in model.named_parameters():
+        yield name, None if p.grad is None else full_value(p.grad)
