@@ -97,3 +97,51 @@ def test_tensor_parallel_and_2d_trainer_match_one_process(tmp_path: Path) -> Non
     # The TP2 checkpoint continues in one process.
     continued = _train(_config(tmp_path / "tp2", max_steps=STEPS + 1), resume="auto")
     assert sorted(continued) == [STEPS + 1]
+
+
+def _compute_dtype(cfg) -> tuple[dict[int, float], str]:  # noqa: ANN001
+    """Losses of a run and the dtype its first attention projection computes in afterwards."""
+    import torch
+
+    trainer = Trainer(cfg, train_dataset=PackedDataset(make_tokens(), SEQ))
+    losses = trainer.train().losses
+    seen = []
+    wq = trainer.model.layers["0"].attention.wq
+    handle = wq.register_forward_hook(lambda mod, args, out: seen.append(str(out.dtype)))
+    with torch.no_grad():
+        trainer.model(torch.zeros(1, SEQ, dtype=torch.long))
+    handle.remove()
+    return losses, seen[0]
+
+
+def _memory_and_precision_runs(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]:
+    if world == 4:  # HSDP: 2 replicas x 2 shards
+        return {"hsdp": _train(with_changes(_config(root / "hsdp", dp=4, zero=3, check_replicas_steps=2),
+                                            parallel={"data_parallel_replicate": 2}))}
+    bf16 = {"mixed_precision": "bf16", "precision_level": "O2"}
+    return {
+        "offload": _train(with_changes(_config(root / "offload", dp=2, zero=3),
+                                       optimize={"offload_optimizer": True})),
+        "bf16_o2_zero3": _compute_dtype(with_changes(_config(root / "bf16_zero3", dp=2, zero=3), optimize=bf16)),
+        "bf16_o2_zero1": _compute_dtype(with_changes(_config(root / "bf16_zero1", dp=2, zero=1), optimize=bf16)),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_offload_hsdp_and_bf16_under_data_parallel(tmp_path: Path) -> None:
+    single = _train(_config(tmp_path / "single"))
+    single_bf16 = _train(with_changes(_config(tmp_path / "single_bf16"),
+                                      optimize={"mixed_precision": "bf16", "precision_level": "O2"}))
+    results = run_distributed(_memory_and_precision_runs, 2, tmp_path, timeout=300)
+    results += run_distributed(_memory_and_precision_runs, 4, tmp_path, timeout=300)
+    for rank_result in results:
+        for name, got in rank_result.items():
+            if name.startswith("bf16"):
+                # bf16 compute (FSDP2's policy casts the fp32 master shards), the same curve as one
+                # bf16 process within bf16's rounding.
+                got, dtype = got
+                assert dtype == "torch.bfloat16", (name, dtype)
+                assert [got[s] for s in got] == pytest.approx([single_bf16[s] for s in got], abs=1e-2), name
+            else:
+                assert sorted(got) == list(range(1, STEPS + 1)), name
+                assert [got[s] for s in got] == pytest.approx([single[s] for s in got], abs=1e-4), name
