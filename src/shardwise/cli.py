@@ -64,11 +64,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"started by {env.launcher} (rank {env.rank} of {env.world_size}): the launcher "
                               f"already started the processes; drop {', '.join(given)}")
     elif (args.nproc or 1) > 1 or args.nnodes not in ("1", "1:1") or args.max_restarts:
-        from .parallel.dims import dims_from_config
+        from .train.trainer import layout_for
 
         check_local_devices(cfg.run.device, args.nproc or 1)
         if args.nnodes in ("1", "1:1"):
-            dims_from_config(cfg.parallel, args.nproc or 1)  # a wrong layout fails before any process starts
+            layout_for(cfg, args.nproc or 1)  # a wrong layout fails before any process starts
         return launch_processes(strip_launch_args(args.argv), args.nproc or 1, nnodes=args.nnodes,
                                 node_rank=args.node_rank, master_addr=args.master_addr,
                                 master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,

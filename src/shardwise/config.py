@@ -291,16 +291,49 @@ class RunConfig(_Section):
             raise ValueError(
                 f"parallel.stage_layers sums to {sum(p.stage_layers)}, not model.num_layers {m.num_layers}"
             )
+        if p.pipeline_parallel > 1:
+            self._check_pipeline()
         return self
 
+    def _check_pipeline(self) -> None:
+        """The pipeline layout fails here, before any process starts (schedule, virtual stages, stage
+        layers), and so do an accumulation that is not a whole number of pipeline steps and data whose
+        micro-batches vary in shape. Whether micro_batch_num suits the schedule is checked when a run
+        starts (`trainer.layout_for`), so that configs written for other frameworks (seed 002's) load."""
+        from .parallel.pipeline import check_pipeline
+
+        p = self.parallel
+        check_pipeline(self.model.num_layers, p.pipeline_parallel, p.virtual_stages, p.schedule, p.stage_layers)
+        if self.data.kind == "instruction" and self.data.packing == "dynamic":
+            raise ConfigError(
+                "data.packing dynamic makes micro-batches of varying shapes, but a pipeline step runs its "
+                "micro-batches as one batch of one shape; use data.packing pack or pad with pipeline_parallel > 1"
+            )
+        ga = self.optimize.gradient_accumulation_steps
+        if ga is not None and ga % p.micro_batch_num:
+            raise ConfigError(
+                f"optimize.gradient_accumulation_steps {ga} is not a multiple of parallel.micro_batch_num "
+                f"{p.micro_batch_num}: under pipeline parallelism an optimizer step runs whole pipeline steps of "
+                f"micro_batch_num micro-batches each; set gradient_accumulation_steps to a multiple of "
+                f"{p.micro_batch_num}, or leave it unset (it then equals micro_batch_num)"
+            )
+
     def gradient_accumulation(self, devices: int | None = None) -> int:
-        """Micro-batches per optimizer step on each data-parallel rank."""
+        """Micro-batches per optimizer step on each data-parallel rank.
+
+        Under pipeline parallelism the micro-batches are the pipeline's: a pipeline step (one
+        schedule run) takes `parallel.micro_batch_num` of them, and an optimizer step runs
+        accumulation / micro_batch_num pipeline steps. The accumulation defaults to micro_batch_num
+        (one pipeline step per optimizer step) and must be a multiple of it.
+        """
         dp = self.parallel.dp_degree(devices)
         ga = self.optimize.gradient_accumulation_steps
         gbs = self.train.global_batch_size
         mbs = self.train.micro_batch_size
+        pipeline = self.parallel.pipeline_parallel > 1
+        mbn = self.parallel.micro_batch_num
         if gbs is None:
-            return ga or 1
+            return ga or (mbn if pipeline else 1)
         if gbs % (mbs * dp):
             raise ConfigError(
                 f"train.global_batch_size {gbs} is not divisible by micro_batch_size {mbs} x "
@@ -311,6 +344,13 @@ class RunConfig(_Section):
             raise ConfigError(
                 f"optimize.gradient_accumulation_steps {ga} contradicts train.global_batch_size {gbs} "
                 f"= micro_batch_size {mbs} x data_parallel {dp} x {derived}; set only one of them"
+            )
+        if pipeline and derived % mbn:
+            raise ConfigError(
+                f"train.global_batch_size {gbs} = micro_batch_size {mbs} x data_parallel {dp} x {derived} "
+                f"micro-batches per step, which is not a multiple of parallel.micro_batch_num {mbn}: under "
+                "pipeline parallelism an optimizer step runs whole pipeline steps; choose a global batch that "
+                f"is a multiple of {mbs * dp * mbn}"
             )
         return derived
 

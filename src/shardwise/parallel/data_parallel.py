@@ -87,6 +87,7 @@ def apply_data_parallel(
     reduce_dtype: torch.dtype = torch.float32,
     offload: bool = False,
     per_block: bool = True,
+    reshard_after_forward: Optional[bool] = None,
 ) -> nn.Module:
     """Make `model` data parallel over `meshes` at ZeRO `zero_stage` (0-3); returns the same module.
 
@@ -98,6 +99,9 @@ def apply_data_parallel(
     per_block: wrap each of `model.layers` separately before the root (the default, and the
         memory-saving choice); False wraps the root only (pipeline stages with zero-bubble schedules
         need that, see TORCH_NOTES.md).
+    reshard_after_forward: zero 2/3 only; None follows the stage (True for zero 3, False for zero 2).
+        Pipeline stages under a zero-bubble schedule need False (see `parallel/pipeline.py`); the
+        schedule still reshards at the end of each step, so parameters rest sharded as with ZeRO-3.
 
     With a data-parallel degree of 1 and no offload the model is returned untouched (single-process
     precision levels then apply as usual). Gradient reduction is a SUM over data-parallel ranks.
@@ -128,8 +132,10 @@ def apply_data_parallel(
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device_type != "cpu") if offload
                                     else OffloadPolicy())
 
+        reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
+
         def wrap(module: nn.Module) -> None:
-            fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage == 3, **kwargs)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -360,17 +366,20 @@ def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], norm_type: float = 2.0, *,
-                   reduce_group: Any = None, foreach: Optional[bool] = None) -> torch.Tensor:
+                   reduce_group: Any = None, foreach: Optional[bool] = None,
+                   exclude: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The global gradient norm as a plain tensor; gradients are scaled to `max_norm` when it is set.
 
     Works for every stage: DTensor gradients (FSDP shards, replicate, tensor parallel) are reduced
     over their meshes by `full_tensor()`; gradients on different meshes or mixed with plain tensors
     (which foreach kernels reject together) are grouped and combined. `reduce_group`: a process group
     over which ranks hold *different* parameters whose norms must be combined too (pipeline stages).
-    `max_norm` None or 0 only measures.
+    `exclude`: parameters left out of the norm but still clipped (a pipeline's second copy of a tied
+    embedding matrix, whose gradient the first copy already counts). `max_norm` None or 0 only measures.
     """
     from torch.distributed.tensor import DTensor
 
+    skip = {id(t) for t in exclude}
     groups: dict[Any, list[torch.Tensor]] = {}  # parameters by (mesh, placements) of their gradient
     for p in params:
         g = p.grad
@@ -380,10 +389,14 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
         groups.setdefault(key, []).append(p)
     norms = []
     for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
+        counted = [p.grad for p in group if id(p) not in skip]
+        if not counted:
+            continue
+        n = torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if not norms:
-        total = torch.zeros(())
+    if not norms:  # a rank with nothing to count still joins the reduction, on its gradients' device
+        grads = [_local(p.grad) for group in groups.values() for p in group]
+        total = torch.zeros((), device=grads[0].device if grads else None)
     elif math.isinf(norm_type):
         total = torch.stack([n.float() for n in norms]).max()
     else:

@@ -2,7 +2,11 @@
 
 The order of use (torchtitan's): `split_model` -> tensor parallel -> recompute -> compile -> data
 parallel, each applied to every chunk, then `build_schedule` and, once per optimizer step,
-`pipeline_step`; `clip_grad_norm_pp` clips with the norm of all stages' gradients.
+`pipeline_step`; `clip_grad_norm_pp` clips with the norm of all stages' gradients. The trainer does
+exactly that: `parallelize.parallelize_parts` splits and parallelises, `Trainer` runs
+`pipeline_step` once per `micro_batch_num` micro-batches (several times per optimizer step when the
+accumulation is a multiple of it) and clips with `data_parallel.clip_grad_norm(reduce_group=<pp
+group>, exclude=Pipeline.norm_exclusions())`, the same norm grouped by DTensor layout.
 
 How a model becomes stages. The model is cut into `pipeline_parallel x virtual_stages` stages of
 consecutive layers; stage 0 also owns the embeddings, the last stage the final norm and output

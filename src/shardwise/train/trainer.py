@@ -1,9 +1,23 @@
 """The training loop: from a validated config to optimizer steps, metrics and checkpoints, on one
-device or many (the parallel layout is applied from outside, by `parallelize_model`).
+device or many (the parallel layout is applied from outside, by `parallelize_parts`).
 
 Read `Trainer.train()` top to bottom: it prepares the run directory, data, model, precision,
 optimizer and loader, resumes if asked, then runs steps (micro-batches -> forward/backward ->
 unscale -> clip -> step), logging, evaluating and checkpointing on the way.
+
+The model is handled as a list of parts: one part (the whole model) without pipeline parallelism,
+else this rank's pipeline chunks. Parameters keep the whole model's names in every layout, so the
+optimizer, the checkpoints and resharding between layouts do not depend on the split.
+
+Pipeline parallelism (`parallel.pipeline_parallel > 1`): the micro-batches of an optimizer step are
+the pipeline's. One schedule step (`pipeline_step`) runs `parallel.micro_batch_num` of them; the
+gradient accumulation (micro-batches per optimizer step) defaults to micro_batch_num and may be a
+multiple of it (several schedule steps per optimizer step; the config refuses anything else). Every
+rank of a data-parallel replica (all its pipeline and tensor-parallel ranks) reads the same
+micro-batches; the loss is normalised by the step's global target-token count as in every layout,
+and every pipeline rank gets the step loss. Gradients are clipped with the norm over all stages (a
+tied embedding matrix, held by the first and the last stage, counted once); evaluation runs
+`pipeline_eval` on every rank.
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ from ..parallel.collectives import max_over, rank0_first, replica_mismatch, sum_
 from ..parallel.data_parallel import clip_grad_norm, grad_sync
 from ..parallel.dims import ParallelDims, dims_from_config
 from ..parallel.launch import DistContext, init_distributed
-from ..parallel.parallelize import parallelize_model
+from ..parallel.parallelize import parallelize_parts
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, peak_flops, peak_memory_gb, reset_peak_memory
 from .optim import LRSchedule, build_optimizer
@@ -88,6 +102,8 @@ class Trainer:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.tokenizer = tokenizer
+        self.model_parts: list[nn.Module] | None = None  # this rank's parallelised model part(s)
+        self.pipeline: Any = None  # pipeline.Pipeline under pipeline parallelism
 
     # --- the run, top to bottom -------------------------------------------------------------------
 
@@ -123,10 +139,10 @@ class Trainer:
         # Under data parallelism, O2's fp32 master weights are FSDP2's sharded fp32 parameters, cast
         # to 16 bits for compute by its mixed-precision policy.
         fsdp_masters = dims.dp > 1 and plan.master_weights
-        model = self._prepare_model(device, torch.float32 if fsdp_masters else plan.param_dtype, dims, meshes,
+        parts = self._prepare_model(device, torch.float32 if fsdp_masters else plan.param_dtype, dims, meshes,
                                     plan.param_dtype if fsdp_masters else None)
-        names = ckpt.canonical_param_names(model)  # as checkpoints name them: no wrapper prefixes
-        trainable = [(names[id(p)], p) for p in model.parameters() if p.requires_grad]
+        names = ckpt.canonical_param_names(parts)  # as checkpoints name them: no wrapper prefixes
+        trainable = [(names[id(p)], p) for p in _parameters(parts) if p.requires_grad]
         masters = MasterWeights(trainable) if plan.master_weights and not fsdp_masters else None
         opt_named = list(masters.named_masters()) if masters else trainable
         optimizer = build_optimizer(opt_named, cfg.train.optimizer, cfg.train.lr, cfg.train.weight_decay,
@@ -134,13 +150,14 @@ class Trainer:
         if dims.dp > 1:
             from ..parallel.data_parallel import shard_optimizer
 
-            optimizer = shard_optimizer(optimizer, model)
+            optimizer = shard_optimizer(optimizer, parts[0])
+        self.pipeline = self._build_pipeline(parts, meshes, device) if dims.pp > 1 else None
         scaler = None
         if plan.needs_loss_scaling:
             dynamic = cfg.optimize.loss_scale == "dynamic"
             scaler = LossScaler(cfg.optimize.initial_loss_scale if dynamic else float(cfg.optimize.loss_scale),
                                 dynamic=dynamic)
-        grad_accum = cfg.gradient_accumulation()
+        grad_accum = cfg.gradient_accumulation(ctx.world_size)
         # Dynamically batched data holds whole micro-batches per item (sized by micro_batch_size rows).
         items_per_micro_batch = 1 if getattr(self.train_dataset, "items_are_batches", False) else \
             cfg.train.micro_batch_size
@@ -152,13 +169,13 @@ class Trainer:
         schedule = LRSchedule(cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, total_steps,
                               cfg.train.decay_style, cfg.train.wsd_decay_ratio)
 
-        state = _TrainState(model=model, optimizer=optimizer, opt_named=opt_named, masters=masters,
-                            scaler=scaler, loader=loader, ctx=ctx, dims=dims, meshes=meshes)
+        state = _TrainState(parts=parts, optimizer=optimizer, opt_named=opt_named, masters=masters,
+                            scaler=scaler, loader=loader, ctx=ctx, dims=dims, meshes=meshes, pipeline=self.pipeline)
         start = self._resume(resume, run_dir, state, overwrite)
         if ctx.is_main:
             (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
 
-        step_tokens = tokens_per_step(cfg)
+        step_tokens = tokens_per_step(cfg, ctx.world_size)
         flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
         peak = peak_flops(device, plan.dtype, cfg.train.peak_tflops)
         writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard, enabled=ctx.is_main)
@@ -166,7 +183,8 @@ class Trainer:
                  cfg.model.preset or cfg.model.model_type, device, total_steps, step_tokens,
                  cfg.optimize.mixed_precision, plan.level, cfg.optimize.recompute,
                  f", {ctx.world_size} processes (dp {dims.dp} x tp {dims.tp} x pp {dims.pp}, ZeRO "
-                 f"{cfg.parallel.zero_stage})" if dims.distributed else "")
+                 f"{cfg.parallel.zero_stage}{_pipeline_note(cfg) if dims.pp > 1 else ''})"
+                 if dims.distributed else "")
 
         result = TrainResult(run_dir=run_dir, step=start)
         bar = tqdm(total=total_steps, initial=start, disable=not (cfg.train.progress_bar and ctx.is_main), unit="step",
@@ -197,7 +215,7 @@ class Trainer:
                     window.start = time.perf_counter()
                 if self.eval_dataset is not None and (
                         done == total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0)):
-                    result.eval = self.evaluate(model, plan, device)
+                    result.eval = self.evaluate(plan=plan, device=device)
                     writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
                     log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
                              result.eval["perplexity"])
@@ -236,7 +254,9 @@ class Trainer:
                 self.tokenizer.save(str(tok_dir))
 
     def _prepare_model(self, device: torch.device, dtype: torch.dtype, dims: ParallelDims, meshes: Any,
-                       fsdp_param_dtype: torch.dtype | None) -> nn.Module:
+                       fsdp_param_dtype: torch.dtype | None) -> list[nn.Module]:
+        """This rank's model parts: the whole model (built with the run's seed, so the same on every
+        rank), split into pipeline chunks when there is a pipeline, each parallelised."""
         cfg = self.config
         if self.model is None:
             model = build_model(cfg.model, device=device, dtype=dtype)
@@ -245,9 +265,17 @@ class Trainer:
         else:
             model = self.model.to(device=device, dtype=dtype)
             model.reset_rope_tables()  # keep RoPE tables in fp32 when the weights became 16-bit
-        model = parallelize_model(model, cfg, dims, meshes, fsdp_param_dtype)
-        self.model = model
-        return model
+        parts = parallelize_parts(model, cfg, dims, meshes, fsdp_param_dtype)
+        # Without a pipeline `model` is the one part; with one, this rank's first chunk (see model_parts).
+        self.model, self.model_parts = parts[0], parts
+        return parts
+
+    def _build_pipeline(self, parts: list[nn.Module], meshes: Any, device: torch.device) -> Any:
+        """The schedule over this rank's chunks; its loss is the trainer's (tensor-parallel aware)."""
+        from ..parallel.pipeline import build_schedule
+
+        p = self.config.parallel
+        return build_schedule(parts, meshes["pp"], device, p.micro_batch_num, p.schedule, loss_fn=token_loss_sum)
 
     def _total_steps(self, loader: StatefulLoader) -> int:
         train = self.config.train
@@ -259,7 +287,7 @@ class Trainer:
               device: torch.device, step: int) -> tuple[float, float, bool, int]:
         """One optimizer step; returns (loss, grad norm, skipped, input tokens over all ranks)."""
         cfg = self.config
-        model, optimizer = s.model, s.optimizer
+        optimizer = s.optimizer
         # The loss is the sum of token losses over every rank's micro-batches divided by the step's
         # global target-token count; data-parallel gradient reduction sums, so every layout gives
         # the gradient of one device.
@@ -267,25 +295,20 @@ class Trainer:
         n_tokens, n_inputs = sum_over(local, s.meshes["dp"]) if s.dims.dp > 1 else local
         if n_tokens == 0:
             raise TrainingError(f"step {step + 1}: the batch has no target tokens (all labels are ignored)")
-        scale = s.scaler.scale if s.scaler else 1.0
-        total = torch.zeros((), device=device)
-        last = len(micro_batches) - 1
-        for i, mb in enumerate(micro_batches):
-            ids = mb["input_ids"].to(device, non_blocking=True)
-            labels = mb["labels"].to(device, non_blocking=True)
-            with grad_sync(model, i == last), plan.autocast(device.type):
-                logits = model(ids, **_model_extras(mb, device))
-                loss = token_loss_sum(logits, labels) / n_tokens
-                (loss * scale if s.scaler else loss).backward()
-            total += loss.detach()
+        if s.pipeline is not None:
+            total = self._pipeline_forward_backward(s, plan, micro_batches, device, n_tokens)
+        else:
+            total = self._forward_backward(s, plan, micro_batches, device, n_tokens)
         if s.dims.dp > 1:
             torch.distributed.all_reduce(total, group=s.meshes["dp"].get_group())
         if s.masters is not None:
             s.masters.grads_to_masters()
         if s.scaler is not None:
             s.scaler.unscale(s.params)
-        # One pass over the gradients gives the norm; its finiteness is also the fp16 overflow test.
-        grad_norm = clip_grad_norm(s.params, cfg.train.max_grad_norm or None)
+        # One pass over the gradients gives the norm (over all pipeline stages, a tied matrix counted
+        # once); its finiteness is also the fp16 overflow test.
+        grad_norm = clip_grad_norm(s.params, cfg.train.max_grad_norm or None, reduce_group=s.pp_group,
+                                   exclude=s.norm_exclude)
         loss_value, norm_value = (float(v) for v in torch.stack([total, grad_norm.to(total)]).tolist())
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if not finite and s.scaler is not None and math.isfinite(loss_value):
@@ -318,11 +341,55 @@ class Trainer:
             s.scaler.update(found_inf=False)
         return loss_value, norm_value, False, int(n_inputs)
 
+    def _forward_backward(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
+                          device: torch.device, n_tokens: float) -> torch.Tensor:
+        """Forward and backward of each micro-batch (gradient sync on the last only); returns this
+        rank's part of the step loss."""
+        model = s.parts[0]
+        scale = s.scaler.scale if s.scaler else 1.0
+        total = torch.zeros((), device=device)
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            ids = mb["input_ids"].to(device, non_blocking=True)
+            labels = mb["labels"].to(device, non_blocking=True)
+            with grad_sync(model, i == last), plan.autocast(device.type):
+                logits = model(ids, **_model_extras(mb, device))
+                loss = token_loss_sum(logits, labels) / n_tokens
+                (loss * scale if s.scaler else loss).backward()
+            total += loss.detach()
+        return total
+
+    def _pipeline_forward_backward(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
+                                   device: torch.device, n_tokens: float) -> torch.Tensor:
+        """The step's micro-batches through the pipeline, micro_batch_num at a time (one schedule
+        step each: the schedule splits the concatenated batch back into these micro-batches and
+        reduces data-parallel gradients at its end); returns this replica's step loss, on every
+        pipeline rank."""
+        from ..parallel.pipeline import pipeline_step
+
+        scale = s.scaler.scale if s.scaler else 1.0
+        per_step = s.pipeline.micro_batch_num
+        rounds = len(micro_batches) // per_step  # pipeline steps in this optimizer step (config: a whole number)
+        total = torch.zeros((), device=device)
+        for r in range(rounds):
+            batch = _concat_micro_batches(micro_batches[r * per_step:(r + 1) * per_step])
+            with plan.autocast(device.type):
+                # The schedule's loss is sum(token losses) / global_tokens: dividing by n_tokens / scale
+                # also applies the fp16 loss scale to the backward.
+                total += pipeline_step(s.pipeline, batch["input_ids"], batch["labels"], global_tokens=n_tokens / scale,
+                                       finish_step=r == rounds - 1, **_model_extras(batch, device))
+        return total / scale if s.scaler else total
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None, plan: Any = None,
                  device: torch.device | None = None) -> dict[str, float]:
-        """Token-weighted loss and perplexity over the held-out data."""
+        """Token-weighted loss and perplexity over the held-out data.
+
+        Under pipeline parallelism (no `model` given) every rank runs the batches through the
+        pipeline (`pipeline_eval`) and gets the same result.
+        """
         cfg = self.config
+        pipe = self.pipeline if model is None else None
         model = model or self.model
         device = device or next(model.parameters()).device
         plan = plan or precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
@@ -333,8 +400,12 @@ class Trainer:
         for mb in sequential_batches(self.eval_dataset, cfg.train.micro_batch_size, cfg.train.eval_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with plan.autocast(device.type):
-                logits = model(ids, **_model_extras(mb, device))
-            loss_sum += token_loss_sum(logits, labels).double()
+                if pipe is not None:
+                    from ..parallel.pipeline import pipeline_eval
+
+                    loss_sum += pipeline_eval(pipe, ids, labels, **_model_extras(mb, device)).double()
+                else:
+                    loss_sum += token_loss_sum(model(ids, **_model_extras(mb, device)), labels).double()
             tokens += int((mb["labels"] != IGNORE_INDEX).sum())
         model.train(was_training)
         loss = float(loss_sum) / max(tokens, 1)
@@ -348,7 +419,8 @@ class Trainer:
             log.info("--resume auto: no checkpoint in %s yet, starting from step 0", run_dir)
             return 0
         ckpt.ensure_optimizer_state(s.optimizer)
-        tensors = s.checkpoint_tensors()
+        per_part = ckpt.model_state(s.parts)
+        tensors = s.checkpoint_tensors(per_part)
         saved_masters = "master" in ckpt.read_trainer_state(path).get("shapes", {})
         if not saved_masters:
             tensors.pop("master", None)
@@ -357,12 +429,14 @@ class Trainer:
             # DCP filled the shards in place; setting them again keeps FSDP2's views consistent.
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-            set_model_state_dict(s.model, tensors["model"])
+            for part, part_state in zip(s.parts, per_part):
+                set_model_state_dict(part, part_state)
+        s.fill_tied_copies()
         # A change of precision level on resume: the fp32 masters of an O2 run are its exact weights.
         if s.masters is not None and not saved_masters:
             s.masters.model_to_masters()
         elif s.masters is None and saved_masters:
-            ckpt.load_checkpoint(path, {"master": dict(s.opt_named)})
+            ckpt.load_checkpoint(path, {"master": s.by_checkpoint_name(s.opt_named)})
         s.loader.load_state_dict(state["loader"])
         if s.scaler is not None and state.get("scaler"):
             s.scaler.load_state_dict(state["scaler"])
@@ -381,11 +455,16 @@ class Trainer:
                                     keep=self.config.train.keep_checkpoints)
 
 
+# A tied embedding matrix is one parameter in one process, named by its first use (the embedding);
+# a pipeline's last stage holds a copy of it under the output projection's name.
+_TIED_NAME, _TIED_COPY = "tok_embeddings.weight", "output.weight"
+
+
 @dataclass
 class _TrainState:
     """Everything a checkpoint must capture, in one place."""
 
-    model: nn.Module
+    parts: list[nn.Module]  # this rank's model parts: the whole model, or its pipeline chunks
     optimizer: torch.optim.Optimizer
     opt_named: list[tuple[str, torch.Tensor]]
     masters: MasterWeights | None
@@ -394,31 +473,99 @@ class _TrainState:
     ctx: DistContext
     dims: ParallelDims
     meshes: Any  # Meshes, or None in a single process
+    pipeline: Any = None  # pipeline.Pipeline, under pipeline parallelism
     params: list[torch.Tensor] = field(init=False)  # what the optimizer steps (fp32 masters at O2)
+    norm_exclude: list[torch.Tensor] = field(init=False)  # stepped but not counted in the gradient norm
+    pp_group: Any = field(init=False)  # the pipeline's process group (the norm sums over its stages)
+    tied_copy: bool = field(init=False)  # this rank holds a pipeline's last-stage copy of a tied matrix
 
     def __post_init__(self) -> None:
         self.params = [p for _, p in self.opt_named]
+        self.pp_group = self.meshes["pp"].get_group() if self.pipeline is not None else None
+        excluded: set[str] = set()
+        if self.pipeline is not None:
+            names = ckpt.canonical_param_names(self.parts)
+            excluded = {names[id(p)] for p in self.pipeline.norm_exclusions()}
+        self.norm_exclude = [p for n, p in self.opt_named if n in excluded]
+        self.tied_copy = _TIED_COPY in excluded
 
-    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+    def checkpoint_named(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`named` under the names one process uses: a pipeline's last-stage copy of a tied matrix
+        is stored as the tied matrix (both copies are equal). Where a rank holds both copies (V
+        schedules) a name then comes twice: the first copy stands for both (`fill_tied_copies`)."""
+        return [(_TIED_NAME if self.tied_copy and n == _TIED_COPY else n, t) for n, t in named]
+
+    def by_checkpoint_name(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """`checkpoint_named(named)` as a dict (the first tensor of a name wins)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.checkpoint_named(named):
+            out.setdefault(name, t)
+        return out
+
+    def checkpoint_tensors(self, per_part: list[dict[str, torch.Tensor]] | None = None
+                           ) -> dict[str, dict[str, torch.Tensor]]:
         """Flat name -> tensor groups for DCP (optimizer state keyed by parameter name); sharded
-        parameters and optimizer state stay DTensors, so every rank saves and loads its own shards."""
+        parameters and optimizer state stay DTensors, so every rank saves and loads its own shards.
+        `per_part`: the parts' state dicts, when the caller needs them too (`ckpt.model_state`)."""
         model_state = {}
-        for part in ckpt.model_state(self.model):
+        for part in per_part if per_part is not None else ckpt.model_state(self.parts):
             model_state.update(part)
-        groups = {"model": model_state, "optim": optimizer_state_by_name(self.optimizer, self.opt_named)}
+        groups = {"model": model_state,
+                  "optim": optimizer_state_by_name(self.optimizer, self.checkpoint_named(self.opt_named))}
         if self.masters is not None:
-            groups["master"] = dict(self.masters.named_masters())
+            groups["master"] = self.by_checkpoint_name(list(self.masters.named_masters()))
         return groups
+
+    @torch.no_grad()
+    def fill_tied_copies(self) -> None:
+        """After a load: where this rank holds both copies of a tied matrix (a V schedule), the
+        checkpoint filled the first one; give the second its values and optimizer state."""
+        named = dict(self.opt_named)
+        first, last = named.get(_TIED_NAME), named.get(_TIED_COPY)
+        if not self.tied_copy or first is None or last is None:
+            return
+        last.copy_(first)
+        src, dst = self.optimizer.state.get(first, {}), self.optimizer.state.get(last, {})
+        for key, value in src.items():
+            if torch.is_tensor(value) and torch.is_tensor(dst.get(key)):
+                dst[key].copy_(value)
+
+
+def _parameters(parts: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of all model parts, each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for part in parts:
+        for p in part.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The step's micro-batches as one batch (the pipeline schedule splits it into them again)."""
+    shapes = sorted({tuple(mb["input_ids"].shape) for mb in micro_batches})
+    if len(shapes) > 1:
+        raise ConfigError(
+            f"pipeline parallelism runs the micro-batches of a step as one batch of one shape, but this step's "
+            f"micro-batches have shapes {shapes}; use data of fixed-size samples (data.packing pack or pad)"
+        )
+    return {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
+
+
+def _pipeline_note(cfg: RunConfig) -> str:
+    p = cfg.parallel
+    stages = f" x {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else ""
+    return f", pipeline schedule {p.schedule}{stages}, {p.micro_batch_num} micro-batches per step"
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
                             named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as `param_name.key` -> tensor (no pickled objects)."""
-    out = {}
+    """The optimizer's per-parameter state as `param_name.key` -> tensor (no pickled objects); a
+    name given twice keeps its first parameter's state (see `_TrainState.by_checkpoint_name`)."""
+    out: dict[str, torch.Tensor] = {}
     for name, p in named:
         for key, value in optimizer.state.get(p, {}).items():
             if torch.is_tensor(value):
-                out[f"{name}.{key}"] = value
+                out.setdefault(f"{name}.{key}", value)
     return out
 
 
@@ -477,7 +624,7 @@ def _clear_newer_checkpoints(run_dir: Path, step: int, overwrite: bool) -> None:
 
 
 def layout_for(cfg: RunConfig, world_size: int) -> ParallelDims:
-    """The run's parallel layout for `world_size` processes; what the trainer cannot run yet fails here."""
+    """The run's parallel layout for `world_size` processes."""
     p = cfg.parallel
     if world_size == 1 and p.world_size() != 1:
         need = p.world_size()
@@ -489,10 +636,11 @@ def layout_for(cfg: RunConfig, world_size: int) -> ParallelDims:
         )
     dims = dims_from_config(p, world_size)
     if dims.pp > 1:
-        raise ConfigError(
-            "parallel.pipeline_parallel > 1: pipeline schedules are not wired into the trainer yet; use "
-            "data_parallel (ZeRO 0-3) and tensor_parallel for now"
-        )
+        from ..parallel.pipeline import check_pipeline
+
+        # The config checked the layout; the micro-batch count must also suit the schedule to run.
+        check_pipeline(cfg.model.num_layers, dims.pp, p.virtual_stages, p.schedule, p.stage_layers, p.micro_batch_num)
+        cfg.gradient_accumulation(world_size)  # a whole number of pipeline steps per optimizer step
     return dims
 
 
@@ -502,7 +650,7 @@ def check_replicas(s: "_TrainState", step: int, zero_stage: int) -> None:
     if s.dims.dp == 1:
         return
     mesh = s.meshes["dp"] if zero_stage <= 1 else s.meshes["dp_replicate"]
-    problem = replica_mismatch(s.model, mesh)
+    problem = next(filter(None, (replica_mismatch(part, mesh) for part in s.parts)), None)
     if problem:
         raise TrainingError(
             f"step {step}: {problem}. Replicas that diverge train different models; look for "
