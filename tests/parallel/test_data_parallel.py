@@ -209,6 +209,34 @@ def test_hsdp_replicate2_shard2_matches_one_process():
     assert results[0]["placements"] == ["(Replicate(), Shard(dim=0))"]
 
 
+def _dp2_tp2_worker(rank: int, world: int) -> dict:
+    from shardwise.parallel.tensor import apply_tensor_parallel
+
+    dims = ParallelDims(dp_shard=2, tp=2)
+    meshes = dims.build_meshes("cpu")
+    out = {}
+    for zero in (0, 1, 2, 3):
+        model = build_tiny_model(CFG)
+        apply_tensor_parallel(model, meshes["tp"], sequence_parallel=True)
+        model = apply_data_parallel(model, meshes, dims, zero)
+        opt = shard_optimizer(make_optimizer(model), model, zero, meshes)
+        out[zero] = train_loop(model, opt, STEPS_ACC, rank=meshes["dp"].get_local_rank(), world=2,
+                               group=meshes["dp"].get_group(), sync=lambda enabled, m=model: grad_sync(m, enabled),
+                               clip=lambda params: clip_grad_norm(params, MAX_NORM))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_dp2_x_tp2_matches_one_process_for_every_zero_stage():
+    """DP2 x TP2 with sequence parallel on 4 ranks, gradient accumulation and clipping: the loss at
+    every step and every parameter's first-step gradient equal one process's, for ZeRO 0-3."""
+    ref = _reference(STEPS_ACC, {})
+    results = run_distributed(_dp2_tp2_worker, 4)
+    for rank, res in enumerate(results):
+        for zero, record in res.items():
+            assert_records_close(record, ref, label=f"dp2 x tp2 zero {zero} rank {rank}")
+
+
 # --- without processes -------------------------------------------------------------------------------
 
 def test_bad_settings_are_refused_clearly():
