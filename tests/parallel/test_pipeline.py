@@ -1,4 +1,5 @@
-"""Pipeline parallelism: layout rules, model splitting, and loss/gradient parity of PP2 with one process.
+"""Pipeline parallelism: layout rules, model splitting, and loss/gradient parity of PP2 (alone, with
+FSDP2 DP2, with TP2 + sequence parallel) with one process.
 
 The distributed test forks 2 gloo workers once and runs every variant (each schedule, uneven
 stages, packed documents, tied embeddings, evaluation) inside that one launch; the one-process
@@ -391,8 +392,57 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     ev = _batch(100 + index, 99, 2 * mbs, True)
                     result["eval"] = float(pipeline_eval(pipe, ev["input_ids"], ev["labels"], **_extras(ev)))
             torch.save(result, os.path.join(out_dir, f"{name}.{rank}.pt"))
+        _tp_variants(rank, out_dir)
     finally:
         dist.destroy_process_group()
+
+
+# --- PP2 x TP2 with sequence parallel (run in the same 4-rank launch as PP2 x DP2) ---------------------
+
+# name, model, schedule, virtual_stages, micro_batch_num, packed documents
+TP_VARIANTS = [
+    ("tp_1f1b_docs", TINY, "1f1b", 1, 2, True),
+    ("tp_zbv", TINY, "zero_bubble", 2, 2, False),
+]
+
+
+def _tp_variants(rank: int, out_dir: str) -> None:
+    """Each chunk tensor-parallel (sequence parallel, vocabulary-sharded DTensor logits into the
+    last stage's loss), every TP rank fed the whole batch; gradients gathered with full_tensor()."""
+    from shardwise.parallel.dims import ParallelDims
+    from shardwise.parallel.pipeline import build_schedule, clip_grad_norm_pp, pipeline_step
+    from shardwise.parallel.tensor import apply_tensor_parallel
+    from shardwise.train.trainer import token_loss_sum as trainer_loss_sum
+
+    meshes = ParallelDims(pp=2, tp=2).build_meshes("cpu")
+    pp_mesh, tp_mesh = meshes["pp"], meshes["tp"]
+    for index, (name, cfg_kw, schedule, vs, mbs, docs) in enumerate(TP_VARIANTS):
+        torch.manual_seed(0)
+        chunks = split_model(build_model(ModelConfig(**cfg_kw)), pp_mesh.get_local_rank(), 2, vs, None, schedule)
+        for chunk in chunks:
+            apply_tensor_parallel(chunk, tp_mesh, sequence_parallel=True, loss_parallel=True)
+        logit_types = set()
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logit_types.add(type(logits).__name__)  # DTensor: the vocabulary-sharded logits reach the loss
+            return trainer_loss_sum(logits, labels)
+
+        pipe = build_schedule(chunks, pp_mesh, "cpu", mbs, schedule, loss_fn=loss_fn)
+        named = list(named_parameters(chunks))
+        opt = build_optimizer(named, "adamw", 1e-2, 0.1, (0.9, 0.95), 1e-8)
+        result = {"losses": [], "norms": [], "grads": {}, "class": type(pipe.schedule).__name__}
+        for step in range(STEPS):
+            batch = _batch(200 + index, step, mbs, docs)
+            loss = pipeline_step(pipe, batch["input_ids"], batch["labels"], **_extras(batch))
+            norm = clip_grad_norm_pp([p for _, p in named], MAX_NORM, pp_mesh, exclude=pipe.norm_exclusions())
+            if step == 0:
+                result["grads"] = {n: p.grad.full_tensor() for n, p in named}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            result["losses"].append(float(loss))
+            result["norms"].append(float(norm))
+        result["logits"] = sorted(logit_types)
+        torch.save(result, os.path.join(out_dir, f"{name}.{rank}.pt"))
 
 
 @pytest.mark.timeout(300)
@@ -411,3 +461,22 @@ def test_pp2_dp2_fsdp_matches_one_process(tmp_path):
             for pname, grad in got["grads"].items():
                 ref_name = "tok_embeddings.weight" if pname == "output.weight" else pname
                 torch.testing.assert_close(grad, ref["grads"][ref_name], rtol=0, atol=TOL, msg=f"{name} {pname}")
+    # PP2 x TP2 (same launch): every rank's loss and norm, and the gradients merged over the stages
+    classes = {}
+    for index, (name, cfg_kw, schedule, vs, mbs, docs) in enumerate(TP_VARIANTS):
+        ref = _reference(200 + index, cfg_kw, mbs, docs, {})
+        seen = set()
+        for r in range(4):
+            got = torch.load(tmp_path / f"{name}.{r}.pt")
+            classes[name] = got["class"]
+            last = r // 2 == (0 if vs == 2 else 1)  # the pp rank holding the last stage (rank 0 under ZBV's V)
+            assert got["logits"] == (["DTensor"] if last else []), (name, r, got["logits"])
+            for step in range(STEPS):
+                assert abs(got["losses"][step] - ref["losses"][step]) < TOL, (name, r, step, got["losses"])
+                assert abs(got["norms"][step] - ref["norms"][step]) < TOL, (name, r, step, got["norms"])
+            for pname, grad in got["grads"].items():
+                torch.testing.assert_close(grad, ref["grads"][pname], rtol=0, atol=TOL, msg=f"{name} {pname}")
+                seen.add(pname)
+        assert seen == set(ref["grads"]), (name, set(ref["grads"]) - seen)
+        assert max(g.abs().max() for g in ref["grads"].values()) > 100 * TOL
+    assert classes == {"tp_1f1b_docs": "Schedule1F1B", "tp_zbv": "ScheduleZBVZeroBubble"}
