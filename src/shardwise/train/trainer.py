@@ -93,7 +93,7 @@ def count_target_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
 
 
 class Trainer:
-    """Pre-trains (or continues training) a model on one device as a RunConfig describes."""
+    """Pre-trains or fine-tunes a model as a RunConfig describes, on one device or as one rank of many."""
 
     def __init__(self, config: RunConfig, model: nn.Module | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, tokenizer: Any = None) -> None:
