@@ -1,0 +1,525 @@
+"""Hugging Face format in and out: config.json <-> ModelConfig, safetensors weights <-> our parameter names.
+
+Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel.
+Reading is tensor by tensor from memory-mapped safetensors files (one file or a sharded index), so
+peak memory is the model plus one tensor. `transformers` is not needed for any of this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.models.config import ModelConfig
+from shardwise.models.transformer import Transformer
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "GPT2LMHeadModel": "gpt2",
+}
+_ARCH_BY_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+
+# HF hidden_act / activation_function -> ours, and back (per family).
+_ACT_FROM_HF = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh", "relu": "relu",
+}
+_ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+_ACT_TO_GPT2 = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+# LLaMA / Qwen2 / Mistral module names inside model.layers.{i} -> ours inside layers.{i}.
+_LLAMA_NAMES = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_LLAMA_NAMES_BACK = {v: k for k, v in _LLAMA_NAMES.items()}
+_GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
+               "mlp.c_fc": "feed_forward.w1", "mlp.c_proj": "feed_forward.w2"}
+_GPT2_NAMES_BACK = {v: k for k, v in _GPT2_NAMES.items()}
+
+
+def _supported_list() -> str:
+    return ", ".join(SUPPORTED_ARCHITECTURES)
+
+
+# ---------------------------------------------------------------- config ----
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a Hugging Face model directory needs {what}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
+
+
+def hf_family(hf: dict) -> str:
+    """Our model_type for an HF config dict; ConfigError naming the supported architectures otherwise."""
+    archs = hf.get("architectures") or []
+    if archs:
+        bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if bad:
+            raise ConfigError(
+                f"unsupported architecture {', '.join(bad)} in config.json; supported: {_supported_list()}"
+            )
+        return SUPPORTED_ARCHITECTURES[archs[0]]
+    model_type = hf.get("model_type")
+    if model_type in _ARCH_BY_TYPE:
+        return model_type
+    raise ConfigError(
+        f"config.json names no supported architecture (architectures={archs}, model_type={model_type!r}); "
+        f"supported: {_supported_list()}"
+    )
+
+
+def _activation(name: Optional[str], default: str) -> str:
+    name = name or default
+    if name not in _ACT_FROM_HF:
+        raise ConfigError(f"unsupported activation {name!r} in config.json; supported: {', '.join(_ACT_FROM_HF)}")
+    return _ACT_FROM_HF[name]
+
+
+def _rope(hf: dict) -> tuple[float, Optional[dict]]:
+    """(rope_theta, our rope_scaling) from either the transformers-5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"unsupported RoPE scaling {kind!r} in config.json; supported: default, linear, llama3")
+    scaling: dict[str, Any] = {"type": kind, "factor": float(params.get("factor", 1.0))}
+    if kind == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key in params:
+                scaling[key] = params[key]
+    return theta, scaling
+
+
+def hf_to_model_config(hf: dict) -> ModelConfig:
+    """A ModelConfig for an HF config dict (as in config.json)."""
+    family = hf_family(hf)
+    try:
+        if family == "gpt2":
+            return _gpt2_config(hf)
+        return _llama_like_config(hf, family)
+    except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"config.json cannot be used for a {family} model: {exc}") from exc
+
+
+def _llama_like_config(hf: dict, family: str) -> ModelConfig:
+    theta, scaling = _rope(hf)
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if family == "qwen2":
+        qkv_bias, out_bias = True, False
+    else:
+        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+    max_pos = hf.get("max_position_embeddings", 4096 if family == "llama" else 32768)
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", True) if family == "qwen2" else True
+    if window and uses_window and window < max_pos:
+        warnings.warn(
+            f"config.json asks for sliding-window attention ({window} tokens), which shardwise does not "
+            f"implement: attention is full causal, identical up to {window} tokens",
+            stacklevel=3,
+        )
+    return ModelConfig(
+        model_type=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=max_pos,
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp="gated",
+        activation=_activation(hf.get("hidden_act"), "silu"),
+        position="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
+
+
+def _gpt2_config(hf: dict) -> ModelConfig:
+    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+        raise ConfigError("GPT-2 configs with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn "
+                          "are not supported")
+    if hf.get("scale_attn_weights", True) is False:
+        raise ConfigError("GPT-2 configs with scale_attn_weights=false are not supported")
+    hidden = hf.get("n_embd", 768)
+    return ModelConfig(
+        model_type="gpt2",
+        vocab_size=hf.get("vocab_size", 50257),
+        hidden_size=hidden,
+        num_layers=hf.get("n_layer", 12),
+        num_heads=hf.get("n_head", 12),
+        intermediate_size=hf.get("n_inner") or 4 * hidden,
+        max_position_embeddings=hf.get("n_positions", 1024),
+        norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        mlp="plain",
+        activation=_activation(hf.get("activation_function"), "gelu_new"),
+        position="learned",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        norm_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
+
+
+def load_hf_config(directory: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model directory (its config.json)."""
+    return hf_to_model_config(_read_json(Path(directory) / "config.json", "config.json"))
+
+
+def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
+    """config.json contents for `cfg`; ConfigError when no supported HF architecture expresses it."""
+    family = _export_family(cfg)
+    hf: dict[str, Any] = {"architectures": [_ARCH_BY_TYPE[family]], "model_type": family}
+    if family == "gpt2":
+        hf.update(
+            vocab_size=cfg.vocab_size, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+            n_inner=cfg.intermediate_size, n_positions=cfg.max_position_embeddings,
+            layer_norm_epsilon=cfg.norm_eps, activation_function=_ACT_TO_GPT2[cfg.activation],
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+            scale_attn_weights=True, tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.initializer_range,
+        )
+    else:
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling is not None:
+            s = cfg.rope_scaling
+            rope.update(rope_type=s.type, factor=s.factor)
+            if s.type == "llama3":
+                rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                            original_max_position_embeddings=s.original_max_position_embeddings)
+        hf.update(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+            hidden_act=_ACT_TO_HF[cfg.activation], tie_word_embeddings=cfg.tie_embeddings,
+            attention_dropout=cfg.dropout, initializer_range=cfg.initializer_range,
+            # transformers >= 5 reads rope_parameters; older versions read rope_theta / rope_scaling.
+            rope_parameters=rope, rope_theta=cfg.rope_theta,
+            rope_scaling=None if cfg.rope_scaling is None else {**rope, "type": rope["rope_type"]},
+        )
+        if family == "llama":
+            hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+        elif family == "mistral":
+            hf.update(sliding_window=None)
+        elif family == "qwen2":
+            hf.update(use_sliding_window=False, sliding_window=None)
+    if dtype is not None:
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return hf
+
+
+def _export_family(cfg: ModelConfig) -> str:
+    """Which HF architecture can hold this config, checking every flag it fixes."""
+    def need(ok: bool, what: str, family: str) -> None:
+        if not ok:
+            raise ConfigError(f"this model cannot be exported as {_ARCH_BY_TYPE[family]}: {what}")
+
+    if cfg.position == "learned":
+        need(cfg.norm == "layernorm" and cfg.norm_bias, "GPT-2 needs LayerNorm with bias", "gpt2")
+        need(cfg.mlp == "plain", "GPT-2 needs a plain MLP", "gpt2")
+        need(cfg.qkv_bias and cfg.out_bias and cfg.mlp_bias, "GPT-2 needs every linear bias", "gpt2")
+        need(cfg.head_dim * cfg.num_heads == cfg.hidden_size, "GPT-2 needs head_dim * heads == hidden", "gpt2")
+        need(cfg.num_kv_heads == cfg.num_heads, "GPT-2 has no grouped-query attention", "gpt2")
+        return "gpt2"
+    family = cfg.model_type if cfg.model_type in ("llama", "qwen2", "mistral") else "llama"
+    if family == "llama" and cfg.qkv_bias and not cfg.out_bias:
+        family = "qwen2"
+    need(cfg.norm == "rmsnorm", "it needs RMSNorm", family)
+    need(cfg.mlp == "gated", "it needs a gated MLP", family)
+    if family == "qwen2":
+        need(cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias, "Qwen2 has biases on q/k/v only", family)
+    elif family == "mistral":
+        need(not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias), "Mistral has no biases", family)
+    else:
+        need(cfg.qkv_bias == cfg.out_bias, "LLaMA's attention_bias covers q/k/v and o together", family)
+    return family
+
+
+# ------------------------------------------------------------- name maps ----
+
+def _hf_to_ours(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """Our (name, tensor) pairs for one HF tensor; [] to skip it; None if it is not a weight we know."""
+    if cfg.position == "learned":
+        return _gpt2_to_ours(name, tensor, cfg)
+    if name.endswith("rotary_emb.inv_freq"):
+        return []  # old checkpoints saved the RoPE buffer; we rebuild it
+    if name == "model.embed_tokens.weight":
+        return [("tok_embeddings.weight", tensor)]
+    if name == "model.norm.weight":
+        return [("norm.weight", tensor)]
+    if name == "lm_head.weight":
+        return [] if cfg.tie_embeddings else [("output.weight", tensor)]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        module, _, kind = parts[3].rpartition(".")
+        if module in _LLAMA_NAMES:
+            return [(f"layers.{parts[2]}.{_LLAMA_NAMES[module]}.{kind}", tensor)]
+    return None
+
+
+def _gpt2_to_ours(name: str, t: torch.Tensor, cfg: ModelConfig) -> Optional[list[tuple[str, torch.Tensor]]]:
+    if name == "lm_head.weight":
+        return [] if cfg.tie_embeddings else [("output.weight", t)]
+    name = name.removeprefix("transformer.")  # the original gpt2 files have no prefix
+    if name == "wte.weight":
+        return [("tok_embeddings.weight", t)]
+    if name == "wpe.weight":
+        return [("pos_embeddings.weight", t)]
+    if name.startswith("ln_f."):
+        return [(f"norm.{name.rsplit('.', 1)[1]}", t)]
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "h":
+        return None
+    idx, (module, _, kind) = parts[1], parts[2].rpartition(".")
+    if module == "attn" and kind in ("bias", "masked_bias"):
+        return []  # causal-mask buffers of old checkpoints
+    prefix = f"layers.{idx}"
+    if module == "attn.c_attn":
+        q_dim = cfg.num_heads * cfg.head_dim
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        if t.shape[-1] != q_dim + 2 * kv_dim:
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(t.shape)}, expected last dimension {q_dim + 2 * kv_dim} (q, k, v)"
+            )
+        chunks = t.split([q_dim, kv_dim, kv_dim], dim=-1)
+        return [(f"{prefix}.attention.{p}.{kind}", c.t() if kind == "weight" else c)
+                for p, c in zip(("wq", "wk", "wv"), chunks)]
+    if module in _GPT2_NAMES:
+        ours = _GPT2_NAMES[module]
+        conv = module != "ln_1" and module != "ln_2" and kind == "weight"  # Conv1D stores [in, out]
+        return [(f"{prefix}.{ours}.{kind}", t.t() if conv else t)]
+    return None
+
+
+def _ours_to_hf(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs for the model's weights, produced one at a time."""
+    cfg = model.cfg
+    params = dict(model.named_parameters())  # tied weights appear once, as tok_embeddings.weight
+    if cfg.position == "learned":
+        yield "transformer.wte.weight", params["tok_embeddings.weight"]
+        yield "transformer.wpe.weight", params["pos_embeddings.weight"]
+        for i in model.layers:
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                qkv = torch.cat([params[f"{p}attention.{w}.{kind}"] for w in ("wq", "wk", "wv")], dim=0)
+                yield f"transformer.h.{i}.attn.c_attn.{kind}", qkv.t() if kind == "weight" else qkv
+            for ours, theirs in _GPT2_NAMES_BACK.items():
+                for kind in ("weight", "bias"):
+                    t = params.get(f"{p}{ours}.{kind}")
+                    if t is not None:
+                        conv = theirs.startswith(("attn", "mlp")) and kind == "weight"
+                        yield f"transformer.h.{i}.{theirs}.{kind}", t.t() if conv else t
+        for kind in ("weight", "bias"):
+            if f"norm.{kind}" in params:
+                yield f"transformer.ln_f.{kind}", params[f"norm.{kind}"]
+    else:
+        yield "model.embed_tokens.weight", params["tok_embeddings.weight"]
+        for name, t in params.items():
+            if name.startswith("layers."):
+                _, idx, rest = name.split(".", 2)
+                module, _, kind = rest.rpartition(".")
+                yield f"model.layers.{idx}.{_LLAMA_NAMES_BACK[module]}.{kind}", t
+        yield "model.norm.weight", params["norm.weight"]
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", params["output.weight"]
+
+
+# --------------------------------------------------------------- weights ----
+
+def _weight_files(directory: Path) -> list[tuple[Path, Optional[list[str]]]]:
+    """The safetensors files to read, each with the names the index assigns it (None: all of them)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index, INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        missing = [f for f in sorted(by_file) if not (directory / f).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"shard file(s) {', '.join(missing)} listed in {index} are missing from {directory}; "
+                "download the complete model"
+            )
+        return [(directory / f, names) for f, names in sorted(by_file.items())]
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [(single, None)]
+    bins = sorted(p.name for p in directory.glob("pytorch_model*.bin"))
+    hint = f" (found {', '.join(bins)}: re-save it with safe_serialization=True)" if bins else ""
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}{hint}")
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@torch.no_grad()
+def load_hf_weights(model: Transformer, directory: str | os.PathLike[str]) -> None:
+    """Copy the weights of an HF directory into `model` (already allocated), tensor by tensor.
+
+    Raises CheckpointError for a missing shard file, a tensor of the wrong shape, and tensors missing
+    from or unknown to the model. Tensors are converted to each parameter's dtype and device.
+    """
+    directory = Path(directory)
+    cfg = model.cfg
+    targets = dict(model.named_parameters())
+    filled: set[str] = set()
+    unexpected: list[str] = []
+    for path, names in _weight_files(directory):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in names if names is not None else list(f.keys()):
+                pairs = _hf_to_ours(hf_name, f.get_tensor(hf_name), cfg)
+                if pairs is None:
+                    unexpected.append(hf_name)
+                    continue
+                for ours, tensor in pairs:
+                    param = targets.get(ours)
+                    if param is None:
+                        unexpected.append(hf_name)
+                        continue
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise CheckpointError(
+                            f"tensor {hf_name} (our {ours}) in {path.name} has shape {tuple(tensor.shape)}, "
+                            f"but the model expects {tuple(param.shape)}; the checkpoint does not match config.json"
+                        )
+                    param.copy_(tensor)
+                    filled.add(ours)
+    if unexpected:
+        raise CheckpointError(
+            f"{len(unexpected)} tensor(s) in {directory} do not belong to a {cfg.model_type} model with this "
+            f"config: {_short(unexpected)}"
+        )
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        raise CheckpointError(f"{len(missing)} weight(s) missing from {directory}: {_short(missing)}")
+    model.tie_weights()
+
+
+def from_hf(
+    directory: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """A shardwise Transformer with the config and weights of an HF directory.
+
+    Built on the meta device and allocated once on `device` (no random init: every weight is loaded).
+    """
+    cfg = load_hf_config(directory)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.to(dtype=dtype)
+    model.reset_rope_tables()
+    load_hf_weights(model, directory)
+    return model
+
+
+# ---------------------------------------------------------------- export ----
+
+def save_hf(
+    model: Transformer,
+    out_dir: str | os.PathLike[str],
+    tokenizer: Any = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    generation_config: Optional[dict] = None,
+) -> Path:
+    """Write `model` as an HF directory: config.json, model.safetensors (or shards with an index when
+    larger than `max_shard_size` bytes), generation_config.json, and the tokenizer when given."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = next(model.parameters()).dtype
+    special = {}
+    if tokenizer is not None:
+        for key in ("bos", "eos", "pad"):
+            value = getattr(tokenizer, f"{key}_id", None)
+            if value is not None:
+                special[f"{key}_token_id"] = value
+    config = model_config_to_hf(model.cfg, dtype)
+    config.update(special)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen = {**special, **(generation_config or {})}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    total = 0
+    files: list[Path] = []
+
+    def flush() -> None:
+        path = out / f"model-part-{len(files):05d}.safetensors"
+        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        files.append(path)
+
+    weight_map_parts: list[list[str]] = [[]]
+    for name, t in _ours_to_hf(model):
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_size:
+            flush()
+            shards[-1] = {}  # free the written tensors
+            shards.append({})
+            sizes.append(0)
+            weight_map_parts.append([])
+        shards[-1][name] = t.clone() if t.untyped_storage().nbytes() != nbytes else t
+        sizes[-1] += nbytes
+        total += nbytes
+        weight_map_parts[-1].append(name)
+    flush()
+
+    if len(files) == 1:
+        files[0].rename(out / SINGLE_FILE)
+    else:
+        n = len(files)
+        weight_map = {}
+        for i, (path, names) in enumerate(zip(files, weight_map_parts)):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(out / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(out)
+    return out

@@ -1,0 +1,182 @@
+"""Hugging Face import and export: logits equal transformers' both ways, sharded files, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.models import ModelConfig, build_model
+from shardwise.models.hf import from_hf, load_hf_config, load_hf_weights, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+_SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager")
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **_SMALL, num_key_value_heads=2, tie_word_embeddings=False, rope_parameters=_LLAMA3))
+
+
+def _qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **_SMALL, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        **_SMALL, num_key_value_heads=1, head_dim=8, sliding_window=None))
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu_new",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2}
+
+
+def _make(family: str, tmp_path, **save_kwargs):
+    torch.manual_seed(0)
+    hf = FAMILIES[family]().eval()
+    with torch.no_grad():  # distinctive weights, norms included, so a wrong mapping cannot hide
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tmp_path / f"hf_{family}"
+    hf.save_pretrained(path, safe_serialization=True, **save_kwargs)
+    return hf, path
+
+
+def _tokens(length: int = 16):
+    return torch.randint(0, 96, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def _positions():
+    # Far positions exercise llama3's scaled low frequencies.
+    return torch.arange(40, 56).expand(2, 16)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_hf_and_save_hf_match_transformers(family, tmp_path):
+    hf, path = _make(family, tmp_path)
+    model = from_hf(path).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, position_ids=_positions()).logits
+        got = model(tokens, position_ids=_positions())
+    assert expected.std() > 0.1
+    assert (got - expected).abs().max() <= 1e-4
+    assert (model.output.weight is model.tok_embeddings.weight) == (family in ("qwen2", "gpt2"))
+
+    out = save_hf(model, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        again = back(input_ids=tokens, position_ids=_positions()).logits
+    assert (again - expected).abs().max() <= 1e-4
+    assert (out / "generation_config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(hf).__name__]
+
+
+def test_config_fields(tmp_path):
+    _, path = _make("llama", tmp_path)
+    cfg = load_hf_config(path)
+    assert (cfg.model_type, cfg.num_kv_heads, cfg.tie_embeddings, cfg.norm_eps) == ("llama", 2, False, 1e-6)
+    assert cfg.rope_scaling.type == "llama3" and cfg.rope_scaling.original_max_position_embeddings == 64
+    _, path = _make("qwen2", tmp_path)
+    cfg = load_hf_config(path)
+    assert cfg.qkv_bias and not cfg.out_bias and cfg.tie_embeddings and cfg.rope_theta == 1e6
+    _, path = _make("gpt2", tmp_path)
+    cfg = load_hf_config(path)
+    assert (cfg.intermediate_size, cfg.max_position_embeddings, cfg.activation) == (128, 64, "gelu_tanh")
+    # Pre-5 transformers spelling of RoPE settings.
+    legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 16, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
+              "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(legacy))
+    cfg = load_hf_config(tmp_path / "legacy")
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.type == "linear" and cfg.rope_scaling.factor == 2.0
+
+
+def test_sharded_checkpoints_load_and_save(tmp_path):
+    hf, path = _make("llama", tmp_path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    model = from_hf(path).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        assert (model(tokens) - expected).abs().max() <= 1e-4
+    out = save_hf(model, tmp_path / "export", max_shard_size=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (back(input_ids=tokens).logits - expected).abs().max() <= 1e-4
+    assert (from_hf(out)(tokens) - expected).abs().max() <= 1e-4
+
+
+def test_save_hf_writes_tokenizer_and_generation_config(tmp_path):
+    class FakeTokenizer:
+        bos_id, eos_id, pad_id = 1, 2, 2
+
+        def save(self, directory):
+            (directory / "tokenizer.json").write_text("{}")
+
+    model = build_model(ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
+                                    max_position_embeddings=64))
+    out = save_hf(model, tmp_path / "out", tokenizer=FakeTokenizer())
+    assert (out / "tokenizer.json").is_file()
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+
+
+# ---- bad input ----
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ConfigError, match="FalconForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, "
+                                          "MistralForCausalLM, GPT2LMHeadModel"):
+        load_hf_config(tmp_path)
+
+
+def test_missing_shard_is_named(tmp_path):
+    _, path = _make("llama", tmp_path, max_shard_size="20KB")
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        from_hf(path)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
+    _, path = _make("llama", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 40
+    (path / "config.json").write_text(json.dumps(cfg))
+    shapes = r"mlp\.\w+_proj\.weight.*shape \((48, 32|32, 48)\).*expects \((40, 32|32, 40)\)"
+    with pytest.raises(CheckpointError, match=shapes):
+        from_hf(path)
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    _, path = _make("llama", tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"missing.*layers\.2\.attention\.wq\.weight"):
+        from_hf(path)
+    cfg["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+        from_hf(path)
+    model = build_model(load_hf_config(path))
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_hf_weights(model, path)
