@@ -34,24 +34,31 @@ class AutoModelForCausalLM:
     def from_pretrained(name_or_path: str, parallel_config: dict | None = None,
                         optimize_config: dict | None = None, device: str | torch.device = "cpu",
                         **model_overrides: Any) -> nn.Module:
-        """A preset by name (freshly initialised), or the weights of a checkpoint / run directory.
+        """A preset by name (freshly initialised), or the weights of a Hugging Face model directory
+        (config.json + safetensors; LLaMA, Qwen2, Mistral, GPT-2) or of a checkpoint / run directory.
 
         Pass device="meta" to get the structure without memory; the Trainer materialises it.
         """
         if os.path.isdir(name_or_path):
-            from .train.checkpoint import load_model
-
             if model_overrides:
                 raise ConfigError(
                     f"from_pretrained({name_or_path!r}, {', '.join(sorted(model_overrides))}=...): model "
                     "overrides apply to presets only; a checkpoint's model is the one it was trained as"
                 )
-            model, cfg = load_model(name_or_path, device=device)
-            layout = {"parallel": cfg.parallel.model_dump(), "optimize": cfg.optimize.model_dump()}
+            if os.path.isfile(os.path.join(name_or_path, "config.json")):  # a Hugging Face model directory
+                from .models.hf import from_hf
+
+                model = from_hf(name_or_path, device=device)
+                layout = {}
+            else:
+                from .train.checkpoint import load_model
+
+                model, cfg = load_model(name_or_path, device=device)
+                layout = {"parallel": cfg.parallel.model_dump(), "optimize": cfg.optimize.model_dump()}
         elif _looks_like_path(name_or_path):
             raise CheckpointError(
-                f"{name_or_path} does not exist; give a run directory or checkpoint saved by shardwise "
-                "(train.output_dir), or a preset name such as llama_7b"
+                f"{name_or_path} does not exist; give a Hugging Face model directory, a run directory or "
+                "checkpoint saved by shardwise (train.output_dir), or a preset name such as llama_7b"
             )
         else:
             model = build_model(resolve_model_config({"preset": name_or_path, **model_overrides}), device=device)

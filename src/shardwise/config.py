@@ -24,6 +24,12 @@ from .models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+# Learning rates a fine-tune from `model.init_from` starts with unless train.lr is given (seed 003, 4.3:
+# 2e-5..5e-5 for full fine-tuning, 1e-4..3e-4 for LoRA).
+FINETUNE_LR_FULL = 2e-5
+FINETUNE_LR_LORA = 2e-4
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -224,6 +230,49 @@ class DataConfig(_Section):
         return [v] if isinstance(v, str) else v
 
 
+class LoraConfig(_Section):
+    """LoRA: train low-rank adapters beside chosen projections; every base weight stays frozen."""
+
+    r: int = Field(8, ge=1, description="rank of the adapters")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: adapters are scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Union[str, list[str]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="projections to adapt: names (ours wq.. or HF q_proj..; suffix match) or regexes",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_names(cls, v: Any) -> Any:
+        # peft and the documents' LoRAConfig call them lora_alpha / lora_dropout (and rank lora_rank).
+        if isinstance(v, dict):
+            v = dict(v)
+            for theirs, ours in (("lora_alpha", "alpha"), ("lora_dropout", "dropout"), ("lora_rank", "r")):
+                if theirs in v:
+                    if ours in v and v[ours] != v[theirs]:
+                        raise ValueError(f"lora.{theirs} and lora.{ours} differ; give one of them")
+                    v[ours] = v.pop(theirs)
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: Any) -> Any:
+        if not v:
+            raise ValueError("name at least one module, e.g. [q_proj, v_proj]")
+        return v
+
+
+class FreezeConfig(_Section):
+    """Parameters kept fixed while fine-tuning: they get no gradients and no optimizer state."""
+
+    embeddings: bool = Field(False, description="freeze the token (and position) embeddings")
+    layers: int = Field(0, ge=0, description="freeze the bottom N transformer blocks")
+
+    def active(self) -> bool:
+        """Whether anything is frozen."""
+        return self.embeddings or self.layers > 0
+
+
 class RunSection(_Section):
     """Where and how the run executes."""
 
@@ -244,10 +293,16 @@ class RunConfig(_Section):
     train: TrainConfig
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunSection = Field(default_factory=RunSection)
+    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters; null = train the weights themselves")
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
 
     @field_validator("model", mode="before")
     @classmethod
     def _preset(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("init_from"):
+            from .models.pretrained import architecture_with_overrides
+
+            return architecture_with_overrides(v)  # the architecture of the weights, checked against v
         if isinstance(v, dict) and v.get("preset"):
             from .models.registry import get_preset
 
@@ -293,7 +348,40 @@ class RunConfig(_Section):
             )
         if p.pipeline_parallel > 1:
             self._check_pipeline()
+        self._check_finetuning()
         return self
+
+    def _check_finetuning(self) -> None:
+        """Freezing and LoRA settings that cannot work, and the fine-tuning defaults of `init_from`."""
+        m, f = self.model, self.freeze
+        if f.layers > m.num_layers:
+            raise ValueError(f"freeze.layers {f.layers} exceeds model.num_layers {m.num_layers}")
+        if self.lora is not None and f.active():
+            raise ValueError(
+                "freeze has no effect with lora: LoRA already keeps every base weight fixed and trains only "
+                "the adapters; remove the freeze section, or lora to freeze layers of a full fine-tune"
+            )
+        if self.lora is not None and self.lora.dropout and self.parallel.tensor_parallel > 1:
+            raise ValueError(
+                "lora.dropout with tensor_parallel > 1 is not supported (the adapters' input is replicated "
+                "over the TP ranks and would get different masks on each); set lora.dropout: 0"
+            )
+        if m.init_from is not None:
+            # Fine-tuning starts from trained weights: smaller steps and no weight decay toward zero,
+            # unless the config says otherwise.
+            given = self.train.model_fields_set
+            if "lr" not in given:
+                self.train.lr = FINETUNE_LR_LORA if self.lora is not None else FINETUNE_LR_FULL
+            if "weight_decay" not in given:
+                self.train.weight_decay = 0.0
+            if self.train.min_lr > self.train.lr:
+                raise ValueError(f"train.min_lr {self.train.min_lr} is above the fine-tuning lr {self.train.lr}")
+            if self.data.tokenizer is None:
+                from .models.pretrained import pretrained_tokenizer
+
+                # Data read from files is tokenised with the weights' own tokenizer (a dataset handed
+                # to the Python API brings its own).
+                self.data.tokenizer = pretrained_tokenizer(m.init_from, required=bool(self.data.train_files))
 
     def _check_pipeline(self) -> None:
         """The pipeline layout fails here, before any process starts (schedule, virtual stages, stage
@@ -632,7 +720,9 @@ def config_reference() -> str:
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for section, field in RunConfig.model_fields.items():
         cls = field.annotation
-        for name, f in cls.model_fields.items():  # type: ignore[union-attr]
+        # An optional section (lora) is Optional[Section]: list the section's own keys.
+        cls = next((a for a in getattr(cls, "__args__", (cls,)) if isinstance(a, type) and issubclass(a, BaseModel)))
+        for name, f in cls.model_fields.items():
             default = f.get_default(call_default_factory=True)
             if isinstance(default, BaseModel):
                 default = "{...}"

@@ -343,7 +343,7 @@ def _eval_with_dropout(mesh) -> None:
 
 
 def _refusals(mesh) -> None:
-    """Clear errors: a sequence SP cannot split, a second application, an unmaterialized model."""
+    """Clear errors: a sequence SP cannot split, a second application; a meta model is sharded as structure."""
     from shardwise.models import Transformer, build_model
     from shardwise.parallel.tensor import apply_tensor_parallel
 
@@ -354,10 +354,12 @@ def _refusals(mesh) -> None:
         model(torch.zeros(1, 15, dtype=torch.long))
     with pytest.raises(ValueError, match="already applied"):
         apply_tensor_parallel(model, mesh)
+    # A meta-device model gets its structure sharded (weights are loaded into the shards later).
     with torch.device("meta"):
         meta_model = Transformer(ModelConfig(**LLAMA))
-    with pytest.raises(ValueError, match="materialized"):
-        apply_tensor_parallel(meta_model, mesh)
+    apply_tensor_parallel(meta_model, mesh)
+    wq = meta_model.layers["0"].attention.wq.weight
+    assert wq.is_meta and tuple(wq.to_local().shape) == (wq.shape[0] // 2, wq.shape[1])
     with pytest.raises(ConfigError, match="num_kv_heads"):
         apply_tensor_parallel(build_model(ModelConfig(**dict(LLAMA, num_kv_heads=1))), mesh)
 

@@ -48,7 +48,7 @@ def with_changes(cfg, **sections):  # noqa: ANN001, ANN201
     """A copy of a config with some section fields replaced, validated again."""
     raw = cfg.model_dump()
     for section, values in sections.items():
-        raw[section].update(values)
+        raw[section] = {**(raw.get(section) or {}), **values}  # `lora` may be None
     return validate(raw)
 
 

@@ -25,6 +25,10 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
     preset: Optional[str] = Field(None, description="named preset whose values fill unset fields")
+    init_from: Optional[str] = Field(
+        None, description="start from these weights: a Hugging Face model dir or a shardwise checkpoint/run "
+        "dir (the architecture comes from it)"
+    )
     model_type: Literal["llama", "qwen2", "gpt2", "mistral", "baichuan", "gpt"] = Field(
         "llama", description="family label (the flags below decide the architecture)"
     )

@@ -7,11 +7,12 @@ peak memory is the model plus one tensor. `transformers` is not needed for any o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -276,60 +277,6 @@ def _export_family(cfg: ModelConfig) -> str:
 
 # ------------------------------------------------------------- name maps ----
 
-def _hf_to_ours(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Optional[list[tuple[str, torch.Tensor]]]:
-    """Our (name, tensor) pairs for one HF tensor; [] to skip it; None if it is not a weight we know."""
-    if cfg.position == "learned":
-        return _gpt2_to_ours(name, tensor, cfg)
-    if name.endswith("rotary_emb.inv_freq"):
-        return []  # old checkpoints saved the RoPE buffer; we rebuild it
-    if name == "model.embed_tokens.weight":
-        return [("tok_embeddings.weight", tensor)]
-    if name == "model.norm.weight":
-        return [("norm.weight", tensor)]
-    if name == "lm_head.weight":
-        return [] if cfg.tie_embeddings else [("output.weight", tensor)]
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
-        module, _, kind = parts[3].rpartition(".")
-        if module in _LLAMA_NAMES:
-            return [(f"layers.{parts[2]}.{_LLAMA_NAMES[module]}.{kind}", tensor)]
-    return None
-
-
-def _gpt2_to_ours(name: str, t: torch.Tensor, cfg: ModelConfig) -> Optional[list[tuple[str, torch.Tensor]]]:
-    if name == "lm_head.weight":
-        return [] if cfg.tie_embeddings else [("output.weight", t)]
-    name = name.removeprefix("transformer.")  # the original gpt2 files have no prefix
-    if name == "wte.weight":
-        return [("tok_embeddings.weight", t)]
-    if name == "wpe.weight":
-        return [("pos_embeddings.weight", t)]
-    if name.startswith("ln_f."):
-        return [(f"norm.{name.rsplit('.', 1)[1]}", t)]
-    parts = name.split(".", 2)
-    if len(parts) != 3 or parts[0] != "h":
-        return None
-    idx, (module, _, kind) = parts[1], parts[2].rpartition(".")
-    if module == "attn" and kind in ("bias", "masked_bias"):
-        return []  # causal-mask buffers of old checkpoints
-    prefix = f"layers.{idx}"
-    if module == "attn.c_attn":
-        q_dim = cfg.num_heads * cfg.head_dim
-        kv_dim = cfg.num_kv_heads * cfg.head_dim
-        if t.shape[-1] != q_dim + 2 * kv_dim:
-            raise CheckpointError(
-                f"tensor {name} has shape {tuple(t.shape)}, expected last dimension {q_dim + 2 * kv_dim} (q, k, v)"
-            )
-        chunks = t.split([q_dim, kv_dim, kv_dim], dim=-1)
-        return [(f"{prefix}.attention.{p}.{kind}", c.t() if kind == "weight" else c)
-                for p, c in zip(("wq", "wk", "wv"), chunks)]
-    if module in _GPT2_NAMES:
-        ours = _GPT2_NAMES[module]
-        conv = module != "ln_1" and module != "ln_2" and kind == "weight"  # Conv1D stores [in, out]
-        return [(f"{prefix}.{ours}.{kind}", t.t() if conv else t)]
-    return None
-
-
 def _ours_to_hf(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for the model's weights, produced one at a time."""
     cfg = model.cfg
@@ -395,45 +342,134 @@ def _short(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def hf_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
+    """The HF tensor that holds our parameter `name`, and how to turn it into ours (None: as stored).
+
+    A tied output projection reads the embedding matrix (a pipeline's last stage holds a copy of it).
+    """
+    if cfg.position == "learned":
+        return _gpt2_tensor_for(name, cfg)
+    if name == "tok_embeddings.weight" or (name == "output.weight" and cfg.tie_embeddings):
+        return "model.embed_tokens.weight", None
+    if name == "norm.weight":
+        return "model.norm.weight", None
+    if name == "output.weight":
+        return "lm_head.weight", None
+    _, idx, rest = name.split(".", 2)
+    module, _, kind = rest.rpartition(".")
+    return f"model.layers.{idx}.{_LLAMA_NAMES_BACK[module]}.{kind}", None
+
+
+def _gpt2_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
+    if name == "tok_embeddings.weight" or (name == "output.weight" and cfg.tie_embeddings):
+        return "transformer.wte.weight", None
+    if name == "output.weight":
+        return "lm_head.weight", None
+    if name == "pos_embeddings.weight":
+        return "transformer.wpe.weight", None
+    if name.startswith("norm."):
+        return f"transformer.ln_f.{name.rsplit('.', 1)[1]}", None
+    _, idx, rest = name.split(".", 2)
+    module, _, kind = rest.rpartition(".")
+    prefix = f"transformer.h.{idx}"
+    if module in ("attention.wq", "attention.wk", "attention.wv"):
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        which = ("attention.wq", "attention.wk", "attention.wv").index(module)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.shape[-1] != q_dim + 2 * kv_dim:
+                raise CheckpointError(f"tensor {prefix}.attn.c_attn.{kind} has shape {tuple(t.shape)}, expected "
+                                      f"last dimension {q_dim + 2 * kv_dim} (q, k, v)")
+            chunk = t.split([q_dim, kv_dim, kv_dim], dim=-1)[which]
+            return chunk.t() if kind == "weight" else chunk  # Conv1D stores [in, out]
+        return f"{prefix}.attn.c_attn.{kind}", take
+    theirs = _GPT2_NAMES_BACK[module]
+    conv = theirs.startswith(("attn", "mlp")) and kind == "weight"
+    return f"{prefix}.{theirs}.{kind}", (lambda t: t.t()) if conv else None
+
+
+def _skippable(hf_name: str) -> bool:
+    """Buffers old checkpoints saved (RoPE frequencies, GPT-2's causal masks): rebuilt, never read."""
+    return hf_name.endswith(("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias"))
+
+
+def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's piece of `param` (its local tensor) and where that piece sits in the full tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, tuple(slice(0, n) for n in param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
 @torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's piece of the full value `full` into `param` (a plain tensor or a DTensor shard)."""
+    local, region = _local_region(param)
+    local.copy_(full[region])
+
+
+@torch.no_grad()
+def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike[str],
+                 cfg: ModelConfig) -> None:
+    """Fill the given parameters (our names -> tensors as this rank holds them: whole, a pipeline
+    stage's, or DTensor shards) from an HF directory, reading only the slices this rank holds.
+
+    Raises CheckpointError for a missing shard file, a tensor of the wrong shape (naming it and both
+    shapes), tensors the model lacks, and weights the files lack.
+    """
+    directory = Path(directory)
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for path, names in _weight_files(directory):
+            f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for hf_name in names if names is not None else list(f.keys()):
+                handles[hf_name] = (f, path)
+        if cfg.position == "learned" and "wte.weight" in handles:  # the original gpt2 files: no prefix
+            handles = {k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}": v
+                       for k, v in handles.items()}
+        with torch.device("meta"):
+            every_name = [n for n, _ in Transformer(cfg).named_parameters()]  # tied ones once
+        expected = {hf_tensor_for(n, cfg)[0] for n in every_name}
+        unexpected = [k for k in handles if k not in expected and not _skippable(k)
+                      and not (k == "lm_head.weight" and cfg.tie_embeddings)]
+        if unexpected:
+            raise CheckpointError(
+                f"{len(unexpected)} tensor(s) in {directory} do not belong to a {cfg.model_type} model with this "
+                f"config: {_short(unexpected)}"
+            )
+        missing = [n for n in every_name if hf_tensor_for(n, cfg)[0] not in handles]
+        if missing:
+            raise CheckpointError(f"{len(missing)} weight(s) missing from {directory}: {_short(missing)}")
+        for ours, param in named:
+            hf_name, convert = hf_tensor_for(ours, cfg)
+            f, path = handles[hf_name]
+            local, region = _local_region(param)
+            if convert is None:
+                piece = f.get_slice(hf_name)
+                stored = tuple(piece.get_shape())
+                value = None
+            else:
+                value = convert(f.get_tensor(hf_name))
+                stored = tuple(value.shape)
+            if stored != tuple(param.shape):
+                raise CheckpointError(
+                    f"tensor {hf_name} (our {ours}) in {path.name} has shape {stored}, but the model expects "
+                    f"{tuple(param.shape)}; the checkpoint does not match config.json"
+                )
+            local.copy_(piece[region] if value is None else value[region])
+
+
 def load_hf_weights(model: Transformer, directory: str | os.PathLike[str]) -> None:
     """Copy the weights of an HF directory into `model` (already allocated), tensor by tensor.
 
     Raises CheckpointError for a missing shard file, a tensor of the wrong shape, and tensors missing
     from or unknown to the model. Tensors are converted to each parameter's dtype and device.
     """
-    directory = Path(directory)
-    cfg = model.cfg
-    targets = dict(model.named_parameters())
-    filled: set[str] = set()
-    unexpected: list[str] = []
-    for path, names in _weight_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in names if names is not None else list(f.keys()):
-                pairs = _hf_to_ours(hf_name, f.get_tensor(hf_name), cfg)
-                if pairs is None:
-                    unexpected.append(hf_name)
-                    continue
-                for ours, tensor in pairs:
-                    param = targets.get(ours)
-                    if param is None:
-                        unexpected.append(hf_name)
-                        continue
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise CheckpointError(
-                            f"tensor {hf_name} (our {ours}) in {path.name} has shape {tuple(tensor.shape)}, "
-                            f"but the model expects {tuple(param.shape)}; the checkpoint does not match config.json"
-                        )
-                    param.copy_(tensor)
-                    filled.add(ours)
-    if unexpected:
-        raise CheckpointError(
-            f"{len(unexpected)} tensor(s) in {directory} do not belong to a {cfg.model_type} model with this "
-            f"config: {_short(unexpected)}"
-        )
-    missing = [n for n in targets if n not in filled]
-    if missing:
-        raise CheckpointError(f"{len(missing)} weight(s) missing from {directory}: {_short(missing)}")
+    load_hf_into(model.named_parameters(), directory, model.cfg)
     model.tie_weights()
 
 

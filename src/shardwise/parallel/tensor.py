@@ -24,9 +24,12 @@ Trainer integration (see `token_loss_sum_tp`, `loss_context`, `full_value`):
     loss = token_loss_sum_tp(logits, labels) / n_tokens   # plain scalar; backward anywhere
     grad_norm = full_value(clip_grad_norm_(params, max_norm, foreach=True))
 
-Apply it to a materialized model (not on the meta device). TP rank 0's values are what every rank
-ends up with (sharded weights are scattered from it, replicated ones broadcast), so the ranks need
-not agree beforehand. Tied embeddings (GPT-2) stay tied: the embedding (row-parallel) and the output
+On a materialized model, TP rank 0's values are what every rank ends up with (sharded weights are
+scattered from it, replicated ones broadcast), so the ranks need not agree beforehand. On a meta-device
+model only the structure is sharded: allocate each rank's shards afterwards (`to_empty`) and fill
+them (loading pretrained weights slice by slice). LoRA adapters (`shardwise.peft.lora.LoRALinear`)
+are sharded with their base projection: column-parallel bases shard lora_B's rows and replicate
+lora_A; row-parallel bases shard lora_A's columns and replicate lora_B. Tied embeddings (GPT-2) stay tied: the embedding (row-parallel) and the output
 projection (column-parallel) both shard the [vocab, hidden] matrix on dim 0, so one DTensor serves
 both, and its gradient collects both uses.
 """
@@ -129,6 +132,57 @@ class _ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, _broadcast_replicate, self._input_fn, self._output_fn)
 
 
+def _place_direct_params(module: nn.Module, mesh: Any, placements: dict[str, Any]) -> None:
+    """Distribute `module`'s direct parameters by name (from TP rank 0), keeping requires_grad; a
+    parameter that is already a DTensor (a LoRA A shared by GPT-2's q, k and v) is left as it is."""
+    for p_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor) or p_name not in placements:
+            continue
+        dt = distribute_tensor(param.data, mesh, [placements[p_name]], src_data_rank=0)
+        module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+class _LoraColwise(ColwiseParallel):
+    """A column-parallel projection with a LoRA adapter (shardwise.peft.lora.LoRALinear): the base
+    weight and lora_B are sharded on their output rows, lora_A is replicated. Its input is replicated,
+    so every rank computes the whole low-rank x A^T and its own columns of (x A^T) B^T."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:  # noqa: D102
+        if name == "":
+            _place_direct_params(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
+        elif name == "lora_A":
+            _place_direct_params(module, device_mesh, {"weight": Replicate()})
+        elif name == "lora_B":
+            _place_direct_params(module, device_mesh, {"weight": Shard(0)})
+
+
+class _LoraRowwise(RowwiseParallel):
+    """A row-parallel projection with a LoRA adapter: the base weight and lora_A are sharded on their
+    input columns (each rank's x A^T is a partial sum, reduced with the base output), lora_B is
+    replicated."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:  # noqa: D102
+        if name == "":
+            _place_direct_params(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
+        elif name == "lora_A":
+            _place_direct_params(module, device_mesh, {"weight": Shard(1)})
+        elif name == "lora_B":
+            _place_direct_params(module, device_mesh, {"weight": Replicate()})
+
+
+def _has_lora(module: nn.Module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+def _colwise(module: nn.Module) -> ParallelStyle:
+    return _LoraColwise() if _has_lora(module) else ColwiseParallel()
+
+
+def _rowwise(module: nn.Module, output_layouts: Any) -> ParallelStyle:
+    return _LoraRowwise(output_layouts=output_layouts) if _has_lora(module) else RowwiseParallel(
+        output_layouts=output_layouts)
+
+
 # --- the plan ----------------------------------------------------------------------------------
 
 
@@ -160,12 +214,6 @@ def apply_tensor_parallel(
         check_tensor_parallel(cfg, tp)
     if tp == 1:
         return
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"apply_tensor_parallel needs a materialized model (build_model / materialize first), but "
-            f"{meta[0]} is on the meta device; sharded weights are scattered from TP rank 0's values"
-        )
     sp = sequence_parallel
     tok = getattr(model, "tok_embeddings", None)
     output = getattr(model, "output", None)
@@ -199,18 +247,19 @@ def apply_tensor_parallel(
     for block in model.layers.values():
         # Applied after recompute by mistake? Plan the wrapped block (its hooks work either way).
         block = getattr(block, "_checkpoint_wrapped_module", block)
+        attn, ffn = block.attention, block.feed_forward
         plan: dict[str, ParallelStyle] = {
             "attention_norm": norm_style(),
             "ffn_norm": norm_style(),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=act),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=act),
+            "attention.wq": _colwise(attn.wq),
+            "attention.wk": _colwise(attn.wk),
+            "attention.wv": _colwise(attn.wv),
+            "attention.wo": _rowwise(attn.wo, act),
+            "feed_forward.w1": _colwise(ffn.w1),
+            "feed_forward.w2": _rowwise(ffn.w2, act),
         }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
+        if ffn.w3 is not None:
+            plan["feed_forward.w3"] = _colwise(ffn.w3)
         if sp:
             # Attention.forward(x, rope, mask, is_causal, kv_cache): only x is sequence-sharded; the
             # root builds rope (from position_ids) and the mask (from document_ids) unsharded, and

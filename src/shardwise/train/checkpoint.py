@@ -530,6 +530,27 @@ def load_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]
     return read_trainer_state(path)
 
 
+def load_weights(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]], *,
+                 process_group: Any = None) -> None:
+    """Load tensors in place (after checking shapes) and nothing else: no RNG, no trainer state. For
+    starting a new run from a checkpoint's weights (`model.init_from`); every rank calls it."""
+    path = Path(path)
+    check_all_shapes(path, tensors, process_group)
+    _dcp_load(tensors, path, process_group)
+
+
+def read_saved_tensors(path: str | Path, group: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Whole fp32 copies of some saved tensors, read in this process alone (whatever layout wrote them)."""
+    path = Path(path)
+    shapes = read_trainer_state(path).get("shapes", {}).get(group, {})
+    missing = [n for n in names if n not in shapes]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has no tensor {group}.{missing[0]}")
+    tensors = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}
+    _dcp_load({group: tensors}, path, no_dist=True)
+    return tensors
+
+
 # --- Save and load: models and optimizers in any layout -------------------------------------------------
 #
 # A run's model may be split into parts (pipeline stages; several per rank with interleaved
@@ -694,13 +715,22 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
-    """Build the checkpoint's model from its config.yaml and load its weights (fp32 masters if any)."""
-    from ..config import load_config
+    """Build the checkpoint's model from its config.yaml (with its LoRA adapters, when the run had them)
+    and load its weights (fp32 masters if any); returns (model, the run's config)."""
+    from ..config import load_config, read_yaml
     from ..models import build_model
 
     path = find_checkpoint(path)
-    cfg = load_config(path / "config.yaml")
+    raw = read_yaml(path / "config.yaml")
+    # The checkpoint holds the weights and its config the whole architecture: where the run started
+    # from (model.init_from) is history, and need not exist any more.
+    (raw.get("model") or {}).pop("init_from", None)
+    cfg = load_config(raw=raw)
     model = build_model(cfg.model, device=device, dtype=dtype)
+    if cfg.lora is not None:  # a LoRA run's checkpoint holds the adapters beside the frozen base
+        from ..peft.lora import apply_lora
+
+        apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     weights = dict(model.state_dict())
     groups = read_trainer_state(path).get("shapes", {})
     check_shapes(path, "model", weights)

@@ -40,7 +40,7 @@ from ..config import RunConfig, to_yaml, tokens_per_step
 from ..data.loader import StatefulLoader, sequential_batches, unwrap_loader
 from ..errors import ConfigError, TrainingError
 from ..memory.precision import LossScaler, MasterWeights, precision_plan
-from ..models import build_model, flops_per_token, materialize
+from ..models import Transformer, build_model, flops_per_token, materialize
 from ..parallel.collectives import max_over, rank0_first, replica_mismatch, sum_over
 from ..parallel.data_parallel import clip_grad_norm, grad_sync
 from ..parallel.dims import ParallelDims, dims_from_config
@@ -104,6 +104,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.model_parts: list[nn.Module] | None = None  # this rank's parallelised model part(s)
         self.pipeline: Any = None  # pipeline.Pipeline under pipeline parallelism
+        self._pretrained_pending = False  # model.init_from weights still to load onto the shards
 
     # --- the run, top to bottom -------------------------------------------------------------------
 
@@ -172,6 +173,8 @@ class Trainer:
         state = _TrainState(parts=parts, optimizer=optimizer, opt_named=opt_named, masters=masters,
                             scaler=scaler, loader=loader, ctx=ctx, dims=dims, meshes=meshes, pipeline=self.pipeline)
         start = self._resume(resume, run_dir, state, overwrite)
+        if start == 0 and self._pretrained_pending:
+            self._load_pretrained(state)
         if ctx.is_main:
             (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
 
@@ -258,17 +261,93 @@ class Trainer:
         """This rank's model parts: the whole model (built with the run's seed, so the same on every
         rank), split into pipeline chunks when there is a pipeline, each parallelised."""
         cfg = self.config
-        if self.model is None:
+        self._pretrained_pending = self.model is None and cfg.model.init_from is not None
+        if self._pretrained_pending:
+            # The weights are read later onto this rank's shards (`_load_pretrained`): build the
+            # structure without memory, so no rank ever holds the whole model.
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+            model.to(dtype=dtype)
+        elif self.model is None:
             model = build_model(cfg.model, device=device, dtype=dtype)
         elif any(p.is_meta for p in self.model.parameters()):
             model = materialize(self.model, device, dtype)
         else:
             model = self.model.to(device=device, dtype=dtype)
             model.reset_rope_tables()  # keep RoPE tables in fp32 when the weights became 16-bit
+        self._adapt_for_finetuning(model)
         parts = parallelize_parts(model, cfg, dims, meshes, fsdp_param_dtype)
+        if self._pretrained_pending:
+            for part in parts:
+                allocate(part, device)
         # Without a pipeline `model` is the one part; with one, this rank's first chunk (see model_parts).
         self.model, self.model_parts = parts[0], parts
         return parts
+
+    def _adapt_for_finetuning(self, model: nn.Module) -> None:
+        """LoRA adapters or frozen layers, on the whole model before it is split or sharded."""
+        cfg = self.config
+        total = sum(p.numel() for p in model.parameters())
+        if cfg.lora is not None:
+            from ..peft.lora import apply_lora
+
+            lora = cfg.lora
+            wrapped = apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules, seed=cfg.train.seed)
+            what = f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(wrapped)} projections"
+        elif cfg.freeze.active():
+            from ..peft.freeze import freeze_parameters
+
+            frozen = freeze_parameters(model, cfg.freeze.embeddings, cfg.freeze.layers)
+            what = f"{len(frozen)} parameter tensors frozen"
+        else:
+            return
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("%s: %s of %s parameters train (%.2f%%)", what, f"{trainable:,}", f"{total:,}",
+                 100 * trainable / max(total, 1))
+
+    @torch.no_grad()
+    def _load_pretrained(self, s: "_TrainState") -> None:
+        """Fill this rank's shards with the weights of `model.init_from` (a Hugging Face directory or a
+        shardwise checkpoint), each rank reading only what it holds; LoRA adapters get their initial
+        values (the same in every layout). Into the fp32 masters where there are some (precision O2)."""
+        from ..models.pretrained import pretrained_source
+        from ..peft.lora import is_lora_name, lora_init
+
+        cfg = self.config
+        kind, path = pretrained_source(cfg.model.init_from)
+        named = s.by_checkpoint_name(list(s.masters.named_masters()) if s.masters is not None else s.opt_named)
+        names = ckpt.canonical_param_names(s.parts)
+        for p in _parameters(s.parts):  # frozen weights are not in the optimizer's list
+            if s.masters is None or not p.requires_grad:
+                named.setdefault(s.checkpoint_name(names[id(p)]), p)
+        base = {n: t for n, t in named.items() if not is_lora_name(n)}
+        log.info("loading %s weights from %s", "Hugging Face" if kind == "hf" else "checkpoint", path)
+        if kind == "hf":
+            from ..models.hf import load_hf_into
+
+            load_hf_into(base.items(), path, cfg.model)
+        else:
+            saved = ckpt.read_trainer_state(path).get("shapes", {}).get("model", {})
+            if cfg.lora is None and any(is_lora_name(n) for n in saved):
+                raise ConfigError(
+                    f"model.init_from {path} was trained with LoRA: its adapters are not merged into its weights. "
+                    f"Merge them first (shardwise convert {path} --to hf OUT --merge-lora, then init_from: OUT), "
+                    "or add the run's lora section to continue training the adapters"
+                )
+            wanted = {**base, **{n: t for n, t in named.items() if n in saved}}
+            groups = {"model": wanted}
+            masters = ckpt.read_trainer_state(path).get("shapes", {}).get("master", {})
+            if masters:  # a precision-O2 run: its fp32 master copies are the exact weights
+                groups["master"] = {n: t for n, t in wanted.items() if n in masters}
+            ckpt.load_weights(path, groups)
+        from ..models.hf import copy_full_into
+
+        for name, t in named.items():
+            if is_lora_name(name) and (kind == "hf" or name not in saved):
+                copy_full_into(t, lora_init(name, tuple(t.shape), cfg.train.seed))
+        s.fill_tied_copies()
+        if s.masters is not None:
+            s.masters.masters_to_model()
 
     def _build_pipeline(self, parts: list[nn.Module], meshes: Any, device: torch.device) -> Any:
         """The schedule over this rank's chunks; its loss is the trainer's (tensor-parallel aware)."""
@@ -451,8 +530,21 @@ class Trainer:
             extra["tokenizer"] = run_dir / "tokenizer"
         trainer_state = {"loader": s.loader.state_dict(),
                          "scaler": s.scaler.state_dict() if s.scaler else None}
-        return ckpt.save_checkpoint(run_dir, step, s.checkpoint_tensors(), trainer_state, extra,
+        path = ckpt.save_checkpoint(run_dir, step, s.checkpoint_tensors(), trainer_state, extra,
                                     keep=self.config.train.keep_checkpoints)
+        if self.config.lora is not None and s.ctx.is_main:
+            self._save_adapter(path)
+        return path
+
+    def _save_adapter(self, path: Path) -> None:
+        """The checkpoint's LoRA adapters on their own, in the format `peft` loads (path/adapter)."""
+        from ..peft.lora import is_lora_name, save_adapter
+
+        cfg = self.config
+        names = [n for n in ckpt.read_trainer_state(path).get("shapes", {}).get("model", {}) if is_lora_name(n)]
+        state = ckpt.read_saved_tensors(path, "model", names)  # read back: any layout, on one rank
+        save_adapter(state, cfg.model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
+                     path / "adapter", base_model_name_or_path=cfg.model.init_from)
 
 
 # A tied embedding matrix is one parameter in one process, named by its first use (the embedding);
@@ -489,11 +581,15 @@ class _TrainState:
         self.norm_exclude = [p for n, p in self.opt_named if n in excluded]
         self.tied_copy = _TIED_COPY in excluded
 
+    def checkpoint_name(self, name: str) -> str:
+        """The name one process gives this rank's parameter `name` (see `checkpoint_named`)."""
+        return _TIED_NAME if self.tied_copy and name == _TIED_COPY else name
+
     def checkpoint_named(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """`named` under the names one process uses: a pipeline's last-stage copy of a tied matrix
         is stored as the tied matrix (both copies are equal). Where a rank holds both copies (V
         schedules) a name then comes twice: the first copy stands for both (`fill_tied_copies`)."""
-        return [(_TIED_NAME if self.tied_copy and n == _TIED_COPY else n, t) for n, t in named]
+        return [(self.checkpoint_name(n), t) for n, t in named]
 
     def by_checkpoint_name(self, named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """`checkpoint_named(named)` as a dict (the first tensor of a name wins)."""
@@ -529,6 +625,15 @@ class _TrainState:
         for key, value in src.items():
             if torch.is_tensor(value) and torch.is_tensor(dst.get(key)):
                 dst[key].copy_(value)
+
+
+def allocate(part: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model part (whole or a pipeline chunk, sharded or not) memory on `device`
+    for the shards this rank holds; the values are undefined until loaded. A tied output projection is
+    tied again (allocation gives each module a fresh parameter) and the RoPE tables are rebuilt."""
+    part.to_empty(device=device)
+    part.tie_weights()
+    part.reset_rope_tables()
 
 
 def _parameters(parts: list[nn.Module]) -> list[nn.Parameter]:

@@ -1,0 +1,102 @@
+"""Starting from trained weights (`model.init_from`): a Hugging Face model directory or a shardwise
+checkpoint (or run directory, meaning its newest checkpoint).
+
+The architecture comes from the weights' own config (config.json, or the checkpoint's config.yaml);
+a config may change only what does not change the weights' shapes. The weights are read onto the
+model as this rank holds it after parallelisation (a pipeline stage; tensor- and data-parallel
+DTensor shards), slice by slice (`hf.load_hf_into`, or DCP for our checkpoints), so no rank ever holds
+the whole model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.models.config import ModelConfig
+
+# Model keys a config may set next to init_from: they do not change any weight's shape.
+ADJUSTABLE = ("init_from", "dropout", "use_flash_attention", "initializer_range", "max_position_embeddings")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def pretrained_source(path: str) -> tuple[str, Path]:
+    """("hf", directory) or ("checkpoint", checkpoint directory) for an init_from path."""
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return "hf", p
+    if p.is_dir():
+        from shardwise.train.checkpoint import find_checkpoint
+
+        try:
+            return "checkpoint", find_checkpoint(p)
+        except CheckpointError as exc:
+            raise ConfigError(f"model.init_from {path}: no config.json (so not a Hugging Face model directory) "
+                              f"and {exc}") from None
+    raise ConfigError(
+        f"model.init_from {path} does not exist; give a Hugging Face model directory (config.json + "
+        "*.safetensors) or a shardwise checkpoint or run directory"
+    )
+
+
+def pretrained_architecture(path: str) -> dict[str, Any]:
+    """The ModelConfig fields of the weights at `path` (no preset, no init_from)."""
+    kind, p = pretrained_source(path)
+    if kind == "hf":
+        from shardwise.models.hf import load_hf_config
+
+        cfg = load_hf_config(p)
+    else:
+        from shardwise.config import read_yaml
+
+        raw = dict(read_yaml(p / "config.yaml").get("model") or {})
+        raw.pop("init_from", None)
+        cfg = ModelConfig(**raw)
+    return cfg.model_dump(exclude={"preset", "init_from"})
+
+
+def architecture_with_overrides(model_section: dict[str, Any]) -> dict[str, Any]:
+    """The model section of a config with `init_from`: the weights' architecture, plus the keys a
+    config may change; a key that contradicts the weights fails here, naming both values."""
+    if model_section.get("preset"):
+        raise ConfigError("model.preset and model.init_from both give the architecture; with init_from the "
+                          "architecture is the weights' own: drop model.preset")
+    arch = pretrained_architecture(model_section["init_from"])
+    adjustable = set(ADJUSTABLE)
+    if arch["position"] == "learned":
+        adjustable.discard("max_position_embeddings")  # learned positions are a weight
+    wrong = [f"model.{k} {v!r} (the weights have {arch[k]!r})" for k, v in model_section.items()
+             if k in arch and k not in adjustable and v != arch[k] and _normalised(v) != _normalised(arch[k])]
+    if wrong:
+        raise ConfigError(
+            f"model.init_from {model_section['init_from']} fixes the architecture, but the config sets "
+            f"{'; '.join(wrong)}; remove those keys (only {', '.join(sorted(adjustable - {'init_from'}))} may change)"
+        )
+    return {**arch, **model_section}
+
+
+def _normalised(value: Any) -> Any:
+    """Compare 4 and 4.0, and a rope_scaling given in part, as the validated config would hold them."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    return value
+
+
+def pretrained_tokenizer(path: str, required: bool = True) -> str | None:
+    """The tokenizer that comes with the weights at `path` (data.tokenizer defaults to it); None when
+    there is none and it is not `required`."""
+    kind, p = pretrained_source(path)
+    if kind == "hf" and any((p / name).is_file() for name in _TOKENIZER_FILES):
+        return str(p)
+    if kind == "checkpoint" and (p / "tokenizer").is_dir():
+        return str(p / "tokenizer")
+    if not required:
+        return None
+    raise ConfigError(
+        f"model.init_from {path} holds no tokenizer ({' or '.join(_TOKENIZER_FILES)}"
+        f"{'' if kind == 'hf' else ' in tokenizer/'}); set data.tokenizer to the tokenizer these weights "
+        "were trained with"
+    )

@@ -1,0 +1,704 @@
+"""LoRA for the shardwise Transformer, with adapters in peft's on-disk format (both ways).
+
+`apply_lora` swaps the targeted block linears for `LoRALinear`, an nn.Linear subclass that keeps the
+base `weight`/`bias` Parameters as its own, so every base name (and Parameter object) is unchanged and
+only `...lora_A.weight` / `...lora_B.weight` are new. Adapter files use Hugging Face module names, as
+`peft.PeftModel.save_pretrained` writes them:
+
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight   [r, in]
+    base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight   [out, r]
+
+GPT-2 keeps q, k and v in one Conv1D (`attn.c_attn`) that peft adapts with a single lora_A and a
+stacked lora_B, so our wq/wk/wv adapters of one layer share one lora_A module; then the export is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.models.config import ModelConfig
+from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# Safetensors metadata key holding the architecture the adapter was trained on (JSON).
+ARCH_METADATA_KEY = "shardwise_architecture"
+
+# The linears inside one block that LoRA may wrap, in forward order (names relative to layers.{i}).
+BLOCK_LINEARS = (
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+    "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
+)
+_QKV = ("attention.wq", "attention.wk", "attention.wv")
+_LLAMA_BACK = {ours: hf for hf, ours in _LLAMA_NAMES.items() if ours in BLOCK_LINEARS}
+_GPT2_BACK = {ours: hf for hf, ours in _GPT2_NAMES.items() if ours in BLOCK_LINEARS}
+_GPT2_BACK.update({name: "attn.c_attn" for name in _QKV})
+
+# Characters that make a target_modules entry a regular expression ('.' is a name separator, so not one).
+_REGEX_CHARS = set("\\^$*+?{}[]()|")
+
+# ModelConfig fields that decide which base models an adapter fits (not max length, RoPE base or dropout,
+# which a fine-tune may change; not model_type, a label that export may rewrite).
+_ARCH_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "norm", "mlp", "activation", "position", "qkv_bias", "out_bias", "mlp_bias", "tie_embeddings",
+)
+
+# adapter_config.json keys that change what the adapter computes in ways shardwise does not implement.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "layer_replication": "layer replication",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "megatron_config": "Megatron-sharded LoRA (megatron_config)",
+    "arrow_config": "Arrow routing (arrow_config)",
+}
+# init_lora_weights values that also rewrite the base weights: the adapter then needs that residual base.
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+# ---------------------------------------------------------------- module ----
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + b + scaling * B(A(dropout(x))), with W and b the wrapped linear's own Parameters."""
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        lora_A: Optional[nn.Linear] = None,
+        use_rslora: bool = False,
+    ) -> None:
+        # nn.Module's init, not nn.Linear's: that one would allocate and initialise a second weight.
+        nn.Module.__init__(self)
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.r = r
+        self.lora_alpha = alpha
+        self.use_rslora = use_rslora
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        device, dtype = base.weight.device, base.weight.dtype
+        # Built on meta and then allocated, so that wrapping never draws from the global RNG; the values
+        # come from lora_init (or an adapter file).
+        if lora_A is None:
+            lora_A = nn.Linear(self.in_features, r, bias=False, device="meta", dtype=dtype).to_empty(device=device)
+        elif tuple(lora_A.weight.shape) != (r, self.in_features):
+            raise ValueError(
+                f"a shared lora_A must have shape {(r, self.in_features)}, got {tuple(lora_A.weight.shape)}")
+        self.lora_A = lora_A
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device="meta", dtype=dtype).to_empty(device=device)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.train(base.training)  # new modules start in training mode; follow the model's (eval: no dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The base linear plus the scaled low-rank update."""
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        """Shapes, rank and scaling for print(model)."""
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
+
+
+# ----------------------------------------------------------------- names ----
+
+def is_lora_name(name: str) -> bool:
+    """Whether a parameter or state name belongs to a LoRA adapter."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the model's LoRA parameters (a shared GPT-2 lora_A appears once, under its first user)."""
+    return [name for name, _ in model.named_parameters() if is_lora_name(name)]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA parameters of a plain (non-DTensor) model, detached, keyed by our names."""
+    return {name: p.detach() for name, p in model.named_parameters() if is_lora_name(name)}
+
+
+def _is_gpt2(cfg: ModelConfig) -> bool:
+    """Whether the model maps to GPT-2's layout (the same test hf.py uses)."""
+    return cfg.position == "learned"
+
+
+def hf_module_name(name: str, cfg: ModelConfig) -> str:
+    """The Hugging Face module name of one of our block linears (`layers.0.attention.wq` ->
+    `model.layers.0.self_attn.q_proj`, or `transformer.h.0.attn.c_attn` for GPT-2)."""
+    _, idx, rest = name.split(".", 2)
+    if _is_gpt2(cfg):
+        return f"transformer.h.{idx}.{_GPT2_BACK[rest]}"
+    return f"model.layers.{idx}.{_LLAMA_BACK[rest]}"
+
+
+def our_module_names(hf_name: str, cfg: ModelConfig) -> Optional[list[str]]:
+    """Our block linears behind an HF module name (three for GPT-2's c_attn); None if it is not one."""
+    if _is_gpt2(cfg):
+        match = re.fullmatch(r"(?:transformer\.)?h\.(\d+)\.(.+)", hf_name)
+        back = _GPT2_BACK
+    else:
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        back = _LLAMA_BACK
+    if match is None:
+        return None
+    idx, rest = match.groups()
+    names = [f"layers.{idx}.{ours}" for ours, theirs in back.items() if theirs == rest]
+    return names or None
+
+
+def _linear_dims(name: str, cfg: ModelConfig) -> tuple[int, int]:
+    """(in_features, out_features) of one of our block linears."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dims = {
+        "attention.wq": (cfg.hidden_size, q_dim), "attention.wk": (cfg.hidden_size, kv_dim),
+        "attention.wv": (cfg.hidden_size, kv_dim), "attention.wo": (q_dim, cfg.hidden_size),
+        "feed_forward.w1": (cfg.hidden_size, cfg.intermediate_size),
+        "feed_forward.w3": (cfg.hidden_size, cfg.intermediate_size),
+        "feed_forward.w2": (cfg.intermediate_size, cfg.hidden_size),
+    }
+    return dims[name.split(".", 2)[2]]
+
+
+def _split_lora_name(name: str) -> tuple[str, str]:
+    """(`layers.0.attention.wq`, `lora_A`) for `layers.0.attention.wq.lora_A.weight`."""
+    for kind in ("lora_A", "lora_B"):
+        suffix = f".{kind}.weight"
+        if name.endswith(suffix):
+            return name[: -len(suffix)], kind
+    raise ValueError(f"{name!r} is not a LoRA weight name (expected ...lora_A.weight or ...lora_B.weight)")
+
+
+def to_peft_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """peft's adapter tensors for our LoRA state (full tensors); GPT-2's q/k/v become one c_attn adapter
+    (the shared lora_A, lora_B stacked, zeros for a projection without LoRA)."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer prefix -> qkv name -> kind -> tensor
+    for name, tensor in state.items():
+        module, kind = _split_lora_name(name)
+        prefix, _, rest = module.partition(".attention.")
+        if _is_gpt2(cfg) and f"attention.{rest}" in _QKV:
+            fused.setdefault(prefix, {}).setdefault(f"attention.{rest}", {})[kind] = tensor
+        else:
+            out[f"{PEFT_PREFIX}{hf_module_name(module, cfg)}.{kind}.weight"] = tensor
+    for prefix, parts in fused.items():
+        key = f"{PEFT_PREFIX}{hf_module_name(f'{prefix}.attention.wq', cfg)}"
+        shared = [parts[q]["lora_A"] for q in _QKV if "lora_A" in parts.get(q, {})]
+        if not shared:
+            raise ValueError(f"no lora_A for {prefix}'s q/k/v in the LoRA state")
+        if any(not torch.equal(a, shared[0]) for a in shared[1:]):
+            raise CheckpointError(
+                f"{prefix}: GPT-2's fused c_attn needs one lora_A shared by q, k and v, but they differ; "
+                "apply LoRA with shardwise.peft.apply_lora, which shares it"
+            )
+        lora_a = shared[0]
+        blocks = []
+        for q in _QKV:
+            b = parts.get(q, {}).get("lora_B")
+            out_dim = _linear_dims(f"{prefix}.{q}", cfg)[1]
+            blocks.append(b if b is not None else torch.zeros(out_dim, lora_a.shape[0], dtype=lora_a.dtype))
+        out[f"{key}.lora_A.weight"] = lora_a
+        out[f"{key}.lora_B.weight"] = torch.cat([b.to(lora_a.device) for b in blocks], dim=0)
+    return out
+
+
+def _parse_peft_key(key: str) -> Optional[tuple[str, str]]:
+    """(HF module name, `lora_A`|`lora_B`) of a peft adapter tensor key; None for anything else."""
+    match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_[AB])(?:\.default)?\.weight", key)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def from_peft_state(peft_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our LoRA state for peft's adapter tensors (GPT-2's c_attn lora_B is split into q, k and v);
+    CheckpointError for tensors that are no block-linear LoRA weight."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in peft_state.items():
+        parsed = _parse_peft_key(key)
+        ours = our_module_names(parsed[0], cfg) if parsed else None
+        if ours is None:
+            raise CheckpointError(
+                f"adapter tensor {key} is not a LoRA weight of an attention or MLP linear of a {cfg.model_type} "
+                "model; shardwise supports LoRA on those linears only"
+            )
+        kind = parsed[1]
+        if kind == "lora_A" or len(ours) == 1:
+            out.update({f"{name}.{kind}.weight": tensor for name in ours})
+        else:  # GPT-2's c_attn lora_B stacks q, k and v outputs
+            sizes = [_linear_dims(name, cfg)[1] for name in ours]
+            out.update({f"{name}.lora_B.weight": part for name, part in zip(ours, tensor.split(sizes, dim=0))})
+    return out
+
+
+# ------------------------------------------------------------- targeting ----
+
+def _eligible(model: nn.Module) -> list[str]:
+    """Our names of the block linears present in the model (a pipeline stage holds only some layers)."""
+    names = []
+    for idx, block in model.layers.items():
+        for rest in BLOCK_LINEARS:
+            parent, leaf = rest.split(".")
+            if isinstance(getattr(getattr(block, parent), leaf, None), nn.Linear):  # w3 is None in plain MLPs
+                names.append(f"layers.{idx}.{rest}")
+    return names
+
+
+def _suffix_match(entry: str, name: str) -> bool:
+    """peft's list semantics: the whole name, or a suffix starting after a '.'."""
+    return name == entry or name.endswith("." + entry)
+
+
+def _compile(pattern: str) -> re.Pattern:
+    """A target_modules regex; ConfigError naming it when it does not compile."""
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"lora.target_modules entry {pattern!r} is not a valid regular expression ({exc}); "
+                          "escape a literal '.' as '\\.' or give a plain name such as q_proj") from exc
+
+
+def select_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) -> list[str]:
+    """Our names of the block linears that `target_modules` selects (see apply_lora); ConfigError if none."""
+    cfg = model.cfg
+    eligible = _eligible(model)
+    both = [(name, hf_module_name(name, cfg)) for name in eligible]
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            chosen = eligible
+        else:
+            pattern = _compile(target_modules)
+            chosen = [ours for ours, hf in both if pattern.fullmatch(ours) or pattern.fullmatch(hf)]
+    else:
+        entries = list(target_modules)
+        chosen = []
+        for ours, hf in both:
+            for entry in entries:
+                if set(entry) & _REGEX_CHARS:
+                    pattern = _compile(entry)
+                    hit = pattern.fullmatch(ours) or pattern.fullmatch(hf)
+                else:
+                    hit = _suffix_match(entry, ours) or _suffix_match(entry, hf)
+                if hit:
+                    chosen.append(ours)
+                    break
+    if not chosen:
+        first = eligible[0].split(".")[1] if eligible else "0"
+        layer = [(o, h) for o, h in both if o.split(".")[1] == first]
+        listing = ", ".join(f"{o} ({h})" for o, h in layer)
+        hint = ""
+        if isinstance(target_modules, str) and not set(target_modules) & _REGEX_CHARS:
+            hint = (f"; a single string is a regex matched against the full name: use a list such as "
+                    f"[{target_modules}] for a suffix match")
+        raise ConfigError(
+            f"lora.target_modules {target_modules!r} matches no linear layer of this model{hint}. Eligible "
+            f"modules of layer {first} (ours, Hugging Face): {listing}; entries match a name suffix "
+            f"(e.g. q_proj or attention.wq), a regex (re.fullmatch), or use 'all-linear'"
+        )
+    return chosen
+
+
+# --------------------------------------------------------------- init ----
+
+def lora_init(param_name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
+    """The initial value (fp32, CPU) of a LoRA parameter, a function of (name, seed) only: lora_A is
+    kaiming-uniform (a=sqrt(5), as peft and nn.Linear), lora_B zero."""
+    _, kind = _split_lora_name(param_name)
+    if kind == "lora_B":
+        return torch.zeros(tuple(shape), dtype=torch.float32)
+    # Seeded by the name, so every parallel layout and pipeline split draws the same values. The CPU
+    # generator keeps only 32 bits of a seed, so seed and name are hashed together into 32 bits.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{param_name}".encode()))
+    value = torch.empty(tuple(shape), dtype=torch.float32)
+    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+    return value
+
+
+@torch.no_grad()
+def reset_lora_parameters(model: nn.Module, seed: int = 0) -> None:
+    """Fill every LoRA parameter of a plain (non-DTensor, allocated) model with lora_init."""
+    for name, param in model.named_parameters():
+        if not is_lora_name(name):
+            continue
+        if type(param.data) is not torch.Tensor or param.is_meta:
+            raise ValueError(
+                f"{name} is a {type(param.data).__name__} on {param.device}: reset_lora_parameters fills plain, "
+                "allocated tensors; for sharded ones use lora_init and copy each rank's slice"
+            )
+        param.copy_(lora_init(name, param.shape, seed))
+
+
+# ------------------------------------------------------------ apply ----
+
+def _check_hyper(r: int, alpha: float, dropout: float) -> None:
+    """ConfigError for a rank, alpha or dropout LoRA cannot use."""
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise ConfigError(f"lora.r must be a positive integer, got {r!r}")
+    if not alpha > 0:
+        raise ConfigError(f"lora.alpha must be positive, got {alpha!r}")
+    if not 0 <= dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {dropout!r}")
+
+
+def _has_lora(model: nn.Module) -> bool:
+    """Whether any module is already a LoRALinear."""
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def _wrap(model: nn.Module, names: Iterable[str], r: int, alpha: float, dropout: float, use_rslora: bool) -> list[str]:
+    """Replace the named block linears with LoRALinear (GPT-2's q/k/v of a layer share lora_A) and make
+    only LoRA parameters trainable."""
+    wanted = set(names)
+    wrapped = []
+    shared: dict[str, nn.Linear] = {}  # layer index -> lora_A shared by its q/k/v (GPT-2)
+    for name in _eligible(model):  # model order, so the first of q/k/v owns the shared lora_A's name
+        if name not in wanted:
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        base = getattr(parent, leaf)
+        idx, rest = name.split(".")[1], name.split(".", 2)[2]
+        fuse = _is_gpt2(model.cfg) and rest in _QKV
+        module = LoRALinear(base, r, alpha, dropout, lora_A=shared.get(idx) if fuse else None, use_rslora=use_rslora)
+        if fuse:
+            shared.setdefault(idx, module.lora_A)
+        setattr(parent, leaf, module)
+        wrapped.append(name)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_lora_name(name))
+    return wrapped
+
+
+def apply_lora(
+    model: nn.Module,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: Union[str, Sequence[str]],
+    seed: int = 0,
+    use_rslora: bool = False,
+) -> list[str]:
+    """Wrap the targeted block linears of a shardwise Transformer with LoRA in place, freeze everything
+    else, and initialise the adapters with lora_init unless the model is on meta; returns our names of
+    the wrapped modules.
+
+    target_modules: "all-linear"; a single string = a regex (re.fullmatch, peft semantics); or a list
+    whose entries match a name suffix on '.' boundaries (`q_proj`, `wq`, `attention.wq`) or, when they
+    contain regex characters, fully as a regex, against our module name or its Hugging Face name.
+    """
+    _check_hyper(r, alpha, dropout)
+    if _has_lora(model):
+        raise ConfigError("the model already has LoRA adapters; apply LoRA once (or merge_lora first)")
+    names = _wrap(model, select_targets(model, target_modules), r, alpha, dropout, use_rslora)
+    if not any(p.is_meta for p in model.parameters()):
+        reset_lora_parameters(model, seed)
+    return names
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> None:
+    """Fold every adapter into its base weight (W += scaling * B @ A in fp32) and put back plain
+    nn.Linear modules holding the same base Parameters, so the model has exactly the base names."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, module in targets:
+        weight = module.weight
+        delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+        with torch.device("meta"):  # the new module's own weight is replaced at once, so never allocated
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        plain.weight = weight
+        if module.bias is not None:
+            plain.bias = module.bias
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, plain)
+
+
+# ------------------------------------------------------------ on disk ----
+
+def architecture_fingerprint(cfg: ModelConfig) -> dict:
+    """The ModelConfig fields an adapter depends on (stored with it, compared on load)."""
+    return {field: getattr(cfg, field) for field in _ARCH_FIELDS}
+
+
+def _peft_target_modules(modules: list[str], cfg: ModelConfig) -> Union[list[str], str]:
+    """adapter_config target_modules that make peft wrap exactly these HF modules: a list of suffixes
+    when every layer has the same ones, else a regex of the full names."""
+    layer_re = r"transformer\.h" if _is_gpt2(cfg) else r"model\.layers"
+    per_layer: dict[str, set[str]] = {}  # in-layer name (self_attn.q_proj) -> layer indices
+    for hf in modules:
+        match = re.fullmatch(rf"{layer_re}\.(\d+)\.(.+)", hf)
+        per_layer.setdefault(match.group(2), set()).add(match.group(1))
+    everywhere = {str(i) for i in range(cfg.num_layers)}
+    if all(layers == everywhere for layers in per_layer.values()):
+        every = set((_GPT2_BACK if _is_gpt2(cfg) else _LLAMA_BACK).values())
+        suffixes = set()
+        for inner in per_layer:
+            leaf = inner.rsplit(".", 1)[-1]
+            # A bare leaf (q_proj) when it names nothing else; GPT-2's c_proj is in attn and mlp.
+            same_leaf = {e for e in every if e.rsplit(".", 1)[-1] == leaf}
+            suffixes.add(leaf if same_leaf <= set(per_layer) else inner)
+        return sorted(suffixes)
+    return "(" + "|".join(re.escape(m) for m in sorted(modules)) + ")"
+
+
+def _adapter_config(
+    target_modules: Union[list[str], str], fan_in_fan_out: bool, r: int, alpha: float, dropout: float,
+    use_rslora: bool, base_model_name_or_path: Optional[str],
+) -> dict:
+    """adapter_config.json contents with the keys peft has read since 0.7 (newer ones take defaults)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": fan_in_fan_out,
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`, replacing an older `out` only once the new one is complete."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def save_adapter(
+    state: dict[str, torch.Tensor],
+    model_cfg: ModelConfig,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: Union[str, Sequence[str], None],
+    out_dir: Union[str, os.PathLike[str]],
+    base_model_name_or_path: Optional[str] = None,
+    use_rslora: bool = False,
+) -> Path:
+    """Write `state` (our LoRA names -> full tensors) as a peft adapter directory (adapter_config.json +
+    adapter_model.safetensors), atomically; returns the directory.
+
+    The config's target_modules are derived from the tensors so peft wraps exactly the trained modules;
+    `target_modules` (the run's setting) and the architecture fingerprint go into the file's metadata.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / ADAPTER_CONFIG).is_file():
+        raise CheckpointError(f"{out} exists and is not an adapter directory; choose an empty or new directory")
+    peft_state = to_peft_state(state, model_cfg)
+    if not peft_state:
+        raise ValueError("save_adapter got no LoRA tensors")
+    modules = sorted({_parse_peft_key(k)[0] for k in peft_state})
+    for module in modules:
+        for kind in ("lora_A", "lora_B"):
+            key = f"{PEFT_PREFIX}{module}.{kind}.weight"
+            if key not in peft_state:
+                raise ValueError(f"the LoRA state has no {kind} for {module}")
+            expected = _expected_shape(module, kind, r, model_cfg)
+            if tuple(peft_state[key].shape) != expected:
+                raise ValueError(f"{key} has shape {tuple(peft_state[key].shape)}, expected {expected}")
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in peft_state.items()}
+    config = _adapter_config(_peft_target_modules(modules, model_cfg), _is_gpt2(model_cfg), r, alpha, dropout,
+                             use_rslora, base_model_name_or_path)
+    metadata = {
+        "format": "pt",
+        ARCH_METADATA_KEY: json.dumps(architecture_fingerprint(model_cfg), sort_keys=True),
+        "shardwise_target_modules": json.dumps(
+            target_modules if target_modules is None or isinstance(target_modules, str) else list(target_modules)),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata=metadata)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _expected_shape(hf_module: str, kind: str, r: int, cfg: ModelConfig) -> tuple[int, int]:
+    """peft's shape of an adapter tensor for this model: lora_A [r, in], lora_B [out, r]."""
+    ours = our_module_names(hf_module, cfg)
+    in_features = _linear_dims(ours[0], cfg)[0]
+    out_features = sum(_linear_dims(name, cfg)[1] for name in ours)  # c_attn: q + k + v
+    return (r, in_features) if kind == "lora_A" else (out_features, r)
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """The LoRA hyper-parameters of an adapter directory."""
+
+    r: int
+    alpha: float
+    dropout: float
+    use_rslora: bool
+    target_modules: Union[list[str], str, None]
+    base_model_name_or_path: Optional[str]
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B @ A."""
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+def read_adapter_config(adapter_dir: Union[str, os.PathLike[str]]) -> AdapterSettings:
+    """The settings in a peft adapter_config.json; CheckpointError for options shardwise does not support."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a LoRA adapter directory needs {ADAPTER_CONFIG} "
+                              f"and {ADAPTER_WEIGHTS} (as peft's save_pretrained writes them)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path} is a {cfg.get('peft_type')} adapter; shardwise loads LoRA adapters only")
+    for key, what in _UNSUPPORTED_OPTIONS.items():
+        if cfg.get(key):
+            raise CheckpointError(f"{path} uses {what}, which shardwise does not support; "
+                                  "train the adapter without it")
+    if cfg.get("bias", "none") != "none":
+        raise CheckpointError(f"{path} trains biases (bias={cfg['bias']!r}); shardwise supports bias='none' only")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise CheckpointError(
+            f"{path} was initialised with init_lora_weights={init!r}, which also changes the base weights; "
+            "convert it to a plain LoRA adapter with peft (path_initial_model_for_weight_conversion) first"
+        )
+    try:
+        return AdapterSettings(
+            r=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout", 0.0)),
+            use_rslora=bool(cfg.get("use_rslora", False)), target_modules=cfg.get("target_modules"),
+            base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} has no valid r / lora_alpha / lora_dropout ({exc})") from exc
+
+
+def read_adapter(
+    adapter_dir: Union[str, os.PathLike[str]], model_cfg: ModelConfig
+) -> tuple[AdapterSettings, dict[str, torch.Tensor]]:
+    """An adapter's settings and its tensors under our names (full, CPU), checked against `model_cfg`:
+    CheckpointError for layers the model lacks, tensors of the wrong shape, incomplete pairs and a
+    different architecture fingerprint."""
+    directory = Path(adapter_dir)
+    settings = read_adapter_config(directory)
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        found = sorted(p.name for p in directory.glob("adapter_model*"))
+        hint = f" (found {', '.join(found)}: re-save it with peft's safe_serialization=True)" if found else ""
+        raise CheckpointError(f"{path} not found{hint}")
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        peft_state = {key: f.get_tensor(key) for key in f.keys()}
+
+    modules: dict[str, set[str]] = {}
+    for key in peft_state:
+        parsed = _parse_peft_key(key)
+        if parsed is None or our_module_names(parsed[0], model_cfg) is None:
+            raise CheckpointError(
+                f"adapter tensor {key} in {path} is not a LoRA weight of an attention or MLP linear of a "
+                f"{model_cfg.model_type} model; shardwise supports LoRA on those linears only (or the adapter "
+                "belongs to another architecture)"
+            )
+        layer = int(our_module_names(parsed[0], model_cfg)[0].split(".")[1])
+        if layer >= model_cfg.num_layers:
+            raise CheckpointError(
+                f"adapter tensor {key} in {path} is for layer {layer}, but the model has {model_cfg.num_layers} "
+                "layers: the adapter was trained on another base model"
+            )
+        modules.setdefault(parsed[0], set()).add(parsed[1])
+    for module, kinds in sorted(modules.items()):
+        if kinds != {"lora_A", "lora_B"}:
+            missing = ({"lora_A", "lora_B"} - kinds).pop()
+            raise CheckpointError(f"{path} has no {missing} for {module}: the adapter file is incomplete")
+    for key, tensor in peft_state.items():
+        module, kind = _parse_peft_key(key)
+        expected = _expected_shape(module, kind, settings.r, model_cfg)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(
+                f"adapter tensor {key} in {path} has shape {tuple(tensor.shape)}, but this model (r={settings.r}) "
+                f"needs {expected}: the adapter was trained on another base model or with another rank"
+            )
+    if not peft_state:
+        raise CheckpointError(f"{path} holds no LoRA tensors")
+    if ARCH_METADATA_KEY in metadata:
+        saved = json.loads(metadata[ARCH_METADATA_KEY])
+        current = architecture_fingerprint(model_cfg)
+        diffs = [f"{k}: adapter {saved.get(k)!r}, model {current.get(k)!r}"
+                 for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+        if diffs:
+            raise CheckpointError(
+                f"the adapter in {directory} was trained on another architecture ({'; '.join(diffs)}); "
+                "load it onto the base model it was trained on"
+            )
+    return settings, from_peft_state(peft_state, model_cfg)
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, adapter_dir: Union[str, os.PathLike[str]]) -> list[str]:
+    """Apply the LoRA adapter of a peft-format directory (ours or peft's) to an allocated shardwise
+    Transformer without LoRA, and load its weights; returns the wrapped module names (ours)."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_adapter needs an allocated model; allocate it (to_empty + weights) first")
+    if _has_lora(model):
+        raise CheckpointError("the model already has LoRA adapters; load the adapter into the base model "
+                              "(or merge_lora first)")
+    settings, state = read_adapter(adapter_dir, model.cfg)
+    present = set(_eligible(model))  # a pipeline stage loads only the modules it holds
+    modules = sorted({_split_lora_name(name)[0] for name in state} & present)
+    names = _wrap(model, modules, settings.r, settings.alpha, settings.dropout, settings.use_rslora)
+    for name in names:
+        module = model.get_submodule(name)
+        module.lora_A.weight.copy_(state[f"{name}.lora_A.weight"])
+        module.lora_B.weight.copy_(state[f"{name}.lora_B.weight"])
+    return names
+
+
+__all__ = [
+    "LoRALinear", "apply_lora", "lora_init", "reset_lora_parameters", "lora_parameter_names", "is_lora_name",
+    "lora_state_dict", "save_adapter", "load_adapter", "read_adapter", "read_adapter_config", "AdapterSettings",
+    "merge_lora", "to_peft_state", "from_peft_state", "hf_module_name", "our_module_names", "select_targets",
+    "architecture_fingerprint", "BLOCK_LINEARS",
+]
