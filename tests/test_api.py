@@ -464,3 +464,19 @@ def test_save_strategy_is_steps_or_no() -> None:
     args.save_strategy = "epoch"  # assigned after construction: refused when the run is configured
     with pytest.raises(ConfigError, match="save_strategy 'epoch'"):
         run_config_from(model, args, 32)
+
+
+def test_from_pretrained_reads_a_hugging_face_directory(tmp_path) -> None:  # noqa: ANN001
+    import torch
+
+    from shardwise import AutoModelForCausalLM
+    from shardwise.models import build_model, resolve_model_config
+    from shardwise.models.hf import save_hf
+
+    torch.manual_seed(3)
+    source = build_model(resolve_model_config({"preset": "tiny_gpt2"}))
+    save_hf(source, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert model.cfg.position == "learned" and model.cfg.tie_embeddings
+    tokens = torch.randint(0, 512, (2, 12))
+    torch.testing.assert_close(model(tokens), source(tokens), rtol=0, atol=0)

@@ -361,6 +361,14 @@ class RunConfig(_Section):
                 "freeze has no effect with lora: LoRA already keeps every base weight fixed and trains only "
                 "the adapters; remove the freeze section, or lora to freeze layers of a full fine-tune"
             )
+        if self.lora is not None:
+            import torch
+
+            from .models.transformer import Transformer
+            from .peft.lora import select_targets
+
+            with torch.device("meta"):  # the structure only: a target that matches nothing fails now
+                select_targets(Transformer(m), self.lora.target_modules)
         if self.lora is not None and self.lora.dropout and self.parallel.tensor_parallel > 1:
             raise ValueError(
                 "lora.dropout with tensor_parallel > 1 is not supported (the adapters' input is replicated "

@@ -165,3 +165,39 @@ def test_finetuning_layouts_match_one_process(tmp_path: Path) -> None:
     for rank_result in run_distributed(_layouts, 2, tmp_path / "dist", hf, timeout=540):
         for name, losses in rank_result.items():
             _assert_close(losses, single[name.split("_")[0]], name)
+
+
+def test_bad_weights_fail_before_the_data_is_read(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from shardwise.errors import CheckpointError
+    from shardwise.train.dry_run import describe_run
+
+    hf = _hf_dir(tmp_path)
+    cfg = _config(tmp_path / "dry", hf, lora=LORA)
+    assert "LoRA r=4 alpha=8 on 8 projections: 4,608 of 156,480" in describe_run(cfg)
+    bad = tmp_path / "bad_hf"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf / "config.json").read_text())
+    weights = load_file(hf / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    save_file(weights, bad / "model.safetensors")
+    # The data does not exist: had it been read first, the error would be about the data.
+    broken = with_data(_config(tmp_path / "bad", bad), train_files=[str(tmp_path / "missing.txt")], tokenizer="x")
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj.weight.*\(100, 64\).*\(160, 64\)"):
+        Trainer(broken).train()
+    (bad / "model.safetensors").unlink()
+    json.dump({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}},
+              open(bad / "model.safetensors.index.json", "w"))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*missing"):
+        Trainer(broken).train()
+
+
+def with_data(cfg, **data):  # noqa: ANN001, ANN201
+    """The config with some data fields replaced, validated again."""
+    raw = cfg.model_dump()
+    raw["data"].update(data)
+    raw["model"] = {"init_from": raw["model"]["init_from"]}
+    return validate(raw)

@@ -412,18 +412,12 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(full[region])
 
 
-@torch.no_grad()
-def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike[str],
-                 cfg: ModelConfig) -> None:
-    """Fill the given parameters (our names -> tensors as this rank holds them: whole, a pipeline
-    stage's, or DTensor shards) from an HF directory, reading only the slices this rank holds.
-
-    Raises CheckpointError for a missing shard file, a tensor of the wrong shape (naming it and both
-    shapes), tensors the model lacks, and weights the files lack.
-    """
-    directory = Path(directory)
+@contextlib.contextmanager
+def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple[Any, Path]]]:
+    """HF tensor name -> (open safetensors file, its path), after checking that the files hold exactly
+    the weights of a `cfg` model (a missing shard file, unknown tensors and missing weights fail)."""
     with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
+        handles: dict[str, tuple[Any, Path]] = {}
         for path, names in _weight_files(directory):
             f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             for hf_name in names if names is not None else list(f.keys()):
@@ -431,8 +425,7 @@ def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.
         if cfg.position == "learned" and "wte.weight" in handles:  # the original gpt2 files: no prefix
             handles = {k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}": v
                        for k, v in handles.items()}
-        with torch.device("meta"):
-            every_name = [n for n, _ in Transformer(cfg).named_parameters()]  # tied ones once
+        every_name = _parameter_names(cfg)
         expected = {hf_tensor_for(n, cfg)[0] for n in every_name}
         unexpected = [k for k in handles if k not in expected and not _skippable(k)
                       and not (k == "lm_head.weight" and cfg.tie_embeddings)]
@@ -444,23 +437,58 @@ def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.
         missing = [n for n in every_name if hf_tensor_for(n, cfg)[0] not in handles]
         if missing:
             raise CheckpointError(f"{len(missing)} weight(s) missing from {directory}: {_short(missing)}")
+        yield handles
+
+
+def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter names (a tied matrix once) and shapes for `cfg`, from a meta-device model."""
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+
+
+def _check_shapes(handles: dict[str, tuple[Any, Path]], shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
+    """Every tensor as stored (after its conversion to our layout) must have our parameter's shape."""
+    for ours, shape in shapes.items():
+        hf_name, convert = hf_tensor_for(ours, cfg)
+        f, path = handles[hf_name]
+        stored = tuple(f.get_slice(hf_name).get_shape())
+        got = stored if convert is None else tuple(convert(torch.empty(stored, device="meta")).shape)
+        if got != shape:
+            raise CheckpointError(
+                f"tensor {hf_name} (our {ours}) in {path.name} has shape {stored}, but the model expects "
+                f"{shape if convert is None else f'{shape} (after conversion; got {got})'}; the checkpoint "
+                "does not match config.json"
+            )
+
+
+def check_hf_weights(directory: str | os.PathLike[str], cfg: ModelConfig) -> None:
+    """Check an HF directory's weight files against `cfg` from their headers alone (no tensor is
+    read): shard files present, no unknown or missing tensors, every shape right."""
+    with _open_weights(Path(directory), cfg) as handles:
+        _check_shapes(handles, _parameter_names(cfg), cfg)
+
+
+@torch.no_grad()
+def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike[str],
+                 cfg: ModelConfig) -> None:
+    """Fill the given parameters (our names -> tensors as this rank holds them: whole, a pipeline
+    stage's, or DTensor shards) from an HF directory, reading only the slices this rank holds.
+
+    Everything is checked before anything is copied: a missing shard file, a tensor of the wrong
+    shape (naming it and both shapes), tensors the model lacks and weights the files lack raise
+    CheckpointError.
+    """
+    named = list(named)
+    with _open_weights(Path(directory), cfg) as handles:
+        _check_shapes(handles, {n: tuple(t.shape) for n, t in named}, cfg)
         for ours, param in named:
             hf_name, convert = hf_tensor_for(ours, cfg)
-            f, path = handles[hf_name]
+            f, _ = handles[hf_name]
             local, region = _local_region(param)
             if convert is None:
-                piece = f.get_slice(hf_name)
-                stored = tuple(piece.get_shape())
-                value = None
+                local.copy_(f.get_slice(hf_name)[region])
             else:
-                value = convert(f.get_tensor(hf_name))
-                stored = tuple(value.shape)
-            if stored != tuple(param.shape):
-                raise CheckpointError(
-                    f"tensor {hf_name} (our {ours}) in {path.name} has shape {stored}, but the model expects "
-                    f"{tuple(param.shape)}; the checkpoint does not match config.json"
-                )
-            local.copy_(piece[region] if value is None else value[region])
+                local.copy_(convert(f.get_tensor(hf_name))[region])
 
 
 def load_hf_weights(model: Transformer, directory: str | os.PathLike[str]) -> None:

@@ -100,3 +100,38 @@ def pretrained_tokenizer(path: str, required: bool = True) -> str | None:
         f"{'' if kind == 'hf' else ' in tokenizer/'}); set data.tokenizer to the tokenizer these weights "
         "were trained with"
     )
+
+
+def check_pretrained(model_cfg: ModelConfig, lora: bool) -> None:
+    """Check the weights of `model_cfg.init_from` against the model from their headers or saved
+    shapes alone (before any data is prepared): files present, every weight there with its shape.
+    `lora`: the run adds LoRA adapters (a checkpoint that holds some of its own is then accepted)."""
+    import torch
+
+    from shardwise.models.transformer import Transformer
+
+    kind, path = pretrained_source(model_cfg.init_from)
+    if kind == "hf":
+        from shardwise.models.hf import check_hf_weights
+
+        check_hf_weights(path, model_cfg)
+        return
+    from shardwise.peft.lora import is_lora_name
+    from shardwise.train.checkpoint import read_trainer_state
+
+    saved = read_trainer_state(path).get("shapes", {}).get("model", {})
+    if not lora and any(is_lora_name(n) for n in saved):
+        raise ConfigError(
+            f"model.init_from {path} was trained with LoRA: its adapters are not merged into its weights. "
+            f"Merge them first (shardwise convert {path} --to hf OUT --merge-lora, then init_from: OUT), "
+            "or add the run's lora section to continue training the adapters"
+        )
+    with torch.device("meta"):
+        shapes = {n: list(p.shape) for n, p in Transformer(model_cfg).named_parameters()}
+    for name, shape in shapes.items():
+        if name not in saved:
+            raise CheckpointError(f"checkpoint {path} has no weight {name}; it is not a {model_cfg.model_type} "
+                                  "model of this architecture")
+        if saved[name] != shape:
+            raise CheckpointError(f"checkpoint {path} holds {name} with shape {saved[name]}, but the model "
+                                  f"expects {shape}")

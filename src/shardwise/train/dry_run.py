@@ -35,4 +35,39 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
         f"{t.optimizer}",
         f"output       {t.output_dir}",
     ]
+    finetune = _finetune_line(cfg)
+    if finetune:
+        lines.insert(1, finetune)
     return "\n".join(lines)
+
+
+def _finetune_line(cfg: RunConfig) -> str | None:
+    """Where the weights start, and what trains (LoRA / frozen layers), counted on a meta-device model."""
+    if cfg.model.init_from is None and cfg.lora is None and not cfg.freeze.active():
+        return None
+    import torch
+
+    from ..models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    if cfg.lora is not None:
+        from ..peft.lora import apply_lora
+
+        lora = cfg.lora
+        wrapped = apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        how = f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(wrapped)} projections"
+    elif cfg.freeze.active():
+        from ..peft.freeze import freeze_parameters
+
+        freeze_parameters(model, cfg.freeze.embeddings, cfg.freeze.layers)
+        parts = (["embeddings"] if cfg.freeze.embeddings else []) + (
+            [f"bottom {cfg.freeze.layers} layers"] if cfg.freeze.layers else [])
+        how = f"frozen {' and '.join(parts)}"
+    else:
+        how = "all weights train"
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    start = f"from {cfg.model.init_from}" if cfg.model.init_from else "from random weights"
+    return (f"fine-tune    {start}; {how}: {trainable:,} of {total:,} parameters train "
+            f"({100 * trainable / max(total, 1):.2f}%)")

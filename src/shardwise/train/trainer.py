@@ -117,6 +117,10 @@ class Trainer:
         dims = layout_for(cfg, ctx.world_size)
         device = ctx.device
         check_offload(cfg, device, dims)
+        if cfg.model.init_from is not None and self.model is None:
+            from ..models.pretrained import check_pretrained
+
+            check_pretrained(cfg.model, lora=cfg.lora is not None)  # before any data is prepared
         if not ctx.is_main:
             logging.getLogger("shardwise").setLevel(logging.WARNING)  # one rank logs the run
         if ctx.restart_count:
@@ -328,12 +332,6 @@ class Trainer:
             load_hf_into(base.items(), path, cfg.model)
         else:
             saved = ckpt.read_trainer_state(path).get("shapes", {}).get("model", {})
-            if cfg.lora is None and any(is_lora_name(n) for n in saved):
-                raise ConfigError(
-                    f"model.init_from {path} was trained with LoRA: its adapters are not merged into its weights. "
-                    f"Merge them first (shardwise convert {path} --to hf OUT --merge-lora, then init_from: OUT), "
-                    "or add the run's lora section to continue training the adapters"
-                )
             wanted = {**base, **{n: t for n, t in named.items() if n in saved}}
             groups = {"model": wanted}
             masters = ckpt.read_trainer_state(path).get("shapes", {}).get("master", {})
