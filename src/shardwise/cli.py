@@ -21,6 +21,7 @@ EPILOG = """examples:
   shardwise generate runs/demo --prompt "It is" --max-new-tokens 50
   shardwise tokenizer train --input 'corpus/*.txt' --vocab-size 32000 --out tok/
   shardwise prepare --input 'corpus/*.jsonl' --tokenizer tok/ --out data/prepared
+  shardwise convert runs/demo --to hf hf_model/                a checkpoint as a Hugging Face model directory
 
 `shardwise COMMAND --help` describes each command's options."""
 
@@ -97,47 +98,59 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .data.tokenizer import load_tokenizer
     from .models import generate
+    from .models.generate import load_for_generation
     from .parallel.launch import resolve_device
-    from .train.checkpoint import find_checkpoint, load_model
 
-    path = find_checkpoint(args.checkpoint)
-    tokenizer_dir = args.tokenizer or path / "tokenizer"
-    if args.tokenizer is None and not tokenizer_dir.is_dir():
-        raise ConfigError(
-            f"checkpoint {path} holds no tokenizer/ (the run was given none); pass the tokenizer "
-            "directory it was trained with: --tokenizer DIR"
-        )
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     torch.manual_seed(args.seed)
-    model, _ = load_model(path, device=resolve_device(args.device))
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    # Pre-training separates documents with EOS and never feeds BOS: the model learned that a new
-    # document starts after EOS, so each prompt is prefixed with EOS.
-    prompts = [[tokenizer.eos_id, *tokenizer.encode(p)] for p in args.prompt]
-    stream = not args.no_stream and len(prompts) == 1
-    if stream:
-        print(args.prompt[0], end="", flush=True)
-        generated: list[int] = []
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    loaded = load_for_generation(args.source, tokenizer=args.tokenizer, adapter=args.adapter,
+                                 device=resolve_device(args.device), dtype=dtype)
+    template = loaded.chat_template(args.chat)
+    if template is None and args.system is not None:
+        raise ConfigError(f"--system needs a chat template, and {args.source} is used as a plain text model "
+                          f"({'--no-chat' if args.chat is False else 'not instruction-tuned'}); add --chat")
+    if template is not None:
+        why = loaded.tuned_because if loaded.tuned_template is not None else "--chat"
+        names = {"tokenizer": "the tokenizer's chat template", "default": "the [INST] template",
+                 "auto": "the tokenizer's chat template (else the [INST] template)"}
+        what = names[template] if isinstance(template, str) else "the run's template dict"
+        log.info("chat: prompts are user turns in %s (%s); --no-chat continues the text instead", what, why)
+    tokenizer = loaded.tokenizer
+    prompts = loaded.prompt_ids(args.prompt, template, args.system)
+    chat = template is not None
 
-        def on_token(tokens: list[int]) -> None:
-            if tokens[0] < 0:  # the row has finished
-                return
-            before = tokenizer.decode(generated)
-            generated.append(tokens[0])
-            print(tokenizer.decode(generated)[len(before):], end="", flush=True)
-    else:
-        on_token = None
-    outputs = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, eos_id=tokenizer.eos_id, on_token=on_token)
+    def answer(ids: list[int]) -> str:
+        text = tokenizer.decode(ids)
+        # A chat answer starts after the template's separator (often a space the model writes itself).
+        return text.lstrip() if chat else text
+
+    stream = not args.no_stream and len(prompts) == 1
+    generated: list[int] = []
+    shown = [""]  # the streamed text printed so far
+
+    def show(tokens: list[int]) -> None:
+        if tokens[0] < 0:  # the row has finished
+            return
+        generated.append(tokens[0])
+        text = answer(generated)
+        if not text.endswith("\ufffd"):  # wait for the rest of a character split across tokens
+            print(text[len(shown[0]):], end="", flush=True)
+            shown[0] = text
+
     if stream:
-        print()
-    else:
-        for prompt, out in zip(args.prompt, outputs):
-            print(prompt + tokenizer.decode(out))
-            print("---")
+        print("" if chat else args.prompt[0], end="", flush=True)
+    outputs = generate(loaded.model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, eos_id=loaded.stop_ids_for(template),
+                       on_token=show if stream else None)
+    if stream:
+        print(answer(outputs[0])[len(shown[0]):])
+        return 0
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"> {prompt}\n{answer(out)}" if chat else prompt + answer(out))
+        print("---")
     return 0
 
 
@@ -149,6 +162,15 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
                           skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite)
     print(f"saved {tok.vocab_size}-token tokenizer to {args.out} (bos {tok.bos_token!r}, eos "
           f"{tok.eos_token!r}, pad {tok.pad_token!r}, fingerprint {tok.fingerprint})")
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .export import convert_checkpoint
+
+    result = convert_checkpoint(args.checkpoint, args.out, to=args.to, merge_lora=args.merge_lora,
+                                dtype=args.dtype, overwrite=args.overwrite, tokenizer=args.tokenizer)
+    print(result.summary())
     return 0
 
 
@@ -205,14 +227,37 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint")
     t.set_defaults(func=_cmd_train)
 
-    g = sub.add_parser("generate", help="generate text from a checkpoint",
-                       description="Generate text with a KV cache from a checkpoint or run directory.")
-    g.add_argument("checkpoint", help="checkpoint directory (step_*) or run directory (newest checkpoint)")
+    g = sub.add_parser(
+        "generate", help="generate text from a checkpoint or Hugging Face model (+ LoRA adapter)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text with a KV cache from a shardwise checkpoint or run directory, or a\n"
+                    "Hugging Face model directory, optionally with a LoRA adapter. Several --prompt run as one\n"
+                    "batch. Instruction-tuned models get the chat template (--chat/--no-chat override it): the\n"
+                    "run's data.template for our instruction checkpoints and adapters, else the chat_template\n"
+                    "of the tokenizer of a Hugging Face model or adapter.",
+        epilog="examples:\n"
+               "  shardwise generate runs/demo --prompt \"It is\" --max-new-tokens 50\n"
+               "  shardwise generate models/Qwen2-0.5B-Instruct --prompt \"Hi!\" --system \"Be brief.\"\n"
+               "  shardwise generate models/Llama-2-7b --adapter runs/lora/checkpoints/step_00001000/adapter "
+               "--prompt \"Hi\"\n"
+               "  shardwise generate runs/demo --prompt \"Once\" --prompt \"The sea\" --temperature 0.8 --top-p 0.9")
+    g.add_argument("source", metavar="SOURCE",
+                   help="shardwise checkpoint directory (step_*) or run directory (newest checkpoint), or a "
+                        "Hugging Face model directory (config.json + *.safetensors)")
     g.add_argument("--prompt", action="append", required=True,
-                   help="prompt text (repeat to batch); it is prefixed with EOS, as a new document starts "
-                        "after EOS in pre-training")
+                   help="prompt text (repeat to batch). With a chat template it is one user turn. Without, the "
+                        "text is continued: for a shardwise checkpoint it is prefixed with EOS, as a new "
+                        "document starts after EOS in pre-training; for a Hugging Face model with BOS when its "
+                        "tokenizer adds one (as transformers does)")
+    g.add_argument("--adapter", metavar="DIR", default=None,
+                   help="LoRA adapter in peft format (saved by peft or shardwise: adapter_config.json + "
+                        "adapter_model.safetensors; a LoRA run's checkpoint also works) to apply on SOURCE")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="render each prompt with the chat template (default: when the model is "
+                        "instruction-tuned); --no-chat continues plain text")
+    g.add_argument("--system", metavar="TEXT", default=None, help="system message (with the chat template)")
     g.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="tokenizer directory (default: the one saved in the checkpoint)")
+                   help="tokenizer directory (default: the adapter's if it has one, else SOURCE's)")
     g.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per prompt (default 100)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None, help="sample only from the k most likely tokens")
@@ -220,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
                    help="where to run (auto: CUDA when present, else CPU)")
-    g.add_argument("--no-stream", action="store_true", help="print when done instead of token by token")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="weight dtype (default fp32)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="print when done instead of token by token (several prompts always print when done)")
     g.set_defaults(func=_cmd_generate)
 
     tk = sub.add_parser("tokenizer", help="train a tokenizer",
@@ -241,6 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip (and count) .jsonl lines that are not JSON or lack the field")
     tt.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
     tt.set_defaults(func=_cmd_tokenizer_train)
+
+    cv = sub.add_parser("convert", help="write a checkpoint as a Hugging Face model or a peft adapter",
+                        description="Convert a checkpoint (any parallel layout) to a Hugging Face model directory "
+                                    "(config.json, safetensors, generation_config.json, tokenizer) or, for a "
+                                    "LoRA run, a peft adapter. OUT is written completely or not at all.")
+    cv.add_argument("checkpoint", help="checkpoint directory (step_*) or run directory (newest checkpoint)")
+    cv.add_argument("out", metavar="OUT", help="output directory (replaced only with --overwrite)")
+    cv.add_argument("--to", required=True, choices=["hf", "peft"],
+                    help="hf: a transformers model directory (a LoRA run: the base model plus OUT/adapter, or "
+                         "merged with --merge-lora); peft: the LoRA adapter only")
+    cv.add_argument("--merge-lora", action="store_true",
+                    help="fold the LoRA adapters into the weights and write one full model")
+    cv.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="dtype of the written weights (default fp32)")
+    cv.add_argument("--tokenizer", metavar="DIR", default=None,
+                    help="tokenizer directory to include (default: the one saved in the checkpoint)")
+    cv.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    cv.set_defaults(func=_cmd_convert)
 
     pr = sub.add_parser("prepare", help="clean and tokenise raw text into memory-mapped token shards",
                         description="Clean (repair UTF-8, drop exact duplicates and short documents), "

@@ -99,3 +99,16 @@ def test_restores_training_mode_and_rejects_bad_arguments():
         generate(model, [[1]], 2, temperature=1.0, top_p=1.5)
     with pytest.raises(ConfigError, match="vocabulary"):
         generate(model, [[100000]], 2)
+
+
+def test_several_stop_ids_end_a_row_at_the_first_of_them():
+    """eos_id may be several ids (eos and a chat template's end-of-turn token): each ends its row."""
+    model = _model("tiny_llama")
+    greedy = generate(model, PROMPTS, 8)
+    first, second = greedy[0][1], greedy[1][3]
+    got = generate(model, PROMPTS, 8, eos_id=[first, second])
+    for row, full in zip(got, greedy):
+        cut = min((full.index(t) + 1 for t in (first, second) if t in full), default=len(full))
+        assert row == full[:cut]
+    assert got[0] == greedy[0][:2]
+    assert generate(model, PROMPTS, 8, eos_id=[]) == greedy

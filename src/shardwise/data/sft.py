@@ -537,6 +537,80 @@ def encode_conversation(
     return _encode_pieces([pieces], tokenizer)[0]
 
 
+# --- generation prompts ---------------------------------------------------------------------------
+
+# Assistant content used where only the text around an answer matters (it is never encoded).
+_PLACEHOLDER = "shardwise-answer-probe"
+
+
+def _as_renderer(template: Renderer | str | Mapping[str, str], tokenizer: Tokenizer) -> Renderer:
+    """A renderer as is, or the one `resolve_template` makes of a template option."""
+    if isinstance(template, (DictTemplate, JinjaTemplate)):
+        return template
+    return resolve_template(template, tokenizer)
+
+
+def render_generation_prompt(
+    template: Renderer | str | Mapping[str, str], tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]
+) -> list[int]:
+    """Token ids of a conversation ending with a user message, up to where the assistant's answer starts.
+
+    These are exactly the ids training (`encode_conversation`) gives the same conversation with an
+    answer appended, cut before the answer's first trained token: so the model continues where it
+    learned to answer. `template` is a renderer or any `template=` option ("auto", "default",
+    "tokenizer", a dict, a Jinja string). A Jinja template renders as transformers'
+    `apply_chat_template(messages, add_generation_prompt=True)`.
+    """
+    renderer = _as_renderer(template, tokenizer)
+    msgs = [dict(m) for m in messages]
+    if not msgs or msgs[-1].get("role") != "user":
+        last = msgs[-1].get("role") if msgs else "nothing"
+        raise DataError(
+            f"a generation prompt is a conversation ending with the user message to answer; it ends with {last}"
+        )
+    try:
+        # The placeholder answer makes the conversation complete, so it is checked and rendered as in training.
+        checked, _ = _chat_messages(msgs + [{"role": "assistant", "content": _PLACEHOLDER}])
+        if isinstance(renderer, JinjaTemplate) and not any(m["role"] == "assistant" for m in msgs):
+            # One exchange: training's untrained first piece is exactly this text. Rendering it directly
+            # also serves templates that do not render growing prefixes (which training refuses), as
+            # apply_chat_template does.
+            return tokenizer.encode(renderer._render(checked[:-1], True))
+        pieces = renderer.render(checked)
+    except _BadRecord as e:
+        raise DataError(f"conversation: {e}") from e
+    # The placeholder answer is the last piece of text that is trained; everything before it is prompt.
+    answer = max(i for i, (piece, trained) in enumerate(pieces) if trained and isinstance(piece, str))
+    return _encode_pieces([pieces[:answer]], tokenizer)[0][0]
+
+
+def chat_stop_ids(template: Renderer | str | Mapping[str, str], tokenizer: Tokenizer) -> list[int]:
+    """Ids that end an assistant turn: eos, and the special token(s) a Jinja template closes a turn with.
+
+    A template that ends turns with a special token other than eos (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>) is found by rendering a short conversation and encoding what follows the answer.
+    """
+    renderer = _as_renderer(template, tokenizer)
+    stops = [tokenizer.eos_id]
+    if not isinstance(renderer, JinjaTemplate):
+        return stops  # dict templates close an answer with eos (or nothing)
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PLACEHOLDER}]
+    try:
+        text = renderer._render(probe, False)
+    except _BadRecord as e:
+        raise DataError(f"conversation: {e}") from e
+    at = text.find(_PLACEHOLDER)
+    if at < 0:
+        return stops
+    for tid in tokenizer.encode(text[at + len(_PLACEHOLDER):]):
+        # Special tokens are the ones decoding drops; the first ordinary token ends the marker.
+        if tokenizer.decode([tid], skip_special_tokens=True) != "":
+            break
+        if tid not in stops:
+            stops.append(tid)
+    return stops
+
+
 # --- tokenising and caching -----------------------------------------------------------------------
 
 

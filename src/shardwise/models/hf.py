@@ -521,6 +521,15 @@ def from_hf(
 
 # ---------------------------------------------------------------- export ----
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the file readable as the umask allows (safetensors creates it
+    0600, which hides a model from the other users of a shared machine)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf(
     model: Transformer,
     out_dir: str | os.PathLike[str],
@@ -554,7 +563,7 @@ def save_hf(
 
     def flush() -> None:
         path = out / f"model-part-{len(files):05d}.safetensors"
-        save_file(shards[-1], str(path), metadata={"format": "pt"})
+        save_safetensors(shards[-1], path, metadata={"format": "pt"})
         files.append(path)
 
     weight_map_parts: list[list[str]] = [[]]

@@ -28,12 +28,11 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
-from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES
+from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES, save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -418,15 +417,26 @@ def apply_lora(
     return names
 
 
-@torch.no_grad()
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight (W += scaling * B @ A in fp32) and put back plain
     nn.Linear modules holding the same base Parameters, so the model has exactly the base names."""
+    _unwrap(model, merge=True)
+
+
+def remove_lora(model: nn.Module) -> None:
+    """Drop every adapter without merging it: plain nn.Linear modules holding the same base Parameters
+    (the base model the adapters were trained on)."""
+    _unwrap(model, merge=False)
+
+
+@torch.no_grad()
+def _unwrap(model: nn.Module, merge: bool) -> None:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, module in targets:
         weight = module.weight
-        delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
-        weight.copy_((weight.float() + delta).to(weight.dtype))
+        if merge:
+            delta = (module.lora_B.weight.float() @ module.lora_A.weight.float()) * module.scaling
+            weight.copy_((weight.float() + delta).to(weight.dtype))
         with torch.device("meta"):  # the new module's own weight is replaced at once, so never allocated
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
         plain.weight = weight
@@ -548,7 +558,7 @@ def save_adapter(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata=metadata)
+        save_safetensors(tensors, tmp / ADAPTER_WEIGHTS, metadata=metadata)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _replace_dir(tmp, out)
     except BaseException:
