@@ -28,12 +28,12 @@ STEPS = 3
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 
 
-def _hf_dir(root: Path, preset: str = "tiny_llama") -> Path:
+def _hf_dir(root: Path, preset: str = "tiny_llama", **changes: object) -> Path:
     """A Hugging Face directory holding a (random) tiny model: the 'published weights'."""
     torch.manual_seed(123)
-    out = root / f"hf_{preset}"
+    out = root / f"hf_{preset}{'_odd' if changes else ''}"
     if not out.exists():
-        save_hf(build_model(resolve_model_config({"preset": preset})), out)
+        save_hf(build_model(resolve_model_config({"preset": preset, **changes})), out)
     return out
 
 
@@ -59,7 +59,8 @@ def _config(run_dir: Path, init_from: Path | None, dp: int = 1, zero: int = 0, t
 
 
 def _train(cfg, model=None) -> dict[int, float]:  # noqa: ANN001
-    return Trainer(cfg, model=model, train_dataset=PackedDataset(make_tokens(), SEQ)).train().losses
+    data = PackedDataset(make_tokens(vocab=cfg.model.vocab_size), SEQ)
+    return Trainer(cfg, model=model, train_dataset=data).train().losses
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float], what: str) -> None:
@@ -138,7 +139,7 @@ def test_finetuning_config_errors(tmp_path: Path) -> None:
     assert cfg.train.lr == 2e-4
 
 
-def _layouts(rank: int, world: int, root: Path, hf: Path) -> dict[str, dict[int, float]]:
+def _layouts(rank: int, world: int, root: Path, hf: Path, odd: Path) -> dict[str, dict[int, float]]:
     import shardwise.train.trainer as trainer_module
 
     def no_full_build(*_a: object, **_k: object) -> None:
@@ -151,18 +152,20 @@ def _layouts(rank: int, world: int, root: Path, hf: Path) -> dict[str, dict[int,
                      "lora_tp2": dict(tp=2, lora=LORA), "lora_pp2": dict(pp=2, lora=LORA),
                      "freeze_tp2": dict(tp=2, freeze={"embeddings": True, "layers": 1})}.items():
         out[name] = _train(_config(root / name, hf, **kw))
+    # Uneven shards: ZeRO-3 splits a 509-row embedding into 255 + 254 rows; each rank reads its own.
+    out["odd_zero3"] = _train(_config(root / "odd_zero3", odd, dp=2, zero=3))
     return out
 
 
 @pytest.mark.timeout(600)
 def test_finetuning_layouts_match_one_process(tmp_path: Path) -> None:
-    hf = _hf_dir(tmp_path)
-    single = {"full": _train(_config(tmp_path / "full", hf)),
+    hf, odd = _hf_dir(tmp_path), _hf_dir(tmp_path, vocab_size=509)
+    single = {"full": _train(_config(tmp_path / "full", hf)), "odd": _train(_config(tmp_path / "odd", odd)),
               "lora": _train(_config(tmp_path / "lora", hf, lora=LORA)),
               "freeze": _train(_config(tmp_path / "freeze", hf, freeze={"embeddings": True, "layers": 1}))}
     for name, losses in single.items():  # the parity below is a real check: training moves the loss
         assert abs(losses[STEPS] - losses[1]) > 0.02, name
-    for rank_result in run_distributed(_layouts, 2, tmp_path / "dist", hf, timeout=540):
+    for rank_result in run_distributed(_layouts, 2, tmp_path / "dist", hf, odd, timeout=540):
         for name, losses in rank_result.items():
             _assert_close(losses, single[name.split("_")[0]], name)
 
