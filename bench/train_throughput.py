@@ -4,8 +4,9 @@
     python bench/train_throughput.py bench/bench_llama.yaml [--set k=v ...] [--steps N] [--warmup W]
                                      [--rounds R] [--threads T] [--data synthetic|config] [--no-memory]
 
-Both sides train the same model (`build_model(cfg.model)` after `torch.manual_seed(train.seed)`), on
-the same batches (a `StatefulLoader` over the same dataset and seed), with the same AdamW
+Both sides train the same model (`build_model(cfg.model)` after `torch.manual_seed(train.seed)`, then
+the config's `lora:` adapters or `freeze:` settings applied as the Trainer applies them), on the same
+batches (a `StatefulLoader` over the same dataset and seed), with the same AdamW
 (`build_optimizer`: foreach, the same weight-decay groups), the same LR schedule, gradient clipping,
 precision, micro-batch and accumulation. Rounds interleave the sides (shardwise, plain, shardwise,
 plain, ...); each round starts both from fresh weights and runs W unmeasured warm-up steps, then N
@@ -24,7 +25,9 @@ the duration of its run) to time each call.
 Memory: on CUDA, `max_memory_allocated` over the round (reset before the first step on both sides).
 On CPU (and also on CUDA), a separate untimed probe runs 2 steps of each side under a
 TorchDispatchMode that counts the bytes of every live tensor storage (params, grads, optimizer state,
-activations, temporaries) and reports the peak over those two steps.
+activations, temporaries) and reports the peak over those two steps, split into the storages of the
+model's parameters (and buffers), their gradients, the optimizer state, and the rest (activations,
+temporaries, batches) live at that peak.
 
 Prints one JSON line on stdout; progress goes to stderr.
 """
@@ -63,8 +66,10 @@ from shardwise.config import RunConfig, load_config, validate
 from shardwise.data.loader import StatefulLoader
 from shardwise.data.pretrain import PackedDataset, token_dtype
 from shardwise.memory.precision import precision_plan
-from shardwise.models import build_model, count_parameters, flops_per_token
+from shardwise.models import Transformer, build_model, count_parameters, flops_per_token
 from shardwise.parallel.launch import resolve_device
+from shardwise.peft.freeze import freeze_parameters
+from shardwise.peft.lora import apply_lora
 from shardwise.train import trainer as trainer_mod
 from shardwise.train.metrics import device_name, measured_cpu_flops, peak_flops
 from shardwise.train.optim import LRSchedule, build_optimizer
@@ -86,7 +91,7 @@ class StepClock:
         self.sync_at: set[int] = set()  # step indices whose stamp synchronizes the device first
         self.cuda_peak_at: int | None = None  # step index at which to read max_memory_allocated
         self.cuda_peak: float | None = None
-        self.on_step: Any = None  # optional callback(step_index) (memory probe window)
+        self.on_step: Any = None  # optional callback(step_index, optimizer) (memory probe window)
         self.ignore: set[int] = set()  # id() of optimizers not to stamp (the plain side in lockstep)
         self._handle = None
 
@@ -112,7 +117,7 @@ class StepClock:
         if k == self.cuda_peak_at and self.device.type == "cuda":
             self.cuda_peak = torch.cuda.max_memory_allocated(self.device)
         if self.on_step is not None:
-            self.on_step(k)
+            self.on_step(k, optimizer)
 
     def step_times(self) -> list[float]:
         """Seconds of each step from the previous step's end (step 0: nan)."""
@@ -160,17 +165,48 @@ def patched_trainer_loader():
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Counts the bytes of live tensor storages created by any op; the peak while `recording`."""
+    """Counts the bytes of live tensor storages created by any op; the peak while `recording`.
+
+    At each new peak it keeps the sizes of the storages then live (by creation number: a storage's
+    key is its address, which a later storage may reuse), so that `classify` can later tell which of
+    them were parameters, gradients or optimizer state.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self.recording = False
+        self.step = 0  # the optimizer step in progress (set by the caller)
+        self.peak_step = -1  # the step in which the peak was reached
+        self.at_peak: dict[int, int] = {}  # creation number -> bytes, of each storage live at the peak
         self._sizes: dict[int, int] = {}
+        self._serials: dict[int, int] = {}
+        self._created = 0
+
+    def start_recording(self) -> None:
+        """Open the window: the peak starts at what is live now."""
+        self.recording = True
+        if self.live > self.peak:
+            self._new_peak()
+
+    def _new_peak(self) -> None:
+        self.peak = self.live
+        self.peak_step = self.step
+        self.at_peak = {self._serials[k]: n for k, n in self._sizes.items()}
+
+    def classify(self, groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+        """Bytes of the storages live at the peak that back each group's (still live) tensors; the rest as "rest"."""
+        left = dict(self.at_peak)
+        out = {}
+        for name, tensors in groups.items():
+            out[name] = sum(left.pop(self._serials.get(t.untyped_storage()._cdata), 0) for t in tensors)
+        out["rest"] = sum(left.values())
+        return out
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+        self._serials.pop(key, None)
 
     def _track(self, t: torch.Tensor) -> None:
         if t.device.type == "meta" or t.is_sparse or getattr(t, "is_nested", False):
@@ -184,13 +220,15 @@ class LiveTensorBytes(TorchDispatchMode):
         old = self._sizes.get(key)
         if old is None:
             self._sizes[key] = size
+            self._serials[key] = self._created
+            self._created += 1
             self.live += size
             weakref.finalize(st, self._free, key)
         elif size != old:  # resized in place
             self._sizes[key] = size
             self.live += size - old
         if self.recording and self.live > self.peak:
-            self.peak = self.live
+            self._new_peak()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
@@ -209,6 +247,23 @@ def round_config(base: RunConfig, output_dir: str, max_steps: int) -> RunConfig:
     raw["train"].update(output_dir=output_dir, max_steps=max_steps, save_steps=None, eval_steps=None,
                         log_steps=1, progress_bar=False, tensorboard=False)
     return validate(raw)
+
+
+def adapt_for_finetuning(model: torch.nn.Module, cfg: RunConfig) -> None:
+    """The config's LoRA adapters or frozen parameters, applied as the Trainer applies them."""
+    if cfg.lora is not None:
+        lora = cfg.lora
+        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules, seed=cfg.train.seed)
+    elif cfg.freeze.active():
+        freeze_parameters(model, cfg.freeze.embeddings, cfg.freeze.layers)
+
+
+def trainable_parameters(cfg: RunConfig) -> int:
+    """Parameters that train under the config's LoRA / freezing (counted on a meta-device model)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    adapt_for_finetuning(model, cfg)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def run_shardwise(base: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
@@ -249,6 +304,7 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
         torch.set_num_threads(cfg.run.num_threads)
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, device=device, dtype=plan.param_dtype)
+    adapt_for_finetuning(model, cfg)
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -350,23 +406,44 @@ def summarize(run: dict[str, Any], warmup: int, steps: int, tokens_per_step: int
 # --- memory probe -----------------------------------------------------------------------------------
 
 
-def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepClock) -> dict[str, int]:
-    """Peak live tensor bytes over the first 2 steps of each side (untimed, under a dispatch mode).
+def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepClock) -> dict[str, dict[str, int]]:
+    """Peak live tensor bytes over the first 2 steps of each side (untimed, under a dispatch mode), and its split.
 
     The counter runs from before the model is built (so parameters, gradients and optimizer state
     count on both sides); the peak is taken from the first next_step() call to the end of step 2,
-    which excludes model initialisation temporaries and the Trainer's final checkpoint.
+    which excludes model initialisation temporaries and the Trainer's final checkpoint. The storages
+    live at the peak are sorted at the end of the step that reached it (after `optimizer.step()`,
+    before `zero_grad`): the parameters and buffers of the model (the first module to run forward),
+    their `.grad`s, the optimizer's state, and the rest.
     """
     peaks = {}
     for side in ("shardwise", "plain"):
         gc.collect()
         mode = LiveTensorBytes()
+        models: list[torch.nn.Module] = []
+        split: dict[str, int] = {}
+        hook = None
+
+        def first_forward(module: torch.nn.Module, args: Any) -> None:
+            if not models:
+                models.append(module)
 
         def open_window() -> None:
-            mode.recording = True
-            mode.peak = max(mode.peak, mode.live)
+            nonlocal hook
+            mode.start_recording()
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(first_forward)
 
-        def close_after(k: int) -> None:
+        def close_after(k: int, optimizer: torch.optim.Optimizer) -> None:
+            if mode.peak_step == k:
+                model = models[0]
+                state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+                split.clear()
+                split.update(mode.classify({
+                    "params": [*model.parameters(), *model.buffers()],
+                    "grads": [p.grad for p in model.parameters() if p.grad is not None],
+                    "optimizer": state,
+                }))
+            mode.step = k + 1
             if k == 1:
                 mode.recording = False
 
@@ -379,7 +456,10 @@ def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepCloc
                     run_plain(base, ds, 2, clock, set(), None, device, close_after)
         finally:
             TimedLoader.hooks_for_next = {}
-        peaks[side] = mode.peak
+            if hook is not None:
+                hook.remove()
+        peaks[side] = {"peak": mode.peak, **split}
+        models.clear()  # release the model before the next side
         del mode
         gc.collect()
     return peaks
@@ -463,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     peak, peak_note = bench_peak_flops(device, plan.dtype, cfg.train.peak_tflops)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
     threads = torch.get_num_threads()
-    log(f"{args.config}: {count_parameters(cfg.model) / 1e6:.1f}M params, {tokens_per_step} tokens/step, "
+    log(f"{args.config}: {count_parameters(cfg.model) / 1e6:.1f}M params "
+        f"({trainable_parameters(cfg) / 1e6:.2f}M trainable), {tokens_per_step} tokens/step, "
         f"{device} ({device_name(device)}), {threads} threads, peak {peak / 1e9:.1f} GFLOP/s, "
         f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} measured) steps per side")
 
@@ -524,7 +605,10 @@ def main(argv: list[str] | None = None) -> int:
             "mfu_median": round(statistics.median(x["mfu"] for x in rs), 4) if rs[0]["mfu"] is not None else None,
             "step_s_median": round(statistics.median(x["step_s_median"] for x in rs), 4),
             "data_load_share_median": round(statistics.median(x["data_load_share"] for x in rs), 5),
-            "peak_tensor_mem_gb": round(mem_peaks[side] / 2**30, 3) if mem_peaks else None,
+            "peak_tensor_mem_gb": round(mem_peaks[side]["peak"] / 2**30, 3) if mem_peaks else None,
+            # the storages live at that peak: parameters (and buffers), gradients, optimizer state, rest
+            "peak_split_mib": {k: round(v / 2**20, 1) for k, v in mem_peaks[side].items() if k != "peak"}
+            if mem_peaks else None,
             "rounds": [{"tokens_per_s": round(x["tokens_per_s"], 2),
                         "mfu": round(x["mfu"], 4) if x["mfu"] is not None else None,
                         "step_s": x["step_s"], "data_load_share": round(x["data_load_share"], 5)} for x in rs],
@@ -540,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides,
         "model": cfg.model.preset or cfg.model.model_type,
         "params": count_parameters(cfg.model),
+        "trainable_params": trainable_parameters(cfg),
+        "lora": cfg.lora.model_dump(mode="json") if cfg.lora is not None else None,
+        "freeze": cfg.freeze.model_dump(mode="json"),
         "seq_length": cfg.data.seq_length,
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum": cfg.gradient_accumulation(),
