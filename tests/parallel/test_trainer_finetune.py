@@ -132,6 +132,12 @@ def test_finetuning_config_errors(tmp_path: Path) -> None:
         _config(tmp_path / "x", hf, freeze={"layers": 3})
     with pytest.raises(ConfigError, match="target_modules"):
         _train(_config(tmp_path / "nomatch", hf, lora={"r": 2, "target_modules": ["qkv_proj"]}))
+    # The demo's fine-tuning config, pointed at these weights, loads (its LoRA targets all exist).
+    from shardwise.config import load_config
+
+    demo = load_config(Path(__file__).parents[2] / "configs/sft_lora_demo.yaml",
+                       [f"model.init_from={hf}", "data.tokenizer=tok"])
+    assert demo.lora.r == 16 and demo.data.kind == "instruction" and demo.model.num_layers == 2
     # Fine-tuning defaults: a smaller learning rate and no weight decay, unless given.
     cfg = validate({"model": {"init_from": str(hf)}, "train": {"max_steps": 1}})
     assert (cfg.train.lr, cfg.train.weight_decay) == (2e-5, 0.0)
