@@ -52,9 +52,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give a device count of at least 1")
     if args.dry_run:
+        from .memory.estimate_command import describe_memory, device_kind
         from .train.dry_run import describe_run
 
         print(describe_run(cfg, args.nproc))
+        print(describe_memory(cfg, args.nproc or cfg.parallel.world_size(), device_kind(cfg, None)))
         return 0
     from .parallel.launch import LAUNCH_FLAGS, check_local_devices, launch_env, launch_processes, strip_launch_args
 
@@ -93,6 +95,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary += f"; checkpoint {result.last_checkpoint}"
     print(summary)
     return 0
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .memory.estimate_command import run_estimate
+
+    return run_estimate(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -289,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip (and count) .jsonl lines that are not JSON or lack the field")
     tt.add_argument("--overwrite", action="store_true", help="replace a tokenizer already in --out")
     tt.set_defaults(func=_cmd_tokenizer_train)
+
+    es = sub.add_parser("estimate", help="memory per device for a config (or a preset and layout), by phase",
+                        description="Predict the memory of each device: parameters, gradients, optimizer state, "
+                                    "activations, buffers and the peak, per phase (forward, backward, optimizer "
+                                    "step, checkpoint save). Nothing is allocated.")
+    from .memory.estimate_command import add_estimate_arguments
+
+    add_estimate_arguments(es)
+    es.set_defaults(func=_cmd_estimate)
 
     cv = sub.add_parser("convert", help="write a checkpoint as a Hugging Face model or a peft adapter",
                         description="Convert a checkpoint (any parallel layout) to a Hugging Face model directory "

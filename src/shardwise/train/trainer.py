@@ -105,6 +105,7 @@ class Trainer:
         self.model_parts: list[nn.Module] | None = None  # this rank's parallelised model part(s)
         self.pipeline: Any = None  # pipeline.Pipeline under pipeline parallelism
         self._pretrained_pending = False  # model.init_from weights still to load onto the shards
+        self._phase = "forward"  # where a step is, for the out-of-memory message
 
     # --- the run, top to bottom -------------------------------------------------------------------
 
@@ -227,6 +228,14 @@ class Trainer:
                     log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
                              result.eval["perplexity"])
                     window.start = time.perf_counter()
+        except Exception as exc:
+            from .oom import explain_out_of_memory, is_out_of_memory
+
+            if not is_out_of_memory(exc):
+                raise
+            pp_rank = meshes["pp"].get_local_rank() if dims.pp > 1 else 0
+            raise TrainingError(explain_out_of_memory(cfg, ctx.world_size, ctx.rank, self._phase, device,
+                                                      pp_rank)) from exc
         finally:
             loader.close()
             bar.close()
@@ -378,6 +387,7 @@ class Trainer:
             total = self._forward_backward(s, plan, micro_batches, device, n_tokens)
         if s.dims.dp > 1:
             torch.distributed.all_reduce(total, group=s.meshes["dp"].get_group())
+        self._phase = "optimizer step"  # from here: master copies, unscale, clipping, the update
         if s.masters is not None:
             s.masters.grads_to_masters()
         if s.scaler is not None:
@@ -430,8 +440,10 @@ class Trainer:
             ids = mb["input_ids"].to(device, non_blocking=True)
             labels = mb["labels"].to(device, non_blocking=True)
             with grad_sync(model, i == last), plan.autocast(device.type):
+                self._phase = "forward"
                 logits = model(ids, **_model_extras(mb, device))
                 loss = token_loss_sum(logits, labels) / n_tokens
+                self._phase = "backward"
                 (loss * scale if s.scaler else loss).backward()
             total += loss.detach()
         return total
@@ -448,6 +460,7 @@ class Trainer:
         per_step = s.pipeline.micro_batch_num
         rounds = len(micro_batches) // per_step  # pipeline steps in this optimizer step (config: a whole number)
         total = torch.zeros((), device=device)
+        self._phase = "pipeline step"
         for r in range(rounds):
             batch = _concat_micro_batches(micro_batches[r * per_step:(r + 1) * per_step])
             with plan.autocast(device.type):
@@ -523,6 +536,7 @@ class Trainer:
         return step
 
     def _save(self, run_dir: Path, step: int, s: "_TrainState") -> Path:
+        self._phase = "checkpoint save"
         extra = {"config.yaml": run_dir / "config.yaml"}
         if (run_dir / "tokenizer").is_dir():
             extra["tokenizer"] = run_dir / "tokenizer"

@@ -1,0 +1,994 @@
+"""Per-device memory of a training run, predicted from its config before anything is allocated.
+
+`estimate_memory(cfg, devices, device)` splits the memory of the busiest device into parameters,
+gradients, optimizer state (fp32 master copies included), activations (saved for backward over the
+micro-batches in flight), buffers (communication buffers, logits and loss temporaries, transients of
+the op at the peak) and allocator overhead, and gives the total of each phase of a step: forward,
+backward, optimizer step (unscale, clipping, master copies, the update) and checkpoint save.
+`estimate_all_ranks` gives one estimate per pipeline stage (the ranks of a stage are alike).
+
+The counts follow what shardwise itself allocates, not a paper's formula:
+- activations: what autograd saves in our Transformer block (RMSNorm upcasts to fp32 and saves that
+  copy, SwiGLU saves both branches, SDPA's fused kernel saves q, k, v, the output and the log-sum-exp,
+  GQA saves the repeated k and v, an explicit document mask becomes a float [B, 1, T, T] per layer),
+  per micro-batch and layer, scaled by the tensor-parallel split (heads, MLP width, vocabulary) and
+  the sequence split of sequence parallelism (norms, residuals); recompute keeps each wrapped
+  block's input (full) or its input plus every matmul and attention output (selective), and adds one
+  block's activations back during its backward;
+- the head: logits [B, T, V] stay referenced through backward, cross-entropy saves an fp32
+  log-softmax, and its backward holds two more fp32 [B, T, V] buffers at once (the largest transient
+  of small models and of large vocabularies);
+- ZeRO (FSDP2 for stages 2/3): sharded parameters, gradients and state (padded to even shards),
+  the all-gathered blocks a stage keeps (ZeRO-2: all of them until their backward; ZeRO-3: about two
+  at a time), reduce-scatter buffers; ZeRO-1's state assigned by whole tensors as its optimizer does;
+  CPU offload moves shards, gradients and state to host memory (`host`);
+- pipelines: the schedule's own order of forwards and backwards (torch's pipeline_order) gives the
+  micro-batches in flight on each rank (zero-bubble keeps a micro-batch until its weight gradient).
+
+What is counted is the same quantity `memory.measure.MemoryTracker` measures: bytes of tensor
+storages. On CPU that is the whole estimate (overhead 0). On CUDA/NPU `overhead` adds
+`ALLOCATOR_OVERHEAD` of the tensor peak for the caching allocator's rounding and fragmentation
+(`max_memory_reserved` above `max_memory_allocated`); the CUDA context itself (about 0.5 GiB, outside
+the allocator) is not included.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+PHASES = ("forward", "backward", "optimizer", "checkpoint")
+GIB = 2**30
+# Caching-allocator reserve above the tensor bytes on CUDA/NPU (block rounding, fragmentation): a
+# documented allowance, as a fraction of the tensor peak. 0 on CPU, where tensors are counted exactly.
+ALLOCATOR_OVERHEAD = 0.10
+_MASK_BYTES = {"cpu": 4, "cuda": 1, "npu": 1}  # a dropout mask: same dtype as the input on CPU, bool elsewhere
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes for one device (the busiest of its kind); phases are totals of the device at their peak."""
+
+    params: int
+    grads: int
+    optimizer: int  # includes fp32 master copies
+    activations: int  # at the peak: saved for backward over the in-flight micro-batches
+    buffers: int  # at the peak: communication buffers, logits/loss temporaries, transients
+    overhead: int  # allocator rounding/fragmentation (CUDA/NPU); 0 on CPU
+    peak: int  # the largest phase total
+    phases: dict[str, int]  # "forward", "backward", "optimizer", "checkpoint" -> total bytes
+    detail: dict[str, Any] = field(default_factory=dict)
+    host: int = 0  # bytes kept in host memory by CPU offload (not on the device)
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase with the largest total."""
+        return max(self.phases, key=self.phases.get)
+
+    def table(self) -> str:
+        """A human-readable breakdown in GiB."""
+        d = self.detail
+        rows = [
+            ("parameters", self.params), ("gradients", self.grads),
+            ("optimizer state (+ fp32 masters)", self.optimizer),
+            (f"activations ({d.get('in_flight', 1)} micro-batch(es) in flight)", self.activations),
+            ("buffers (comm, logits/loss, transients)", self.buffers), ("allocator overhead", self.overhead),
+        ]
+        width = max(len(r[0]) for r in rows) + 2
+        where = d.get("rank_role", "")
+        lines = [f"memory per device{f' ({where})' if where else ''}, at the {self.peak_phase} peak:"]
+        lines += [f"  {name:<{width}}{_gib(n):>10}" for name, n in rows]
+        lines.append(f"  {'peak':<{width}}{_gib(self.peak):>10}")
+        lines.append("  by phase: " + ", ".join(f"{p} {_gib(self.phases[p]).strip()}" for p in PHASES))
+        per_layer = d.get("layer_activation_bytes")
+        if per_layer:
+            lines.append(f"  activations per layer and micro-batch: {_gib(per_layer).strip()} "
+                         f"(no recompute: {_gib(d['layer_activation_bytes_no_recompute']).strip()}, "
+                         f"full recompute: {_gib(d['layer_activation_bytes_full_recompute']).strip()}); "
+                         f"{d.get('layers_on_rank')} layers on this device")
+        if self.host:
+            lines.append(f"  in host memory (CPU offload): {_gib(self.host).strip()}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "overhead": self.overhead,
+                "peak": self.peak, "peak_phase": self.peak_phase, "phases": dict(self.phases), "host": self.host,
+                "detail": self.detail}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3f} GiB"
+
+
+# --- the layout --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Degrees and batch shape of a run, resolved against a device count."""
+
+    dp: int
+    dp_shard: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    zero: int
+    sequence_parallel: bool
+    micro_batch: int  # samples per micro-batch
+    seq: int
+    accumulation: int  # micro-batches per optimizer step on a data-parallel rank
+    micro_batch_num: int  # pipeline micro-batches per schedule step
+    schedule: str
+    stage_counts: tuple[int, ...]  # layers per pipeline stage
+    offload: bool
+
+
+def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
+    """Resolve and check the parallel layout the way the trainer will."""
+    from ..parallel.pipeline import check_pipeline
+    from ..parallel.tensor import check_tensor_parallel
+
+    p, m = cfg.parallel, cfg.model
+    world = p.world_size(devices)
+    if devices is not None and world != devices:
+        raise ConfigError(
+            f"the layout needs data_parallel {p.dp_degree(devices)} x tensor_parallel {p.tensor_parallel} x "
+            f"pipeline_parallel {p.pipeline_parallel} = {world} devices, not {devices}; set "
+            "parallel.data_parallel: -1 to use every device, or change the degrees")
+    dp = p.dp_degree(devices)
+    if dp % p.data_parallel_replicate:
+        raise ConfigError(f"parallel.data_parallel_replicate {p.data_parallel_replicate} must divide the "
+                          f"data-parallel degree {dp}")
+    check_tensor_parallel(m, p.tensor_parallel)
+    seq = cfg.data.seq_length or m.max_position_embeddings
+    if seq > m.max_position_embeddings:
+        raise ConfigError(f"data.seq_length {seq} exceeds model.max_position_embeddings {m.max_position_embeddings}")
+    sp = p.sequence_parallel and p.tensor_parallel > 1
+    if sp and seq % p.tensor_parallel:
+        raise ConfigError(f"sequence parallel splits data.seq_length {seq} over tensor_parallel "
+                          f"{p.tensor_parallel}: use a multiple of {p.tensor_parallel} or sequence_parallel: false")
+    if p.pipeline_parallel > 1:
+        counts = check_pipeline(m.num_layers, p.pipeline_parallel, p.virtual_stages, p.schedule, p.stage_layers,
+                                p.micro_batch_num)
+    else:
+        counts = [m.num_layers]
+    offload = cfg.optimize.offload_params or cfg.optimize.offload_optimizer
+    if offload and dp > 1 and p.zero_stage < 2:
+        raise ConfigError(f"CPU offload needs zero_stage 2 or 3, got {p.zero_stage}: ZeRO 0 and 1 keep full "
+                          "replicas on every device; set parallel.zero_stage: 3 to offload")
+    return _Layout(dp=dp, dp_shard=dp // p.data_parallel_replicate, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+                   virtual_stages=p.virtual_stages if p.pipeline_parallel > 1 else 1,
+                   zero=p.zero_stage if dp > 1 else 0,
+                   sequence_parallel=sp, micro_batch=cfg.train.micro_batch_size, seq=seq,
+                   accumulation=cfg.gradient_accumulation(world), micro_batch_num=p.micro_batch_num,
+                   schedule=p.schedule, stage_counts=tuple(counts), offload=offload and dp > 1)
+
+
+@dataclass(frozen=True)
+class _Precision:
+    """Bytes per element of each kind of tensor under a precision level and layout."""
+
+    level: str
+    param: int  # stored model parameters
+    compute: int  # activations and the parameters the forward uses
+    grad: int  # gradients as the optimizer sees them
+    state: int  # optimizer state
+    masters: bool  # separate fp32 master copies (O2 in one process)
+
+
+def _precision(cfg: Any, lay: _Layout) -> _Precision:
+    level = cfg.optimize.level()
+    half = cfg.optimize.mixed_precision != "fp32"
+    if level in ("O0", "O1") or not half:
+        return _Precision(level, 4, 4, 4, 4, False)
+    if level == "O3":
+        return _Precision(level, 2, 2, 2, 2, False)
+    if lay.dp > 1:  # O2 under data parallelism: FSDP2's fp32 parameters are the masters
+        return _Precision(level, 4, 2, 4, 4, False)
+    return _Precision(level, 2, 2, 2, 4, True)
+
+
+# --- parameters --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter tensor of the whole model."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+    layer: Optional[int]  # block index, None for embeddings / head
+    where: str  # "embedding", "layer", "head"
+    tp_dim: Optional[int]  # dimension tensor parallel splits, None = replicated
+
+
+def _tp_dim(name: str) -> Optional[int]:
+    """The dimension tensor parallel shards (shardwise/parallel/tensor.py's plan), None if replicated."""
+    if name.startswith(("tok_embeddings.", "pos_embeddings.", "output.")):
+        return 0
+    leaf = name.split(".")
+    module = ".".join(leaf[2:4]) if name.startswith("layers.") else ""
+    column = module in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+    row = module in ("attention.wo", "feed_forward.w2")
+    if ".lora_A." in name:
+        return 1 if row else None
+    if ".lora_B." in name:
+        return 0 if column else None
+    if column:
+        return 0
+    if row:
+        return 1 if name.endswith(".weight") else None
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _param_table(key: str) -> tuple[_Param, ...]:
+    """Every parameter of the model with LoRA / freezing applied (built on the meta device, cached)."""
+    import torch
+
+    from ..models import Transformer
+    from ..models.config import ModelConfig
+
+    spec = json.loads(key)
+    mcfg = ModelConfig(**spec["model"])
+    with torch.device("meta"):
+        model = Transformer(mcfg)
+    if spec["lora"] is not None:
+        from ..peft.lora import apply_lora
+
+        lora = spec["lora"]
+        apply_lora(model, lora["r"], lora["alpha"], lora["dropout"], lora["target_modules"])
+    elif spec["freeze"]["embeddings"] or spec["freeze"]["layers"]:
+        from ..peft.freeze import freeze_parameters
+
+        freeze_parameters(model, spec["freeze"]["embeddings"], spec["freeze"]["layers"])
+    out = []
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        where = "layer" if layer is not None else ("head" if name.startswith(("norm.", "output.")) else "embedding")
+        out.append(_Param(name, tuple(p.shape), p.requires_grad, layer, where, _tp_dim(name)))
+    return tuple(out)
+
+
+def _params_of(cfg: Any) -> tuple[_Param, ...]:
+    freeze = cfg.freeze.model_dump()
+    key = json.dumps({"model": cfg.model.model_dump(mode="json"),
+                      "lora": cfg.lora.model_dump(mode="json") if cfg.lora is not None else None,
+                      "freeze": freeze}, sort_keys=True)
+    return _param_table(key)
+
+
+def _chunk(size: int, parts: int) -> int:
+    """The largest piece of `size` split torch.chunk-style into `parts` (what rank 0 holds)."""
+    return -(-size // parts)
+
+
+def _tp_shape(p: _Param, tp: int) -> tuple[int, ...]:
+    if p.tp_dim is None or tp == 1:
+        return p.shape
+    shape = list(p.shape)
+    shape[p.tp_dim] = _chunk(shape[p.tp_dim], tp)
+    return tuple(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _fsdp_shard(shape: tuple[int, ...], n: int) -> int:
+    """Elements of one FSDP2 shard of a tensor: dim 0 padded to a multiple of n, split n ways."""
+    if not shape:
+        return 1
+    return _chunk(shape[0], n) * _numel(shape[1:])
+
+
+def _zero1_owned(sizes: list[int], n: int) -> int:
+    """Largest element count one rank owns under ZeroOneOptimizer's greedy assignment."""
+    load = [0] * n
+    for s in sorted(sizes, reverse=True):
+        load[load.index(min(load))] += s
+    return max(load)
+
+
+# --- activations ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Per-rank tensor sizes of one micro-batch."""
+
+    b: int  # samples
+    t: int  # tokens attention and the MLP see
+    tn: int  # tokens norms and residuals see (t / tp under sequence parallelism)
+    h: int
+    q: int  # local query width: heads x head_dim / tp
+    kv: int  # local key/value width
+    heads: int  # local query heads
+    f: int  # local MLP width
+    v: int  # local vocabulary (logits columns)
+    s: int  # bytes of an activation element
+    mask: bool  # explicit document mask [B, 1, T, T]
+
+
+def _norm_bytes(m: Any, sh: _Shape, input_grad: bool, weight_grad: bool, s: Optional[int] = None) -> int:
+    """What one norm saves, input included (its output is counted by the layers that save it); `s`:
+    bytes of the norm's elements (fp32 under autocast, else the activation dtype)."""
+    s = s or sh.s
+    bt = sh.b * sh.tn
+    if m.norm == "rmsnorm":
+        # x.float() (the residual itself in fp32), rsqrt, and x * rsqrt cast back when the weight trains.
+        saved = (bt * sh.h * 4 + bt * 4) if input_grad else 0
+        if weight_grad:
+            saved += bt * sh.h * s
+        return saved
+    # native_layer_norm saves its input, mean and rstd (fp32 on CUDA, the input dtype on CPU).
+    return bt * sh.h * s + 2 * bt * 4 if (input_grad or weight_grad) else 0
+
+
+def _layer_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool], device: str, level: str) -> int:
+    """Bytes one block saves for backward for one micro-batch, without recompute.
+
+    flags: input_grad (the block's input requires grad), norm (norm weights train), and for each
+    linear ("wq", ... "w2") whether its weight trains or it has a LoRA adapter ("lora_wq", ...).
+    """
+    m = cfg.model
+    if not any(flags.values()):
+        return 0  # nothing in or before it trains: autograd records nothing
+    bt, s = sh.b * sh.t, sh.s
+    lora = cfg.lora
+    drop = m.dropout > 0
+    # Which tensors need a gradient: the block's input, then (once attention's weights train) the residual.
+    attn_grad = flags["input_grad"] or flags["norm"] or any(_saves_input(flags, n) for n in ("wq", "wk", "wv"))
+    mid_grad = attn_grad or _saves_input(flags, "wo")
+    norms_s = 4 if level == "O1" else None
+    total = _norm_bytes(m, sh, flags["input_grad"], flags["norm"], norms_s) + \
+        _norm_bytes(m, sh, mid_grad, flags["norm"], norms_s)
+    if level == "O1":
+        # Autocast: norms and the residual stream stay fp32; each linear casts its input to 16 bits
+        # per use and keeps that cast.
+        total += _linear_inputs(flags, ("wq", "wk", "wv"), bt * sh.h * 2)
+        total += _linear_inputs(flags, ("w1", "w3") if m.mlp == "gated" else ("w1",), bt * sh.h * 2)
+        s = 2
+    else:
+        # The norm output is saved once (q/k/v or w1/w3 share it); under SP it is the all-gathered copy.
+        if any(_saves_input(flags, n) for n in ("wq", "wk", "wv")):
+            total += bt * sh.h * s
+        if any(_saves_input(flags, n) for n in (("w1", "w3") if m.mlp == "gated" else ("w1",))):
+            total += bt * sh.h * s
+    # Attention: q (after RoPE), k and v (repeated for GQA), output and log-sum-exp (fp32).
+    if attn_grad:
+        total += 4 * bt * sh.q * s + sh.b * sh.heads * sh.t * 4
+        if sh.mask:
+            total += sh.b * sh.t * sh.t * s  # SDPA turns the boolean mask into a float one, per layer
+    if drop:
+        # Attention dropout runs the math kernel: it keeps the probabilities, the mask and the result.
+        total += 3 * sh.b * sh.heads * sh.t * sh.t * s + bt * sh.q * s
+        total += 2 * sh.b * sh.tn * sh.h * _MASK_BYTES.get(device, 1)  # residual dropouts
+    # MLP.
+    if m.mlp == "gated":
+        act_keeps_input = m.activation != "relu"
+        total += bt * sh.f * s * (3 if act_keeps_input else 2)  # act input, act output, up projection
+    else:
+        total += bt * sh.f * s * (1 if m.activation != "relu" else 0)
+    if _saves_input(flags, "w2"):
+        total += bt * sh.f * s
+    # LoRA: each adapter saves the rank-r activation between A and B (and its dropout's input and mask).
+    if lora is not None:
+        for name, width in (("wq", sh.h), ("wk", sh.h), ("wv", sh.h), ("wo", sh.q), ("w1", sh.h), ("w3", sh.h),
+                            ("w2", sh.f)):
+            if flags.get(f"lora_{name}"):
+                total += bt * lora.r * s
+                if lora.dropout > 0:
+                    total += bt * width * (s + _MASK_BYTES.get(device, 1))
+    return total
+
+
+def _saves_input(flags: dict[str, bool], name: str) -> bool:
+    """Whether a linear keeps its input for backward: its weight trains, or an adapter reads it."""
+    return flags.get(name, False) or flags.get(f"lora_{name}", False)
+
+
+def _linear_inputs(flags: dict[str, bool], names: tuple[str, ...], each: int) -> int:
+    return sum(each for n in names if _saves_input(flags, n))
+
+
+def _recompute_bytes(cfg: Any, sh: _Shape, mode: str, full: int) -> int:
+    """Bytes a recomputed block keeps between its forward and backward (full: what it would keep without)."""
+    bt, s = sh.b * sh.t, sh.s
+    inputs = sh.b * sh.tn * sh.h * s  # the block's input, kept to run it again
+    if mode == "full":
+        return inputs
+    # Selective: every matmul and attention output is kept (ours/_SAVE_OPS in memory/recompute.py).
+    m = cfg.model
+    mm = bt * sh.q + 2 * bt * sh.kv + bt * sh.h  # q, k, v, o
+    mm += bt * sh.f * (2 if m.mlp == "gated" else 1) + bt * sh.h  # w1 (w3), w2
+    if cfg.lora is not None:
+        mm += 7 * bt * cfg.lora.r  # rank-r outputs of the adapters (upper bound)
+    attention = bt * sh.q * s + sh.b * sh.heads * sh.t * 4
+    return min(full, inputs + mm * s + attention) if full else inputs
+
+
+# --- the schedule: what runs in which order on a rank ---------------------------------------------------
+
+
+def _rank_ops(lay: _Layout, pp_rank: int, stages: list[int]) -> list[tuple[int, str, int]]:
+    """(stage, kind, micro-batch) of one optimizer step on `pp_rank`, in execution order.
+
+    kind: "F" forward, "B" full backward, "I" input-gradient backward and "W" weight-gradient step
+    (zero-bubble keeps a micro-batch's activations until its "W"). Without a pipeline: forward and
+    backward of each accumulated micro-batch. With one: torch's own per-rank action order
+    (`_calculate_single_rank_operations` of the multi-stage schedules; GPipe all forwards then all
+    backwards; 1F1B min(M, P - rank) warm-up forwards then one backward, one forward), once per
+    pipeline step of the optimizer step.
+    """
+    if lay.pp == 1:
+        return [op for mb in range(lay.accumulation) for op in ((stages[0], "F", mb), (stages[0], "B", mb))]
+    m, p = lay.micro_batch_num, lay.pp
+    if lay.schedule == "gpipe":
+        one = [(stages[0], "F", i) for i in range(m)] + [(stages[0], "B", i) for i in range(m)]
+    elif lay.schedule == "1f1b":
+        warm = min(m, p - pp_rank)
+        one = [(stages[0], "F", i) for i in range(warm)]
+        for i in range(m):
+            one.append((stages[0], "B", i))
+            if warm + i < m:
+                one.append((stages[0], "F", warm + i))
+    else:
+        one = [op for op in _torch_rank_ops(lay, pp_rank) if op[2] < m]
+    return one * max(1, lay.accumulation // m)
+
+
+def _torch_rank_ops(lay: _Layout, pp_rank: int) -> list[tuple[int, str, int]]:
+    """The multi-stage schedules' action order, from torch itself (its pipeline_order of one rank)."""
+    from ..parallel.pipeline import schedule_class
+
+    cls = schedule_class(lay.schedule, lay.virtual_stages)
+    rounds = max(1, lay.micro_batch_num // lay.pp)
+    fake = SimpleNamespace(pp_group_size=lay.pp, n_local_stages=lay.virtual_stages, _n_microbatches=lay.micro_batch_num,
+                           microbatches_per_round=lay.micro_batch_num // rounds, number_of_rounds=rounds,
+                           num_stages=lay.pp * lay.virtual_stages, rank=pp_rank)
+    try:
+        actions = cls._calculate_single_rank_operations(fake, pp_rank)
+    except Exception:  # noqa: BLE001 - a torch without this internal: a 1F1B-like order over the chunks
+        stages = _rank_stages(lay, pp_rank)
+        return [(st, k, i) for i in range(lay.micro_batch_num) for k in ("F", "B") for st in
+                (stages if k == "F" else stages[::-1])]
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        kind = str(getattr(a.computation_type, "value", a.computation_type))
+        if kind in ("F", "B", "I", "W"):
+            out.append((a.stage_index, kind, a.microbatch_index or 0))
+    return out
+
+
+# --- one rank --------------------------------------------------------------------------------------------
+
+
+def estimate_memory(cfg: Any, devices: Optional[int] = None, device: str = "cuda") -> MemoryEstimate:
+    """Memory of the busiest device of the run `cfg` on `devices` devices of kind `device` ("cuda", "npu", "cpu")."""
+    return max(estimate_all_ranks(cfg, devices, device), key=lambda e: e.peak)
+
+
+def estimate_all_ranks(cfg: Any, devices: Optional[int] = None, device: str = "cuda") -> list[MemoryEstimate]:
+    """One estimate per distinct rank role: each pipeline rank (its data/tensor-parallel peers are alike)."""
+    if device not in ("cuda", "npu", "cpu"):
+        raise ConfigError(f"device {device!r} is not known; use cuda, npu or cpu")
+    lay = _layout(cfg, devices)
+    prec = _precision(cfg, lay)
+    params = _params_of(cfg)
+    return [_estimate_rank(cfg, lay, prec, params, r, device) for r in range(lay.pp)]
+
+
+def _rank_stages(lay: _Layout, pp_rank: int) -> list[int]:
+    from ..parallel.pipeline import schedule_style, stage_indices
+
+    if lay.pp == 1:
+        return [0]
+    return stage_indices(pp_rank, lay.pp, lay.virtual_stages, schedule_style(lay.schedule, lay.virtual_stages))
+
+
+def _stage_layers(lay: _Layout, stage: int) -> list[int]:
+    start = sum(lay.stage_counts[:stage])
+    return list(range(start, start + lay.stage_counts[stage]))
+
+
+def _stage_owner(lay: _Layout, stage: int) -> int:
+    from ..parallel.pipeline import schedule_style, stage_rank
+
+    return stage_rank(stage, lay.pp, lay.pp * lay.virtual_stages, schedule_style(lay.schedule, lay.virtual_stages))
+
+
+@dataclass
+class _Stage:
+    """One model part on a rank: its layers and what one micro-batch of it keeps and needs."""
+
+    index: int
+    layers: list[int]
+    first: bool  # holds the embeddings
+    last: bool  # holds the final norm, output projection and loss
+    act: int = 0  # bytes one micro-batch keeps from its forward to its backward
+    grads: int = 0  # bytes of its gradients once they exist
+
+
+def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Param, ...], pp_rank: int,
+                   device: str) -> MemoryEstimate:
+    m = cfg.model
+    stage_ids = _rank_stages(lay, pp_rank)
+    num_stages = lay.pp * lay.virtual_stages
+    stages = {st: _Stage(st, _stage_layers(lay, st), st == 0, st == num_stages - 1) for st in stage_ids}
+    layers = {i: st for st in stage_ids for i in stages[st].layers}
+    first, last = 0 in stages, (num_stages - 1) in stages
+
+    # --- parameters, gradients, optimizer state on this rank
+    held: list[_Param] = [p for p in params if (p.where == "layer" and p.layer in layers)
+                          or (p.where == "embedding" and first) or (p.where == "head" and last)]
+    if m.tie_embeddings and num_stages > 1 and last:  # the last stage keeps its own copy of the tied matrix
+        emb = next(p for p in params if p.name == "tok_embeddings.weight")
+        held.append(_Param("output.weight", emb.shape, emb.trainable, None, "head", 0))
+    sharded = lay.zero >= 2
+    local = {p.name: _tp_shape(p, lay.tp) for p in held}
+    # FSDP2 keeps each shard padded to even rows; the optimizer state sees the unpadded local rows.
+    stored = {p.name: (_fsdp_shard(local[p.name], lay.dp_shard) if sharded else _numel(local[p.name])) for p in held}
+    trainable = [p for p in held if p.trainable]
+    rope = 2 * m.max_position_embeddings * m.head_dim * 4 if m.position == "rope" else 0  # fp32 tables per rank
+    param_bytes = sum(stored.values()) * prec.param + rope
+    full_elems = [_numel(local[p.name]) for p in trainable]
+    if lay.zero == 1:
+        state_elems = _zero1_owned(full_elems, lay.dp)
+    elif sharded:
+        state_elems = sum(stored[p.name] for p in trainable)
+    else:
+        state_elems = sum(full_elems)
+    states = {"adamw": 2, "adam": 2, "sgd": 1}[cfg.train.optimizer]
+    owned_tensors = len(trainable) if lay.zero != 1 else len(trainable) // lay.dp
+    counters = 0 if cfg.train.optimizer == "sgd" else 4 * owned_tensors
+    optimizer_bytes = states * state_elems * prec.state + counters  # Adam keeps a scalar step per tensor
+    master_bytes = sum(full_elems) * 4 if prec.masters else 0
+    grad_bytes = sum(stored[p.name] for p in trainable) * prec.grad
+    host = 0
+    offload = lay.offload and device != "cpu"  # on a CPU run host memory is the device's memory
+    if lay.offload:
+        host = sum(stored.values()) * prec.param + grad_bytes + optimizer_bytes
+    if offload:  # FSDP2's CPUOffloadPolicy: shards, sharded gradients and the state live in host memory
+        param_bytes, grad_bytes, optimizer_bytes = rope, 0, 0
+
+    # --- activations of one micro-batch, per stage
+    tp = lay.tp
+    sh = _Shape(b=lay.micro_batch, t=lay.seq, tn=lay.seq // tp if lay.sequence_parallel else lay.seq, h=m.hidden_size,
+                q=m.num_heads * m.head_dim // tp, kv=m.num_kv_heads * m.head_dim // tp, heads=m.num_heads // tp,
+                f=m.intermediate_size // tp, v=_chunk(m.vocab_size, tp), s=prec.compute,
+                mask=_document_mask(cfg, device))
+    flags = _layer_flags(cfg, params)
+    mode, every = cfg.optimize.recompute, cfg.optimize.recompute_every
+    hidden = sh.b * sh.tn * sh.h * sh.s  # one micro-batch of hidden states between blocks / stages
+    full: dict[int, int] = {}
+    saved: dict[int, int] = {}
+    for st in stages.values():
+        for k, i in enumerate(st.layers):
+            full[i] = _layer_bytes(cfg, sh, flags[i], device, prec.level)
+            wrapped = mode == "selective" or (mode == "full" and k % every == 0)  # counted per model part
+            saved[i] = _recompute_bytes(cfg, sh, mode, full[i]) if (mode != "none" and wrapped) else full[i]
+    head = _head(cfg, sh, prec, flags) if last else None
+    for st in stages.values():
+        st.act = sum(saved[i] for i in st.layers) + _stage_bytes(cfg, sh, st.first, device)
+        first_recomputed = bool(st.layers) and saved[st.layers[0]] != full[st.layers[0]]
+        if not st.first and st.layers and _input_aliased(m, sh, first_recomputed):
+            st.act -= hidden  # the first block keeps the received hidden states, already a receive buffer
+        if st.last:
+            st.act += head["saved"] + head["logits"] + head["lsm"]
+        else:
+            st.act += hidden  # the stage output, kept by the schedule for its backward
+        st.grads = sum(stored[p.name] for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
+        if offload:
+            st.grads = 0
+
+    # --- what the layout adds
+    batch = _batch_bytes(cfg, lay, device)
+    pipe_buffers = _pipeline_buffers(lay, stage_ids, hidden)
+    fsdp = _fsdp(lay, prec, held, local, layers)
+    gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
+    if prec.level == "O1":
+        # Autocast caches the 16-bit copy of every trainable weight a matmul uses until the
+        # micro-batch's forward and backward are done.
+        gathered += sum(_numel(local[p.name]) * 2 for p in trainable
+                        if len(p.shape) == 2 and (p.name != "tok_embeddings.weight" or m.tie_embeddings)
+                        and not p.name.startswith("pos_"))
+    if sharded and len([op for op in _rank_ops(lay, pp_rank, stage_ids) if op[1] in "BW"]) > 1 and not offload:
+        # Without gradient sync FSDP2 accumulates unsharded gradients (in the reduce dtype) between
+        # micro-batches: with accumulation ZeRO 2/3 hold full-size gradients.
+        for st in stages.values():
+            st.grads = sum(_numel(local[p.name]) for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
+    pipe_buffers += _zero_bubble_leftovers(lay, stage_ids, hidden)
+    static = param_bytes + optimizer_bytes + master_bytes + batch + pipe_buffers
+
+    # --- replay the step: forwards keep a micro-batch's activations, backwards release them
+    held_mb = {st: 0 for st in stages}
+    has_grads = {st: False for st in stages}
+    pending_w = {st: 0 for st in stages}  # zero-bubble: input gradients done, weight gradients not yet
+    inter = {st: sum(_weight_grad_inputs(cfg, sh) for _ in stages[st].layers) for st in stages}
+    # Interleaved 1F1B waits for its sends at the end of the step: each input gradient sent back stays.
+    sent = {st: 0 for st in stages}
+    keeps_sends = lay.pp > 1 and lay.schedule == "interleaved_1f1b"
+    walks: dict[tuple[int, bool, bool], int] = {}  # one micro-batch's backward peak depends only on these
+    forward = backward = 0
+    for st_id, kind, _mb in _rank_ops(lay, pp_rank, stage_ids):
+        st = stages[st_id]
+        others = sum(stages[s].act * held_mb[s] + inter[s] * pending_w[s] + sent[s] * hidden for s in stages) \
+            + sum(stages[s].grads for s in stages if has_grads[s])
+        if kind == "F":
+            fwd_extra = head["fwd_extra"] if st.last else 0
+            forward = max(forward, static + gathered + others + st.act + fwd_extra)
+            held_mb[st_id] += 1
+        elif kind in ("B", "I"):
+            rest = others - st.act - (st.grads if has_grads[st_id] else 0)
+            key = (st_id, has_grads[st_id], kind == "I")
+            if key not in walks:
+                walks[key] = _backward_walk(cfg, sh, st, saved, full, flags, held, stored, prec, head, fsdp,
+                                            has_grads[st_id], kind == "I")
+            walk = walks[key]
+            backward = max(backward, static + gathered + rest + walk)
+            if keeps_sends and not st.first:
+                sent[st_id] = min(sent[st_id] + 1, lay.micro_batch_num)
+            if kind == "B":
+                held_mb[st_id] -= 1
+                has_grads[st_id] = True
+            else:
+                pending_w[st_id] += 1
+        elif kind == "W":
+            held_mb[st_id] -= 1
+            pending_w[st_id] -= 1
+            has_grads[st_id] = True
+    optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored, local,
+                                       offload)
+    checkpoint = static
+
+    # --- the estimate
+    phases = {"forward": forward, "backward": backward, "optimizer": optimizer_phase, "checkpoint": checkpoint}
+    tensor_peak = max(phases.values())
+    frac = ALLOCATOR_OVERHEAD if device in ("cuda", "npu") else 0.0
+    phases = {k: int(v * (1 + frac)) for k, v in phases.items()}
+    peak_phase = max(phases, key=phases.get)
+    flight = _in_flight(lay, pp_rank, stage_ids)
+    block_acts = sum((sum(saved[i] for i in stages[s].layers)) * flight[s] for s in stages)
+    activations = block_acts if peak_phase in ("forward", "backward") else 0
+    grads_at_peak = grad_bytes if peak_phase in ("backward", "optimizer") else 0
+    buffers = max(0, tensor_peak - (param_bytes + grads_at_peak + optimizer_bytes + master_bytes + activations))
+    one = next(iter(layers), None)
+    if lay.pp > 1:
+        role = f"pipeline rank {pp_rank}, stage{'s' if len(stage_ids) > 1 else ''} {', '.join(map(str, stage_ids))}"
+    else:
+        role = "one device" if lay.dp * lay.tp == 1 else "every rank"
+    detail = {
+        "rank_role": role,
+        "pp_rank": pp_rank,
+        "stages": stage_ids,
+        "layers_on_rank": len(layers),
+        "in_flight": max(flight.values()),
+        "in_flight_per_stage": flight,
+        "layer_activation_bytes": saved.get(one, 0),
+        "layer_activation_bytes_no_recompute": full.get(one, 0),
+        "layer_activation_bytes_full_recompute": _recompute_bytes(cfg, sh, "full", full[one]) if one is not None else 0,
+        "stage_micro_batch_bytes": {s: stages[s].act for s in stages},
+        "head": head,
+        "masters_bytes": master_bytes,
+        "batch_bytes": batch,
+        "pipeline_buffer_bytes": pipe_buffers,
+        "gathered_parameter_bytes": gathered,
+        "bytes_per_element": {"param": prec.param, "compute": prec.compute, "grad": prec.grad, "state": prec.state},
+        "precision_level": prec.level,
+        "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+                   "sequence_parallel": lay.sequence_parallel,
+                   "micro_batch": lay.micro_batch, "seq": lay.seq, "accumulation": lay.accumulation,
+                   "schedule": lay.schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages},
+        "device": device,
+        "tensor_peak": tensor_peak,
+    }
+    return MemoryEstimate(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes + master_bytes,
+                          activations=activations, buffers=buffers, overhead=int(tensor_peak * frac),
+                          peak=max(phases.values()), phases=phases, detail=detail, host=host)
+
+
+def _in_flight(lay: _Layout, pp_rank: int, stage_ids: list[int]) -> dict[int, int]:
+    """Most micro-batches each stage of the rank holds at once (forward done, backward not)."""
+    held = {s: 0 for s in stage_ids}
+    peak = dict(held)
+    for st, kind, _mb in _rank_ops(lay, pp_rank, stage_ids):
+        held[st] += 1 if kind == "F" else (-1 if kind in ("B", "W") else 0)
+        peak = {s: max(peak[s], held[s]) for s in held}
+    return peak
+
+
+def _param_stage(p: _Param, st: _Stage, num_stages: int) -> bool:
+    """Whether parameter p lives in stage st."""
+    if p.where == "layer":
+        return p.layer in st.layers
+    return st.first if p.where == "embedding" else st.last
+
+
+def _input_aliased(m: Any, sh: _Shape, recomputed: bool) -> bool:
+    """Whether a block keeps its input tensor itself (not a copy): LayerNorm, fp32 RMSNorm, recompute."""
+    return recomputed or m.norm != "rmsnorm" or sh.s == 4
+
+
+def _pipeline_buffers(lay: _Layout, stage_ids: list[int], hidden: int) -> int:
+    """PipelineStage's receive buffers, one per micro-batch: activations from the previous stage and
+    gradients from the next, where that stage is on another rank."""
+    if lay.pp == 1:
+        return 0
+    n = lay.pp * lay.virtual_stages
+    count = 0
+    for st in stage_ids:
+        if st > 0 and _stage_owner(lay, st - 1) != _stage_owner(lay, st):
+            count += lay.micro_batch_num
+        if st < n - 1 and _stage_owner(lay, st + 1) != _stage_owner(lay, st):
+            count += lay.micro_batch_num
+    return count * hidden
+
+
+def _zero_bubble_leftovers(lay: _Layout, stage_ids: list[int], hidden: int) -> int:
+    """Tensors torch's zero-bubble stages keep from one step to the next: each non-first stage's input
+    gradients, and the activations passed between two stages of the same rank (the V's turn)."""
+    if lay.pp == 1 or lay.schedule != "zero_bubble":
+        return 0
+    count = sum(lay.micro_batch_num for st in stage_ids if st > 0)
+    count += sum(lay.micro_batch_num for st in stage_ids
+                 if st > 0 and _stage_owner(lay, st - 1) == _stage_owner(lay, st))
+    return count * hidden
+
+
+def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full: dict[int, int],
+                   flags: dict[int, dict[str, bool]], held: list[_Param], stored: dict[str, int], prec: _Precision,
+                   head: Optional[dict[str, int]], fsdp: Optional["_Fsdp"], grads_exist: bool,
+                   input_only: bool) -> int:
+    """Peak of one micro-batch's backward through stage st, above everything else on the rank: the
+    head's cross-entropy transients first, then block by block (its saved activations shrink, its
+    gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join)."""
+    remaining = st.act
+    grads_now = st.grads if grads_exist else 0
+    peak = remaining + grads_now
+    if st.last and head is not None:
+        peak = max(peak, remaining + head["bwd_extra"] + grads_now)
+        remaining -= head["lsm"] + head["saved"]  # released once the head's backward has run; the logits stay
+        if not grads_exist and not input_only and fsdp is None:  # FSDP2 reduces the root's at the very end
+            grads_now += sum(stored[p.name] for p in held if p.trainable and p.where == "head") * prec.grad
+    order = list(reversed(st.layers))
+    for i in order:
+        back = full[i] - saved[i]  # a recomputed block's activations come back for its backward
+        mlp_t, attn_t = _layer_transient(cfg, sh)
+        share_mlp, share_attn = _grad_shares(held, i)
+        layer_grad = sum(stored[p.name] for p in held if p.layer == i and p.trainable) * prec.grad
+        growing = 0 if (grads_exist or input_only) else layer_grad
+        mlp_part = _mlp_bytes(cfg, sh, flags[i]) if full[i] else 0
+        # FSDP2's gathering above what it holds at the end of forward (already counted by the caller).
+        f_mlp = fsdp.backward_at(i, order, share_mlp) - fsdp.forward() if fsdp else 0
+        f_attn = fsdp.backward_at(i, order, share_attn) - fsdp.forward() if fsdp else 0
+        base = remaining + back + grads_now
+        if input_only:  # zero-bubble's input-gradient pass keeps the graph for the weight pass
+            mlp_part = 0
+        peak = max(peak, base + mlp_t + int(growing * share_mlp) + f_mlp,
+                   base - mlp_part + attn_t + int(growing * share_attn) + f_attn)
+        if input_only:
+            remaining += _weight_grad_inputs(cfg, sh)  # the output gradients the weight pass will need
+        else:
+            remaining -= saved[i]
+        grads_now += growing
+    return peak
+
+
+def _weight_grad_inputs(cfg: Any, sh: _Shape) -> int:
+    """What zero-bubble keeps per block between its input- and weight-gradient passes: the gradient
+    at the output of every weight (q, k, v, o, the MLP's projections, the two norms)."""
+    bt = sh.b * sh.t
+    widths = sh.q + 2 * sh.kv + sh.h + (2 if cfg.model.mlp == "gated" else 1) * sh.f + sh.h
+    return bt * widths * sh.s + 2 * sh.b * sh.tn * sh.h * sh.s
+
+
+def _grad_shares(held: list[_Param], layer: int) -> tuple[float, float]:
+    """Fractions of a block's trainable elements whose gradients exist at its MLP's backward (the
+    down projection's) and at its attention's backward (all but q, k, v and the first norm)."""
+    mine = [p for p in held if p.layer == layer and p.trainable]
+    total = sum(_numel(p.shape) for p in mine) or 1
+    mlp = sum(_numel(p.shape) for p in mine if ".feed_forward.w2." in p.name)
+    late = sum(_numel(p.shape) for p in mine
+               if any(k in p.name for k in (".attention.wq.", ".attention.wk.", ".attention.wv.", "attention_norm")))
+    return mlp / total, 1 - late / total
+
+
+def _document_mask(cfg: Any, device: str) -> bool:
+    """Whether attention gets an explicit [B, 1, T, T] mask (packed documents without flex attention)."""
+    if cfg.data.kind != "pretrain" and cfg.data.packing == "pad":
+        return False
+    documents = cfg.data.reset_attention_mask and bool(cfg.data.train_files)
+    if not documents:
+        return False
+    flex = device == "cuda" and cfg.model.use_flash_attention and not cfg.model.dropout
+    return not flex
+
+
+def _layer_flags(cfg: Any, params: tuple[_Param, ...]) -> dict[int, dict[str, bool]]:
+    """Per block: whether its input needs a gradient, and which of its weights train (or carry LoRA)."""
+    return _layer_flags_of(cfg.model.num_layers, params)
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_flags_of(num_layers: int, params: tuple[_Param, ...]) -> dict[int, dict[str, bool]]:
+    by_layer: dict[Optional[int], list[_Param]] = {}
+    for p in params:
+        by_layer.setdefault(p.layer, []).append(p)
+    out = {}
+    upstream = any(p.trainable for p in params if p.where == "embedding")
+    for i in range(num_layers):
+        mine = by_layer.get(i, [])
+        flags = {"input_grad": upstream, "norm": any(p.trainable for p in mine if "norm" in p.name)}
+        for lin, module in (("wq", "attention.wq"), ("wk", "attention.wk"), ("wv", "attention.wv"),
+                            ("wo", "attention.wo"), ("w1", "feed_forward.w1"), ("w3", "feed_forward.w3"),
+                            ("w2", "feed_forward.w2")):
+            prefix = f"layers.{i}.{module}."
+            flags[lin] = any(p.trainable for p in mine if p.name.startswith(prefix) and ".lora_" not in p.name)
+            flags[f"lora_{lin}"] = any(p.trainable for p in mine if p.name.startswith(prefix) and ".lora_" in p.name)
+        out[i] = flags
+        upstream = upstream or any(p.trainable for p in mine)
+    return out
+
+
+def _stage_bytes(cfg: Any, sh: _Shape, first: bool, device: str) -> int:
+    """What a model part keeps besides its blocks: RoPE cos/sin for the micro-batch (every part builds
+    them, in the compute dtype) and the embedding dropout's mask."""
+    m = cfg.model
+    rows = sh.b if _document_positions(cfg) else 1
+    total = 2 * rows * sh.t * m.head_dim * sh.s if m.position == "rope" else 0
+    if first and m.dropout > 0:
+        total += sh.b * sh.tn * sh.h * _MASK_BYTES.get(device, 1)
+    return total
+
+
+def _document_positions(cfg: Any) -> bool:
+    return cfg.data.reset_position_ids and bool(cfg.data.train_files)
+
+
+def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, bool]]) -> dict[str, int]:
+    """The final norm, logits and cross-entropy of one micro-batch: what they keep until backward
+    (norm, logits, the fp32 log-softmax) and the transients above that in forward and backward."""
+    m = cfg.model
+    bt = sh.b * sh.t
+    autocast = prec.level == "O1"
+    s = 2 if autocast else sh.s  # logits and the projection's saved input are 16-bit under autocast
+    input_grad = any(any(f.values()) for f in flags.values())  # something before the head trains
+    out_trains = cfg.lora is None and not (cfg.freeze.embeddings and m.tie_embeddings)
+    saved = _norm_bytes(m, sh, input_grad, cfg.lora is None, 4 if autocast else None)
+    if out_trains or autocast:
+        saved += bt * sh.h * s  # the norm output (its 16-bit cast under autocast), kept by the output projection
+    logits = bt * sh.v * s  # referenced until the backward is done
+    lsm = bt * sh.v * 4  # fp32 log-softmax (under loss parallel: exp of the shifted local logits)
+    cast = bt * sh.v * 4 if s != 4 else 0  # .float() copy of 16-bit logits, during the loss
+    loss_parallel = sh.v != m.vocab_size
+    fwd_extra = cast + (bt * sh.v * 4 if loss_parallel else 0)  # loss parallel also holds logits - max
+    # Backward of cross-entropy: the gradients of the log-probabilities and of the logits (fp32) at once.
+    bwd_extra = 2 * bt * sh.v * 4
+    return {"saved": saved, "logits": logits, "lsm": lsm, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
+
+
+def _layer_transient(cfg: Any, sh: _Shape) -> tuple[int, int]:
+    """What a block's backward holds above its saved activations: (in the MLP, in attention).
+
+    Gated MLP: the down projection's input is released as its gradient appears, then the gate's
+    two gradients join (+2 x [B, T, F]); plain MLP +1. Attention: the gradients of q, k, v and of
+    the output (+4 x [B, T, H*D]). Both also hold the block's output gradient and its residual sum.
+    """
+    bt = sh.b * sh.t
+    mlp = (2 if cfg.model.mlp == "gated" else 1) * bt * sh.f * sh.s
+    attention = 4 * bt * sh.q * sh.s
+    residual = 2 * sh.b * sh.tn * sh.h * sh.s
+    return mlp + residual, attention + residual
+
+
+def _mlp_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> int:
+    """The part of a block's saved activations that its MLP keeps (freed before attention's backward)."""
+    bt = sh.b * sh.t
+    s = sh.s
+    if cfg.model.mlp == "gated":
+        mlp = bt * sh.f * s * (3 if cfg.model.activation != "relu" else 2)
+    else:
+        mlp = bt * sh.f * s * (1 if cfg.model.activation != "relu" else 0)
+    if _saves_input(flags, "w2"):
+        mlp += bt * sh.f * s
+    return mlp
+
+
+def _batch_bytes(cfg: Any, lay: _Layout, device: str) -> int:
+    """The step's token batches (int64): input ids and labels, document and position ids when present;
+    under a pipeline also each pipeline step's concatenation of its micro-batches."""
+    keys = 4 if _document_positions(cfg) or _document_mask(cfg, "cpu") else 2
+    rows = lay.micro_batch
+    if device == "cpu":
+        total = lay.accumulation * rows * (lay.seq + 1) * 8  # the loader hands over the whole step at once
+        total += lay.accumulation * rows * lay.seq * 8 * (keys - 2)
+    else:
+        total = rows * lay.seq * 8 * keys  # one micro-batch copied to the device
+    if lay.pp > 1:
+        total += lay.micro_batch_num * rows * lay.seq * 8 * keys
+    return total
+
+
+@dataclass(frozen=True)
+class _Fsdp:
+    """What FSDP2 (ZeRO 2/3) holds unsharded, in the compute dtype, on one rank."""
+
+    keep_all: bool  # blocks stay gathered from their forward to their backward (ZeRO-2, zero-bubble PP)
+    root: int  # embeddings / final norm / output projection, gathered from forward to the end of backward
+    blocks: dict[int, int]  # per block: its gathered parameters
+    padded: dict[int, int]  # per block: the flat all-gather buffer (dim 0 padded to the shard count)
+    root_grad: int  # unsharded gradients of the root's trainable parameters (reduced at the very end)
+    block_grad: dict[int, int]  # per block: its unsharded gradients before their reduce-scatter
+
+    def forward(self) -> int:
+        """Gathered at the end of forward (the loss)."""
+        return self.root + (sum(self.blocks.values()) if self.keep_all else 0)
+
+    def backward_at(self, layer: int, order: list[int], grad_share: float) -> int:
+        """Gathered while `layer` runs its backward (`grad_share` of its gradients computed so far)."""
+        if self.keep_all:
+            gathered = sum(self.blocks[j] for j in order[order.index(layer):])
+        else:  # this block, and the next one's all-gather buffer (backward prefetch)
+            nxt = order[order.index(layer) + 1] if order.index(layer) + 1 < len(order) else None
+            gathered = self.blocks[layer] + (self.padded[nxt] if nxt is not None else 0)
+        return self.root + self.root_grad + gathered + int(self.block_grad[layer] * grad_share)
+
+
+def _fsdp(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]],
+          layers: dict[int, int]) -> Optional[_Fsdp]:
+    if lay.zero < 2:
+        return None
+    c, n = prec.compute, lay.dp_shard
+    blocks = {i: sum(_numel(local[p.name]) for p in held if p.layer == i) * c for i in layers}
+    padded = {i: sum(_fsdp_shard(local[p.name], n) * n for p in held if p.layer == i) * c for i in layers}
+    grads = {i: sum(_numel(local[p.name]) for p in held if p.layer == i and p.trainable) * c for i in layers}
+    root = sum(_numel(local[p.name]) for p in held if p.layer is None) * c
+    # The embedding's gradient comes last, after every block's backward.
+    root_grad = sum(_numel(local[p.name]) for p in held
+                    if p.layer is None and p.trainable and p.where != "embedding") * c
+    keep_all = lay.zero == 2 or (lay.schedule == "zero_bubble" and lay.pp > 1)
+    return _Fsdp(keep_all, root, blocks, padded, root_grad, grads)
+
+
+def _replicate_buffers(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]]) -> int:
+    """ZeRO 0/1 (FSDP2's `replicate`): an unsharded copy of every parameter, in the compute dtype,
+    from the first forward to the end of backward."""
+    if lay.zero >= 2 or lay.dp == 1:
+        return 0
+    return sum(_numel(local[p.name]) for p in held) * prec.compute
+
+
+def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad_bytes: int, state_elems: int,
+                     trainable: list[_Param], stored: dict[str, int], local: dict[str, tuple[int, ...]],
+                     offload: bool) -> int:
+    """Total during clipping and the update: parameters, gradients, state and the update's temporaries."""
+    if offload:
+        return static  # the update runs on the host
+    # foreach AdamW makes one temporary the size of a parameter group (sqrt of the second moment).
+    size = {p.name: stored[p.name] if lay.zero >= 2 else _numel(local[p.name]) for p in trainable}
+    group = max(sum(size[p.name] for p in trainable if len(p.shape) >= 2),  # the weight-decay group
+                sum(size[p.name] for p in trainable if len(p.shape) < 2))
+    if lay.zero == 1:
+        group = state_elems
+    temp = group * prec.state if cfg.train.optimizer != "sgd" else 0
+    total = static + grad_bytes + temp
+    if prec.masters:
+        # grads_to_masters replaces the 16-bit gradients by fp32 master gradients, one tensor at a time.
+        total = static + state_elems * 4 + temp
+    if lay.zero == 1:
+        # Each owner broadcasts its updated parameters as one flat buffer (two alive at the switch).
+        owned = state_elems * prec.param
+        total = max(total, static + grad_bytes + 2 * owned)
+    return total

@@ -1,0 +1,108 @@
+"""`shardwise estimate`: memory per device for a config file, or for a preset and layout flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..config import RunConfig, load_config, validate
+from ..errors import ConfigError
+
+
+def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `shardwise estimate`."""
+    p.add_argument("config", nargs="?", help="YAML run config (or give --model and the layout flags)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="devices (default: what the layout needs; needed with data_parallel -1)")
+    p.add_argument("--device", choices=["cuda", "npu", "cpu"], default=None,
+                   help="device kind (default: the config's run.device, cuda for auto); cpu counts tensors only")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    flags = p.add_argument_group("without a config file")
+    flags.add_argument("--model", metavar="PRESET", help="model preset, e.g. llama_7b")
+    flags.add_argument("--seq-length", type=int, default=2048)
+    flags.add_argument("--micro-batch", type=int, default=1, help="samples per device per micro-batch")
+    flags.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    flags.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    flags.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    flags.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+    flags.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    flags.add_argument("--level", choices=["O0", "O1", "O2", "O3"], default=None, help="precision level")
+    flags.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    flags.add_argument("--offload", action="store_true", help="CPU offload of optimizer state and parameters")
+    flags.add_argument("--lora-r", type=int, default=None, metavar="R", help="LoRA rank (attention projections)")
+    flags.add_argument("--freeze-layers", type=int, default=0, metavar="N", help="freeze the bottom N blocks")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run config to estimate: the file with its overrides, or one built from the flags."""
+    if args.config and args.model:
+        raise ConfigError("give a config file or --model, not both (override the file's model with "
+                          "--set model.preset=NAME)")
+    if args.config:
+        return load_config(args.config, args.set)
+    if not args.model:
+        raise ConfigError("give a config file, or --model PRESET with the layout flags (--dp, --tp, --pp, --zero, ...)")
+    raw: dict[str, Any] = {
+        "model": {"preset": args.model},
+        "data": {"seq_length": args.seq_length},
+        "train": {"max_steps": 1, "micro_batch_size": args.micro_batch},
+        "parallel": {"data_parallel": args.dp, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
+                     "zero_stage": args.zero, **({"micro_batch_num": max(2, args.pp)} if args.pp > 1 else {})},
+        "optimize": {"mixed_precision": args.precision, "recompute": args.recompute,
+                     "offload_optimizer": args.offload, "offload_params": args.offload,
+                     **({"precision_level": args.level} if args.level else {})},
+    }
+    model = raw["model"]
+    from ..models import get_preset
+
+    if args.seq_length > get_preset(args.model).get("max_position_embeddings", args.seq_length):
+        model["max_position_embeddings"] = args.seq_length
+    if args.lora_r:
+        raw["lora"] = {"r": args.lora_r, "alpha": 2 * args.lora_r}
+    if args.freeze_layers:
+        raw["freeze"] = {"layers": args.freeze_layers}
+    from ..config import apply_overrides
+
+    return validate(apply_overrides(raw, args.set))
+
+
+def device_kind(cfg: RunConfig, given: str | None) -> str:
+    """The device kind to estimate for: the flag, the config's run.device, or cuda for auto."""
+    if given:
+        return given
+    return cfg.run.device if cfg.run.device in ("cuda", "npu", "cpu") else "cuda"
+
+
+def describe_memory(cfg: RunConfig, devices: int | None, device: str) -> str:
+    """The estimate as text: one table per pipeline stage (one table without a pipeline)."""
+    from .estimate import estimate_all_ranks
+
+    try:
+        estimates = estimate_all_ranks(cfg, devices, device)
+    except ConfigError as exc:  # e.g. a seed file's pipeline layout that the run itself would refuse
+        return f"memory estimate: none, the layout cannot run as given: {exc}"
+    blocks = [e.table() for e in estimates]
+    if len(estimates) > 1:
+        worst = max(range(len(estimates)), key=lambda i: estimates[i].peak)
+        blocks.append(f"the busiest device is pipeline rank {worst}")
+    return f"memory estimate for {device}:\n" + "\n".join(blocks)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """`shardwise estimate`: print the estimate (a layout that cannot run fails with its reason)."""
+    from .estimate import estimate_all_ranks
+
+    cfg = config_from_args(args)
+    device = device_kind(cfg, args.device)
+    devices = args.nproc or cfg.parallel.world_size()
+    estimate_all_ranks(cfg, devices, device)  # raises the ConfigError that says why
+    if args.json:
+        print(json.dumps([e.as_dict() for e in estimate_all_ranks(cfg, devices, device)], indent=1))
+        return 0
+    from ..train.dry_run import describe_run
+
+    print(describe_run(cfg, devices))
+    print(describe_memory(cfg, devices, device))
+    return 0
