@@ -25,3 +25,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "cache"
     monkeypatch.setenv("SHARDWISE_CACHE", str(cache))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_shardwise_logging():
+    """The CLI's main() points the `shardwise` logger at the console and stops its propagation; undo
+    that after every test, so that a later test's caplog still sees shardwise's records."""
+    import logging
+
+    logger = logging.getLogger("shardwise")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
