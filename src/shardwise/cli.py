@@ -22,6 +22,8 @@ EPILOG = """examples:
   shardwise tokenizer train --input 'corpus/*.txt' --vocab-size 32000 --out tok/
   shardwise prepare --input 'corpus/*.jsonl' --tokenizer tok/ --out data/prepared
   shardwise convert runs/demo --to hf hf_model/                a checkpoint as a Hugging Face model directory
+  shardwise estimate cfg.yaml                                memory per device, by phase, before a run
+  shardwise plan --model llama_7b --devices 8 --hardware H100   the fastest layouts that fit
 
 `shardwise COMMAND --help` describes each command's options."""
 
@@ -199,6 +201,12 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .plan.command import run_plan
+
+    return run_plan(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser for every sub-command."""
     parser = argparse.ArgumentParser(prog="shardwise", description=DESCRIPTION, epilog=EPILOG,
@@ -352,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a .jsonl line that is not JSON or lacks the field: stop (default) or skip and count")
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared directory already at --out")
     pr.set_defaults(func=_cmd_prepare)
+
+    from .plan.command import DESCRIPTION as PLAN_DESCRIPTION, EPILOG as PLAN_EPILOG, add_plan_arguments
+
+    pl = sub.add_parser("plan", help="rank parallel layouts that fit memory by predicted speed (and profile them)",
+                        description=PLAN_DESCRIPTION, epilog=PLAN_EPILOG, allow_abbrev=False,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(pl)
+    pl.set_defaults(func=_cmd_plan)
     return parser
 
 

@@ -1,0 +1,177 @@
+"""`shardwise plan`: its options and what it does with them (cli.py adds the parser and calls `run_plan`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+DESCRIPTION = """\
+Rank parallel layouts of a model on some hardware: every DP x TP x PP split, ZeRO stage, recompute
+mode, micro-batch size and pipeline schedule is timed by a cost model (compute at an achievable
+share of peak, TP/DP/PP communication over the node's and the network's links, pipeline bubbles,
+recompute, the optimizer step); those whose estimated memory does not fit (with a safety margin)
+are dropped; the fastest 10 are printed with memory, tokens/s per device and MFU, and why the first
+wins. The physical limit (tokens/s per device at 100% MFU) is always shown. With --profile N the top
+layouts run N real steps on the devices present, the model is calibrated, and the plan is ranked again."""
+
+EPILOG = """\
+examples:
+  shardwise plan --model llama_7b --devices 8 --hardware H100 --seq-length 2048 --global-batch 64
+  shardwise plan --model llm_100b --devices 32 --hardware Ascend910B3 --seq-length 4096 --global-batch 512 \\
+      --target-tokens-per-s 15000
+  shardwise plan --model llama_7b --devices 8 --hardware 910B --lora --seq-length 2048 --global-batch 128
+  shardwise plan --model llama_13b --devices 16 --memory-gb 48 --tflops 362 --bandwidth-gbps 32
+  shardwise plan configs/demo.yaml --devices 2 --hardware cpu --profile 3
+  shardwise plan --list-hardware"""
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `shardwise plan`."""
+    p.add_argument("config", nargs="?", help="a run config to plan for (its model, sequence, batch, precision, "
+                                             "LoRA/freeze); or give --model")
+    p.add_argument("--model", metavar="PRESET", help="a model preset, e.g. llama_7b, qwen2_7b, llm_100b")
+    p.add_argument("--devices", type=int, metavar="N", help="devices to plan for (all nodes together)")
+    p.add_argument("--nodes", type=int, metavar="K", help="nodes they sit in (default: from --devices-per-node)")
+    p.add_argument("--devices-per-node", type=int, metavar="N", help="devices in one node (default: the hardware's)")
+    hw = p.add_argument_group("hardware (a catalogue entry, a YAML file's, or your own numbers)")
+    hw.add_argument("--hardware", metavar="NAME", help="catalogue name: H100, H100-PCIe, H200, A100-40GB, A100-80GB, "
+                                                       "Ascend910B1..B4, cpu (see --list-hardware)")
+    hw.add_argument("--hardware-file", metavar="YAML", help="more devices, one mapping per name (see --list-hardware)")
+    hw.add_argument("--memory-gb", type=float, metavar="GIB", help="memory per device (custom hardware or override)")
+    hw.add_argument("--tflops", type=float, metavar="T", help="dense bf16 peak TFLOP/s per device")
+    hw.add_argument("--bandwidth-gbps", type=float, metavar="GB/S", help="link bandwidth per device inside a node")
+    hw.add_argument("--inter-bandwidth-gbps", type=float, metavar="GB/S", help="per device between nodes")
+    hw.add_argument("--list-hardware", action="store_true", help="print the catalogue and exit")
+    w = p.add_argument_group("workload")
+    w.add_argument("--seq-length", type=int, metavar="T", help="tokens per sample (default: the model's maximum)")
+    w.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default 4 x devices)")
+    w.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="training dtype (default bf16; fp32 on cpu)")
+    w.add_argument("--precision-level", choices=["O1", "O2", "O3"], help="16-bit level (default O2)")
+    w.add_argument("--lora", action="store_true", help="LoRA fine-tuning (r=8 on q/k/v/o) instead of full training")
+    w.add_argument("--lora-rank", type=int, metavar="R", help="LoRA rank (implies --lora)")
+    w.add_argument("--freeze-layers", type=int, metavar="K", help="freeze the bottom K layers")
+    s = p.add_argument_group("search (comma lists pin a dimension, e.g. --tp 1,2 --zero 1)")
+    for flag, what in (("--dp", "data-parallel degrees"), ("--tp", "tensor-parallel degrees"),
+                       ("--pp", "pipeline stages"), ("--zero", "ZeRO stages"), ("--micro-batch", "micro-batch sizes")):
+        s.add_argument(flag, metavar="LIST", help=what)
+    s.add_argument("--recompute", metavar="LIST", help="none, selective, full")
+    s.add_argument("--schedule", metavar="LIST", help="1f1b, interleaved_1f1b, zero_bubble, gpipe")
+    s.add_argument("--no-offload", action="store_true", help="leave CPU offload out of the search")
+    s.add_argument("--memory-margin", type=float, default=0.10, metavar="F",
+                   help="share of device memory kept free (default 0.1)")
+    s.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
+    s.add_argument("--target-tokens-per-s", type=float, metavar="X",
+                   help="tokens/s per device you hope for: checked against the physical limit")
+    pr = p.add_argument_group("profiling")
+    pr.add_argument("--profile", type=int, metavar="N", help="run N real steps of the top layouts here, calibrate, "
+                                                             "and rank again")
+    pr.add_argument("--profile-top", type=int, default=3, metavar="K", help="layouts to profile (default 3)")
+
+
+def _ints(text: Optional[str], flag: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
+
+
+def hardware_from_args(args: argparse.Namespace) -> Any:
+    """The hardware the options describe."""
+    from .hardware import custom_hardware, get_hardware, load_hardware_file
+
+    extra = load_hardware_file(args.hardware_file) if args.hardware_file else {}
+    custom = (args.memory_gb, args.tflops, args.bandwidth_gbps)
+    if args.hardware is not None:
+        hw = get_hardware(args.hardware, extra)
+        if any(v is not None for v in custom):
+            hw = custom_hardware(*custom, base=hw, name=f"{hw.name} (modified)")
+    elif all(v is not None for v in custom):
+        hw = custom_hardware(*custom)
+    else:
+        from .hardware import known_names
+
+        given = [f for f, v in zip(("--memory-gb", "--tflops", "--bandwidth-gbps"), custom) if v is not None]
+        missing = [f for f, v in zip(("--memory-gb", "--tflops", "--bandwidth-gbps"), custom) if v is None]
+        raise ConfigError("say what to plan on: --hardware NAME (" + ", ".join(known_names(extra)) + ")"
+                          + (f", or add {', '.join(missing)} to {', '.join(given)} for custom hardware" if given
+                             else ", or --memory-gb, --tflops and --bandwidth-gbps for your own"))
+    changes: dict[str, Any] = {}
+    if args.inter_bandwidth_gbps is not None:
+        changes["inter_bandwidth_gbps"] = args.inter_bandwidth_gbps
+    if args.devices_per_node is not None:
+        if args.devices_per_node < 1:
+            raise ConfigError(f"--devices-per-node {args.devices_per_node}: give at least 1")
+        changes["devices_per_node"] = args.devices_per_node
+    return hw.with_changes(**changes) if changes else hw
+
+
+def list_hardware(extra_file: Optional[str] = None) -> str:
+    """The catalogue as a table."""
+    from .hardware import CATALOGUE, load_hardware_file
+
+    table = {**CATALOGUE, **(load_hardware_file(extra_file) if extra_file else {})}
+    rows = [("name", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "in node GB/s", "between GB/s",
+             "per node", "compute eff", "source")]
+    for h in table.values():
+        rows.append((h.name, f"{h.memory_gib:g}", f"{h.tflops_16:g}", f"{h.tflops_32:g}", f"{h.memory_bandwidth_gbps:g}",
+                     f"{h.intra_bandwidth_gbps:g}", f"{h.inter_bandwidth_gbps:g}", str(h.devices_per_node),
+                     f"{h.compute_efficiency:g}", h.source))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan (and profile) as the options say; print the report."""
+    from ..config import load_config
+    from .search import PlanRequest, plan, workload_config
+
+    if args.list_hardware:
+        print(list_hardware(args.hardware_file))
+        return 0
+    if args.devices is None:
+        raise ConfigError("--devices N is required: how many devices to plan for")
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices}: give at least 1 device")
+    if args.config is None and args.model is None:
+        raise ConfigError("give a model preset (--model NAME, e.g. llama_7b) or a run config file to plan for")
+    if args.config is not None and args.model is not None:
+        raise ConfigError("give either a run config or --model, not both")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: give at least 1")
+    hw = hardware_from_args(args)
+    base = load_config(args.config) if args.config else None
+    lora_rank = args.lora_rank if args.lora_rank is not None else (8 if args.lora else None)
+    if lora_rank is not None and lora_rank < 1:
+        raise ConfigError(f"--lora-rank {lora_rank}: give at least 1")
+    cfg = workload_config(model=args.model, config=base, seq_length=args.seq_length, global_batch=args.global_batch,
+                          devices=args.devices, precision=args.precision, precision_level=args.precision_level,
+                          lora_rank=lora_rank, freeze_layers=args.freeze_layers, hardware=hw)
+    pins: dict[str, list[Any]] = {}
+    for key, flag in (("dp", "--dp"), ("tp", "--tp"), ("pp", "--pp"), ("zero", "--zero"),
+                      ("micro_batch", "--micro-batch")):
+        values = _ints(getattr(args, key), flag)
+        if values is not None:
+            pins[key] = values
+    for key in ("recompute", "schedule"):
+        text = getattr(args, key)
+        if text is not None:
+            pins[key] = [x.strip() for x in text.split(",") if x.strip()]
+    if args.nodes is not None and args.nodes > 1 and args.devices_per_node is None:
+        hw = hw.with_changes(devices_per_node=max(1, args.devices // args.nodes))
+    req = PlanRequest(cfg=cfg, devices=args.devices, hardware=hw, nodes=args.nodes, memory_margin=args.memory_margin,
+                      top=args.top, pins=pins, offload=not args.no_offload,
+                      target_tokens_per_s=args.target_tokens_per_s)
+    result = plan(req)
+    print(result.report())
+    if args.profile is not None:
+        from .profile import profile_plan
+
+        if args.profile < 1:
+            raise ConfigError(f"--profile {args.profile}: give at least 1 step")
+        profiled = profile_plan(result, args.profile, top=max(1, args.profile_top))
+        print(profiled.report())
+    return 0

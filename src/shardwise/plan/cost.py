@@ -1,0 +1,391 @@
+"""The step-time model: how long one optimizer step of a run config takes on given hardware.
+
+A step is the busiest pipeline rank's work, summed from parts (seconds per optimizer step):
+
+- compute: the rank's matmul FLOPs over all its micro-batches at `compute_efficiency` x peak. FLOPs
+  follow `shardwise.models.flops_per_token` (6 per matmul weight per token plus the attention scores),
+  split over tensor-parallel ranks and counted per pipeline stage (the last stage also runs the output
+  projection, so stages are rarely equal). Frozen weights (LoRA, freeze) skip their weight-gradient
+  matmul (4 instead of 6), and layers with nothing trainable below them skip the backward entirely.
+- recompute: full recompute runs the forward of each recomputed layer again (1/3 of its training
+  FLOPs); selective recompute keeps the matmul outputs and redoes the element-wise work, taken as
+  `SELECTIVE_COST` of a layer's forward.
+- tp_comm: per layer and micro-batch, forward and backward, two all-reduces of the [b, s, h]
+  activations (or the same volume as all-gather + reduce-scatter with sequence parallelism), plus
+  the vocabulary-parallel embedding and output; recompute repeats the forward's. Not overlapped.
+  It also holds `tp_layer_overhead_us` of host work per layer and micro-batch (DTensor's dispatch:
+  hidden behind the kernels of a GPU, paid in full by a CPU).
+- dp_comm: gradients reduced once per step (all-reduce for ZeRO 0/1, reduce-scatter for 2/3, in the
+  reduce dtype), ZeRO 1's broadcast of updated parameters, the all-gathers of ZeRO 2 (once per
+  micro-batch, FSDP2 reshards after each backward) and ZeRO 3 (forward and backward of every
+  micro-batch). The part that `overlap` of the concurrent compute can hide is hidden.
+- pp_comm: a point-to-point send of the stage's activations (forward) and their gradients (backward)
+  per micro-batch and model chunk.
+- bubble: idle pipeline time, one micro-batch time of each rank other than the busiest (the fill and
+  drain pass through them; (pp - 1) micro-batch times for equal stages), divided by the virtual
+  stages (interleaving) and by 3 for the zero-bubble schedules, whose weight-gradient work fills
+  most of it (the zero-bubble paper's ZB-H1 estimate).
+- optimizer: AdamW streams parameters, gradients and both moments (and fp32 masters) through memory
+  once per step: bytes / memory bandwidth. With CPU offload: over PCIe and at host speed instead.
+
+Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latencies, all-gather
+and reduce-scatter half that; a group that spans nodes uses the inter-node link. On a CPU, a device
+is one process: when more processes are busy computing (on average over the step) than the cores
+give, they share them, and are slower at computing and at moving bytes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import RunConfig
+from ..models import flops_per_token
+from ..models.config import ModelConfig
+from .hardware import Hardware
+
+SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone (element-wise ops)
+ZERO_BUBBLE_FACTOR = 3.0  # zero-bubble schedules leave about 1/3 of 1F1B's bubble
+ADAM_BYTES = 32  # AdamW per fp32 parameter: read p, g, m, v, write p, m, v, and the clipping norm reads g
+MASTER_BYTES = 8  # O2 without FSDP2: read the fp32 master, write the 16-bit copy
+HOST_ADAM_GBPS = 10.0  # offloaded optimizer: host memory rate per device for CPU AdamW
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and what follows from them."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    dp_comm: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    optimizer: float = 0.0
+    tokens_per_step: int = 0
+    devices: int = 1
+    model_flops_per_token: float = 0.0
+    peak_flops: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
+
+    @property
+    def total(self) -> float:
+        """The step time."""
+        return sum(getattr(self, p) for p in self.PARTS)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second over all devices."""
+        return self.tokens_per_step / self.total
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        """Tokens per second per device (seed 003's figure divided by the devices)."""
+        return self.tokens_per_s / self.devices
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation as the trainer reports it (flops_per_token x tokens/s per device / peak)."""
+        return self.tokens_per_s_per_device * self.model_flops_per_token / self.peak_flops
+
+    def parts(self) -> dict[str, float]:
+        """Non-zero parts, seconds."""
+        return {p: getattr(self, p) for p in self.PARTS if getattr(self, p) > 0}
+
+    def breakdown(self, top: int = 4) -> str:
+        """'compute 81%, tp_comm 12%, ...': the `top` largest parts of at least 0.5%."""
+        total = self.total
+        items = sorted(self.parts().items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{name} {100 * t / total:.0f}%" for name, t in items[:top] if t >= 0.005 * total)
+
+
+# --- FLOPs and parameters per pipeline rank -------------------------------------------------------
+
+
+@dataclass
+class RankLoad:
+    """What one pipeline rank holds and computes (whole model widths; divide by tp for a device)."""
+
+    layers: int = 0
+    chunks: int = 1
+    embedding: bool = False
+    head: bool = False
+    flops_per_token: float = 0.0          # forward + backward, with frozen weights' savings
+    recompute_flops_per_token: float = 0.0
+    selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
+    params: int = 0
+    trainable: int = 0
+
+
+def _layer_weights(m: ModelConfig) -> int:
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    mlp = (3 if m.mlp == "gated" else 2) * m.hidden_size * m.intermediate_size
+    return m.hidden_size * (q + 2 * kv) + q * m.hidden_size + mlp
+
+
+def _layer_params(m: ModelConfig) -> int:
+    from ..models.flops import count_parameters_by_kind
+
+    kinds = count_parameters_by_kind(m)
+    per_norm = kinds["norm"] // (2 * m.num_layers + 1)
+    return (kinds["attention"] + kinds["mlp"]) // m.num_layers + 2 * per_norm
+
+
+def lora_adapter_params(cfg: RunConfig) -> int:
+    """Adapter parameters per layer (all layers alike), counted on a meta-device model."""
+    if cfg.lora is None:
+        return 0
+    import torch
+
+    from ..models.transformer import Transformer
+    from ..peft.lora import apply_lora
+
+    small = cfg.model.model_copy(update={"num_layers": 1})
+    with torch.device("meta"):
+        model = Transformer(small)
+    apply_lora(model, cfg.lora.r, cfg.lora.alpha, 0.0, cfg.lora.target_modules)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def rank_loads(cfg: RunConfig, adapter_params: int | None = None) -> list[RankLoad]:
+    """Per pipeline rank: layers, embedding/head ownership, training FLOPs per token, parameters."""
+    from ..parallel.pipeline import schedule_style, stage_layer_counts
+
+    m, p = cfg.model, cfg.parallel
+    seq = cfg.data.seq_length
+    pp, v = p.pipeline_parallel, p.virtual_stages
+    stages = stage_layer_counts(m.num_layers, pp * v, p.stage_layers)
+    if schedule_style(p.schedule, v) == "v":
+        owner = [s if s < pp else 2 * pp - 1 - s for s in range(pp * v)]
+    else:
+        owner = [s % pp for s in range(pp * v)]
+    w = _layer_weights(m)
+    attn_fwd = 4 * m.num_heads * m.head_dim * seq  # QK^T and AV, 2 FLOPs per multiply-add
+    adapters = lora_adapter_params(cfg) if adapter_params is None else adapter_params
+    frozen_weights = cfg.lora is not None
+    # Layers below the lowest trainable parameter need no backward at all.
+    no_backward_below = cfg.freeze.layers if (cfg.freeze.embeddings and cfg.lora is None) else 0
+    layer_params = _layer_params(m)
+    embed = m.vocab_size * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.position == "learned" else 0)
+    head_weights = m.vocab_size * m.hidden_size
+
+    loads = [RankLoad(chunks=v) for _ in range(pp)]
+    first_layer = 0
+    for stage, n_layers in enumerate(stages):
+        load = loads[owner[stage]]
+        load.layers += n_layers
+        for i in range(first_layer, first_layer + n_layers):
+            frozen = frozen_weights or i < cfg.freeze.layers
+            if i < no_backward_below:
+                load.flops_per_token += 2 * w + attn_fwd
+            else:
+                load.flops_per_token += (4 if frozen else 6) * w + 3 * attn_fwd + 6 * adapters
+            load.params += layer_params + adapters
+            load.trainable += adapters if cfg.lora is not None else (0 if i < cfg.freeze.layers else layer_params)
+        recomputed = _recomputed_layers(cfg.optimize.recompute, cfg.optimize.recompute_every, n_layers)
+        load.recompute_flops_per_token += recomputed * (2 * w + attn_fwd + 2 * adapters)
+        if cfg.optimize.recompute == "selective":
+            load.selective_flops_per_token += n_layers * (2 * w + attn_fwd)
+        first_layer += n_layers
+        if stage == 0:
+            load.embedding = True
+            load.params += embed
+            load.trainable += 0 if (cfg.lora is not None or cfg.freeze.embeddings) else embed
+        if stage == pp * v - 1:
+            load.head = True
+            load.flops_per_token += (4 if frozen_weights else 6) * head_weights
+            head_params = m.hidden_size + (0 if (m.tie_embeddings and pp == 1) else head_weights)
+            load.params += head_params
+            load.trainable += 0 if cfg.lora is not None else head_params
+    return loads
+
+
+def _recomputed_layers(mode: str, every: int, n_layers: int) -> int:
+    if mode != "full":
+        return 0
+    return len(range(0, n_layers, every))
+
+
+def model_flops_per_token(cfg: RunConfig) -> float:
+    """The FLOPs per token MFU is measured against (the trainer's convention)."""
+    return flops_per_token(cfg.model, cfg.data.seq_length)
+
+
+def work_flops_per_token(cfg: RunConfig) -> float:
+    """FLOPs per token the hardware must really do (less than the model FLOPs with frozen weights)."""
+    return sum(load.flops_per_token for load in rank_loads(cfg))
+
+
+# --- communication ------------------------------------------------------------------------------
+
+
+def _link(hw: Hardware, spans_nodes: bool, slowdown: float) -> tuple[float, float]:
+    """(bytes/s, latency s) of a link, with the achievable share of its bandwidth."""
+    if spans_nodes:
+        bw, lat = hw.inter_bandwidth_gbps, hw.inter_latency_us
+    else:
+        bw, lat = hw.intra_bandwidth_gbps, hw.intra_latency_us
+    return bw * 1e9 * hw.comm_efficiency / slowdown, lat * 1e-6 * slowdown
+
+
+def all_reduce_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """Ring all-reduce of `nbytes` over `n` devices."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """Ring all-gather (or reduce-scatter) whose full result is `nbytes`, over `n` devices."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+def p2p_time(nbytes: float, link: tuple[float, float]) -> float:
+    """One point-to-point send."""
+    bw, lat = link
+    return nbytes / bw + lat
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def _bytes(cfg: RunConfig) -> dict[str, int]:
+    """Bytes per element: activations, parameters as gathered, gradients as reduced, optimizer step."""
+    level = cfg.optimize.level()
+    half = cfg.optimize.mixed_precision != "fp32"
+    return {
+        "activation": 2 if half else 4,
+        "param": 2 if level in ("O2", "O3") else 4,
+        "grad": 2 if level == "O3" else 4,  # FSDP2 reduces O2's gradients in fp32
+        "adam": ADAM_BYTES // (2 if level == "O3" else 1) + (MASTER_BYTES if level == "O2" else 0),
+    }
+
+
+def predict_step(cfg: RunConfig, devices: int, hw: Hardware, nodes: int | None = None,
+                 adapter_params: int | None = None) -> StepTime:
+    """Predicted time of one optimizer step of `cfg` on `devices` devices of kind `hw`."""
+    world = cfg.parallel.world_size(devices)
+    nodes = nodes or hw.nodes_for(world)
+    step = _predict(cfg, devices, hw, nodes, adapter_params, 1.0)
+    per_node = max(1, world // nodes)
+    if not hw.cores_per_node or per_node <= hw.cores_per_node:
+        return step
+    # CPU: a device is a process, and more processes than cores share the cores, but only while they
+    # compute: a pipeline stage waiting in the bubble or a rank waiting on a message leaves its core
+    # to the others. So the slowdown follows the processes busy on average.
+    for _ in range(2):
+        busy = per_node * step.detail["busy"] / step.total
+        step = _predict(cfg, devices, hw, nodes, adapter_params, max(1.0, busy / hw.cores_per_node))
+    return step
+
+
+def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, adapter_params: int | None,
+             slowdown: float) -> StepTime:
+    """The step with compute, memory and links all `slowdown` times slower (CPU cores shared)."""
+    p = cfg.parallel
+    dp, tp, pp, v = p.dp_degree(devices), p.tensor_parallel, p.pipeline_parallel, p.virtual_stages
+    world = dp * tp * pp
+    per_node = max(1, world // nodes)
+    peak = hw.peak_tflops(cfg.optimize.mixed_precision) * 1e12
+    rate = peak * hw.compute_efficiency / slowdown
+    m = cfg.model
+    seq, mbs = cfg.data.seq_length, cfg.train.micro_batch_size
+    ga = cfg.gradient_accumulation(world)
+    tokens_mb = mbs * seq
+    b = _bytes(cfg)
+    loads = rank_loads(cfg, adapter_params)
+
+    tp_link = _link(hw, tp > per_node, slowdown)
+    dp_link = _link(hw, dp * tp > per_node, slowdown)
+    pp_link = _link(hw, nodes > 1, slowdown)
+    act_bytes = tokens_mb * m.hidden_size * b["activation"]
+    recompute_mode = cfg.optimize.recompute
+
+    def rank_times(load: RankLoad) -> dict[str, float]:
+        """Per micro-batch times of one pipeline rank."""
+        compute = tokens_mb * load.flops_per_token / tp / rate
+        recompute = tokens_mb * (load.recompute_flops_per_token
+                                 + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
+        # Forward and backward: two all-reduce volumes per layer each; recompute repeats the forward's.
+        ar_per_layer = 4 + (2 if recompute_mode == "full" else 1 if recompute_mode == "selective" else 0)
+        volumes = load.layers * ar_per_layer + 2 * (int(load.embedding) + int(load.head))
+        tp_comm = volumes * all_reduce_time(act_bytes, tp, tp_link)
+        # DTensor's per-op dispatch: host work, so on a CPU it competes with compute (counted as busy).
+        tp_host = load.layers * hw.tp_layer_overhead_us * 1e-6 * slowdown * (ar_per_layer / 4) if tp > 1 else 0.0
+        # Sequence parallelism sends each TP rank's share of the sequence between stages.
+        send = act_bytes / (tp if p.sequence_parallel else 1)
+        pp_comm = 2 * load.chunks * p2p_time(send, pp_link) if pp > 1 else 0.0
+        return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm + tp_host, "pp_comm": pp_comm,
+                "host": tp_host}
+
+    per_rank = [rank_times(load) for load in loads]
+    host_work = [r.pop("host") for r in per_rank]
+    busiest = max(range(pp), key=lambda r: sum(per_rank[r].values()))
+    t = per_rank[busiest]
+    load = loads[busiest]
+    micro_time = sum(t.values())  # one micro-batch on the slowest rank (all its chunks)
+    step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], tp_comm=ga * t["tp_comm"],
+                    pp_comm=ga * t["pp_comm"], tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
+                    model_flops_per_token=model_flops_per_token(cfg), peak_flops=peak)
+    if pp > 1:
+        # Filling and draining the pipeline passes through the other stages once each: (pp - 1) micro-batch
+        # times when the stages are equal, less when only the busiest one is heavy (the output head).
+        factor = ZERO_BUBBLE_FACTOR if p.schedule == "zero_bubble" else 1.0
+        others = sum(sum(r.values()) for i, r in enumerate(per_rank) if i != busiest)
+        step.bubble = others / v / factor
+
+    # Data parallelism, on this rank's share of the parameters.
+    params_dev = load.params / tp
+    trainable_dev = load.trainable / tp
+    zero = p.zero_stage if dp > 1 else 0
+    comm = 0.0
+    if dp > 1:
+        grads = trainable_dev * b["grad"]
+        params_bytes = params_dev * b["param"]
+        if zero <= 1:
+            comm += all_reduce_time(grads, dp, dp_link)
+            if zero == 1:
+                comm += gather_time(trainable_dev * b["param"], dp, dp_link)  # owners broadcast updates
+        else:
+            comm += gather_time(grads, dp, dp_link)  # reduce-scatter
+            gathers = (1 if (zero == 2 or pp > 1) else 2) * (1 if (zero == 2 and pp > 1) else ga)
+            comm += gathers * gather_time(params_bytes, dp, dp_link)
+            if cfg.optimize.offload_optimizer or cfg.optimize.offload_params:
+                # FSDP2's CPU offload copies each shard to the device before every all-gather.
+                comm += gathers * params_bytes / dp / (hw.host_bandwidth_gbps * 1e9 / slowdown)
+        # Reductions overlap the last backward; gathers are prefetched under each micro-batch's compute.
+        window = (t["compute"] + t["recompute"]) * (ga if zero >= 2 else 2 / 3)
+        step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
+    # The optimizer step on this device's (ZeRO-sharded) trainable parameters.
+    shard = trainable_dev / (dp if zero >= 1 else 1)
+    offload = cfg.optimize.offload_optimizer or cfg.optimize.offload_params
+    if offload and zero >= 2:
+        host = hw.host_bandwidth_gbps * 1e9
+        # Gradient shards go to the host, updated parameters come back, and the host runs AdamW.
+        step.optimizer = shard * (b["grad"] + b["param"]) / host + shard * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9)
+    else:
+        step.optimizer = shard * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
+    step.detail = {"dp": dp, "tp": tp, "pp": pp, "virtual_stages": v, "gradient_accumulation": ga,
+                   "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
+                   "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
+                   "dp_comm_total": comm, "micro_batch_time": micro_time, "loads": loads,
+                   # seconds a process computes per step, averaged over the pipeline ranks
+                   "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
+                   + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
+    return step
+
+
+def physical_limit(cfg: RunConfig, hw: Hardware) -> dict[str, float]:
+    """The best tokens/s per device at 100% MFU: peak / FLOPs per token (model FLOPs, and the work
+    really needed when weights are frozen)."""
+    peak = hw.peak_tflops(cfg.optimize.mixed_precision) * 1e12
+    model = model_flops_per_token(cfg)
+    work = work_flops_per_token(cfg) if (cfg.lora is not None or cfg.freeze.active()) else model
+    return {"peak_flops": peak, "flops_per_token": model, "tokens_per_s_per_device": peak / model if peak else 0.0,
+            "work_flops_per_token": work, "work_tokens_per_s_per_device": peak / work if peak else 0.0}

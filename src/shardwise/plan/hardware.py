@@ -1,0 +1,328 @@
+"""The hardware catalogue: memory, peak FLOP/s and links of the devices the planner knows, plus user YAML.
+
+Every figure is per device (one GPU, one NPU, or one CPU process). Bandwidths are GB/s (1e9 bytes)
+in one direction; `intra` links join the devices of one node (NVLink, HCCS, shared memory), `inter`
+links join nodes (InfiniBand, RoCE), counted per device (a node with 8 GPUs and 8 x 400 Gb/s NICs
+gives 50 GB/s). Memory is GiB. Peak TFLOP/s are dense (no sparsity) and come from
+`shardwise.train.metrics.PEAK_TFLOPS`, the table MFU is measured against, so that a plan and a run
+speak of the same MFU.
+
+Two fractions turn peaks into predictions: `compute_efficiency` (the share of peak FLOP/s that
+large training matmuls reach in eager PyTorch) and `comm_efficiency` (the share of a link's nominal
+bandwidth that collectives reach). `shardwise plan --profile N` fits both on the devices present.
+
+A user file (`--hardware-file my.yaml`) holds one mapping per device name, with the fields of
+`Hardware` (name comes from the key); `like: H100` starts from a catalogue entry:
+
+    my-h800:
+      like: H100
+      inter_bandwidth_gbps: 25      # 200 Gb/s per GPU between nodes
+    tiny-gpu:
+      memory_gib: 24
+      tflops_16: 165
+      tflops_32: 82.6
+      intra_bandwidth_gbps: 32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import ConfigError
+from ..train.metrics import PEAK_TFLOPS
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and the links between such devices."""
+
+    name: str
+    memory_gib: float                     # device memory (CPU: the node's RAM, shared by its processes)
+    tflops_16: float                      # dense bf16/fp16 peak
+    tflops_32: float                      # dense fp32 peak (not TF32)
+    memory_bandwidth_gbps: float          # device memory bandwidth (the optimizer step is bound by it)
+    intra_bandwidth_gbps: float           # per device, one direction, inside a node
+    inter_bandwidth_gbps: float           # per device, one direction, between nodes
+    intra_latency_us: float = 5.0         # per collective step inside a node
+    inter_latency_us: float = 15.0        # per collective step between nodes
+    devices_per_node: int = 8
+    host_bandwidth_gbps: float = 25.0     # device <-> host (PCIe), for CPU offload
+    reserved_gib: float = 1.0             # taken by the runtime (CUDA context, CANN workspace) before any tensor
+    compute_efficiency: float = 0.45      # achievable fraction of peak FLOP/s for training matmuls
+    comm_efficiency: float = 0.8          # achievable fraction of link bandwidth for collectives
+    comm_overlap: float = 0.9             # share of concurrent compute that can hide data-parallel traffic
+    tp_layer_overhead_us: float = 0.0     # host time per layer and micro-batch that tensor parallelism's
+                                          # DTensor dispatch adds (hidden behind GPU kernels; a CPU pays it)
+    kind: str = "cuda"                    # "cuda", "npu" or "cpu": how memory is estimated and runs are launched
+    cores_per_node: Optional[float] = None  # CPU: cores' worth of compute; more busy processes share them
+    source: str = ""                      # where the numbers come from
+
+    def peak_tflops(self, precision: str) -> float:
+        """Peak TFLOP/s for a training precision ("fp32", "bf16", "fp16")."""
+        return self.tflops_32 if precision == "fp32" else self.tflops_16
+
+    def nodes_for(self, devices: int) -> int:
+        """Nodes that `devices` devices fill."""
+        return max(1, -(-devices // self.devices_per_node))
+
+    def with_changes(self, **changes: Any) -> "Hardware":
+        """A copy with some fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line: memory, peaks and links."""
+        if self.kind == "cpu":
+            return (f"{self.name}: one-thread processes on {self.cores_per_node:g} cores' worth of compute, "
+                    f"{self.tflops_32:g} TFLOP/s fp32 each, {self.memory_gib:g} GiB RAM, "
+                    f"{self.intra_bandwidth_gbps:g} GB/s between processes")
+        return (f"{self.name}: {self.memory_gib:g} GiB, {self.tflops_16:g} TFLOP/s bf16 / {self.tflops_32:g} fp32, "
+                f"links {self.intra_bandwidth_gbps:g} GB/s in a node ({self.devices_per_node} per node), "
+                f"{self.inter_bandwidth_gbps:g} GB/s between nodes")
+
+
+def _peaks(table_key: str) -> dict[str, float]:
+    return {"tflops_16": PEAK_TFLOPS[table_key]["16"], "tflops_32": PEAK_TFLOPS[table_key]["32"]}
+
+
+# Link figures: NVLink 4 (H100/H200 SXM) 900 GB/s both directions = 450 each way; NVLink 3 (A100 SXM)
+# 600 -> 300; PCIe Gen5 x16 64 GB/s, Gen4 32 GB/s each way. Between nodes one NIC per GPU: NDR
+# InfiniBand 400 Gb/s = 50 GB/s (H100/H200), HDR 200 Gb/s = 25 GB/s (A100). Ascend 910B (Atlas 800T
+# A2): HCCS full mesh, 7 x 56 GB/s links, taken as 196 GB/s each way; 8 x 200 GbE RoCE = 25 GB/s per
+# NPU (seed 002's cluster has 100 GbE: pass --inter-bandwidth-gbps 12.5). Memory bandwidths and sizes
+# are the vendors' data sheets. compute_efficiency: shardwise reached 38.4% MFU with qwen2_1.5b in
+# bf16 on one H200, optimizer step included (bench/README.md), so about 0.42 for the matmuls;
+# the older A100 reaches a larger share of its lower peak; Ascend figures are public reports.
+_NVIDIA = "NVIDIA data sheets; compute_efficiency from shardwise on one H200 (bench/README.md)"
+_ASCEND = "Huawei Atlas 800T A2 / 910B public specifications (approximate); fit with --profile"
+
+CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
+    Hardware("H100", memory_gib=80, **_peaks("H100"), memory_bandwidth_gbps=3350, intra_bandwidth_gbps=450,
+             inter_bandwidth_gbps=50, host_bandwidth_gbps=64, compute_efficiency=0.42, source=_NVIDIA + "; SXM5"),
+    Hardware("H100-PCIe", memory_gib=80, tflops_16=756, tflops_32=51, memory_bandwidth_gbps=2000,
+             intra_bandwidth_gbps=64, inter_bandwidth_gbps=25, intra_latency_us=10, host_bandwidth_gbps=64,
+             compute_efficiency=0.42, source=_NVIDIA + "; PCIe Gen5 between GPUs, one 400 Gb/s NIC per 2 GPUs"),
+    Hardware("H200", memory_gib=141, **_peaks("H200"), memory_bandwidth_gbps=4800, intra_bandwidth_gbps=450,
+             inter_bandwidth_gbps=50, host_bandwidth_gbps=64, compute_efficiency=0.42, source=_NVIDIA + "; SXM"),
+    Hardware("A100-40GB", memory_gib=40, **_peaks("A100"), memory_bandwidth_gbps=1555, intra_bandwidth_gbps=300,
+             inter_bandwidth_gbps=25, host_bandwidth_gbps=32, compute_efficiency=0.5, source=_NVIDIA + "; SXM4"),
+    Hardware("A100-80GB", memory_gib=80, **_peaks("A100"), memory_bandwidth_gbps=2039, intra_bandwidth_gbps=300,
+             inter_bandwidth_gbps=25, host_bandwidth_gbps=32, compute_efficiency=0.5, source=_NVIDIA + "; SXM4"),
+    Hardware("Ascend910B1", memory_gib=64, **_peaks("Ascend910B1"), memory_bandwidth_gbps=1600,
+             intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
+             host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
+    Hardware("Ascend910B2", memory_gib=64, **_peaks("Ascend910B2"), memory_bandwidth_gbps=1600,
+             intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
+             host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
+    Hardware("Ascend910B3", memory_gib=64, **_peaks("Ascend910B3"), memory_bandwidth_gbps=1600,
+             intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
+             host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
+    Hardware("Ascend910B4", memory_gib=32, **_peaks("Ascend910B4"), memory_bandwidth_gbps=800,
+             intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
+             host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
+    # This machine, measured: a device is one process with one thread. Peaks, memory and gloo rates
+    # are the best of `measure_cpu` runs on 2026-11-30 (1024 x 1024 matmuls, a 64 MiB copy, gloo
+    # all-reduce bus bandwidth of 64 MiB and latency of 4 bytes between 2 processes; the machine was
+    # shared with other jobs, so best-of). The efficiencies, the 2 vCPUs' worth for several processes
+    # at once (1.82 cores) and TP's host work are fitted by bench/plan_calibration.py (bench/README.md,
+    # "Planner calibration"); gloo's all-reduce is CPU work here, so comm_efficiency is low.
+    Hardware("cpu", memory_gib=23.5, tflops_16=0.0157, tflops_32=0.149, memory_bandwidth_gbps=8.8,
+             intra_bandwidth_gbps=1.10, inter_bandwidth_gbps=1.10, intra_latency_us=121, inter_latency_us=121,
+             devices_per_node=64, host_bandwidth_gbps=8.8, reserved_gib=0.0, compute_efficiency=0.289,
+             comm_efficiency=0.070, comm_overlap=0.0, tp_layer_overhead_us=30500.0, kind="cpu", cores_per_node=1.82,
+             source="measured on this machine (measure_cpu + bench/plan_calibration.py, 2026-11-30)"),
+)}
+
+# Names people use for the same devices.
+ALIASES = {"h100-sxm": "H100", "h100sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
+           "a100-40g": "A100-40GB", "a100-80g": "A100-80GB", "910b": "Ascend910B3", "ascend910b": "Ascend910B3",
+           "910b1": "Ascend910B1", "910b2": "Ascend910B2", "910b3": "Ascend910B3", "910b4": "Ascend910B4"}
+
+_FIELDS = {f.name for f in dataclasses.fields(Hardware)}
+
+
+def known_names(extra: dict[str, Hardware] | None = None) -> list[str]:
+    """Catalogue names (and a user file's)."""
+    return list(CATALOGUE) + [n for n in (extra or {}) if n not in CATALOGUE]
+
+
+def get_hardware(name: str, extra: dict[str, Hardware] | None = None) -> Hardware:
+    """A catalogue (or user file) entry by name, case-insensitive; ConfigError listing the known ones."""
+    table = {**CATALOGUE, **(extra or {})}
+    by_lower = {k.lower(): k for k in table}
+    key = by_lower.get(name.lower()) or ALIASES.get(name.lower())
+    if key is None:
+        close = difflib.get_close_matches(name, list(table), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"hardware {name!r} is not known{hint} Known: {', '.join(known_names(extra))}. "
+                          "Describe your own with --memory-gb, --tflops and --bandwidth-gbps, or in a YAML file "
+                          "given with --hardware-file")
+    return table[key]
+
+
+def custom_hardware(memory_gb: float, tflops: float, bandwidth_gbps: float, base: Hardware | None = None,
+                    name: str = "custom") -> Hardware:
+    """A device described on the command line: memory (GiB), bf16 peak TFLOP/s, link GB/s."""
+    for what, value in (("--memory-gb", memory_gb), ("--tflops", tflops), ("--bandwidth-gbps", bandwidth_gbps)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{what} {value}: give a positive number")
+    base = base or CATALOGUE["H100"].with_changes(name=name, source="given on the command line")
+    changes: dict[str, Any] = {}
+    if memory_gb is not None:
+        changes["memory_gib"] = memory_gb
+    if tflops is not None:
+        changes.update(tflops_16=tflops, tflops_32=base.tflops_32 * tflops / base.tflops_16 if base.tflops_16 else tflops)
+    if bandwidth_gbps is not None:
+        changes["intra_bandwidth_gbps"] = bandwidth_gbps
+    return base.with_changes(**changes)
+
+
+def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
+    """Entries of a user YAML file (name -> fields, `like: NAME` to start from a known entry)."""
+    from ..config import read_yaml
+
+    raw = read_yaml(path)
+    out: dict[str, Hardware] = {}
+    for name, fields in raw.items():
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{path}: {name} must be a mapping of fields ({', '.join(sorted(_FIELDS - {'name'}))})")
+        fields = dict(fields)
+        like = fields.pop("like", None)
+        unknown = sorted(set(fields) - _FIELDS)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(_FIELDS), n=1, cutoff=0.5)
+            raise ConfigError(f"{path}: {name}.{unknown[0]} is not a hardware field"
+                              + (f"; did you mean {close[0]}?" if close else "")
+                              + f" Fields: {', '.join(sorted(_FIELDS - {'name'}))}")
+        if like is not None:
+            base = get_hardware(str(like), out)
+            out[str(name)] = base.with_changes(name=str(name), source=f"{path} (like {base.name})", **fields)
+            continue
+        required = ("memory_gib", "tflops_16", "intra_bandwidth_gbps")
+        missing = [f for f in required if f not in fields]
+        if missing:
+            raise ConfigError(f"{path}: {name} needs {', '.join(missing)} (or `like: H100` to start from a "
+                              "known device)")
+        fields.setdefault("tflops_32", fields["tflops_16"] / 8)
+        fields.setdefault("memory_bandwidth_gbps", 1000.0)
+        fields.setdefault("inter_bandwidth_gbps", fields["intra_bandwidth_gbps"])
+        try:
+            out[str(name)] = Hardware(name=str(name), source=str(path), **fields)
+        except TypeError as e:
+            raise ConfigError(f"{path}: {name}: {e}") from None
+    return out
+
+
+# --- measuring this machine's CPU -------------------------------------------------------------------
+
+
+def _best_rate(fn: Any, work: float, seconds: float) -> float:
+    """The best work/s of `fn` over repeated calls for about `seconds` (a busy machine only slows calls)."""
+    import time
+
+    fn()
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        fn()
+        best = max(best, work / (time.perf_counter() - t0))
+    return best
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], seconds: float, out: Any) -> None:
+    """One rank of the gloo measurement: best all-reduce and send/recv times per message size."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    result: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}}
+    for size in sizes:
+        t = torch.ones(size // 4)
+        for kind in ("all_reduce", "p2p"):
+            best, rounds = float("inf"), 0
+            end = time.perf_counter() + seconds
+            while True:
+                dist.barrier()
+                t0 = time.perf_counter()
+                if kind == "all_reduce":
+                    dist.all_reduce(t)
+                elif rank == 0:
+                    dist.send(t, 1)
+                elif rank == 1:
+                    dist.recv(t, 0)
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank decides
+                best, rounds = min(best, float(elapsed)), rounds + 1
+                # Every rank stops after the same round: rank 0 decides.
+                stop = torch.tensor([float(rounds >= 3 and time.perf_counter() >= end)])
+                dist.broadcast(stop, 0)
+                if stop.item():
+                    break
+            result[kind][size] = best
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, sizes: tuple[int, ...] = (4, 1 << 20, 16 << 20, 64 << 20),
+                        seconds: float = 1.0) -> dict[str, dict[int, float]]:
+    """Best gloo all-reduce and rank 0 -> 1 send times (s) per message size (bytes) over `world` processes."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, list(sizes), seconds, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return result
+
+
+def measure_cpu(seconds: float = 2.0, worlds: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+    """Measure this CPU as the planner sees it: matmul TFLOP/s per thread count, memory bandwidth, and
+    gloo all-reduce bus bandwidth and latency between processes. Best of repeated runs (a shared
+    machine only slows things down), so these are the undisturbed rates."""
+    import torch
+
+    threads = torch.get_num_threads()
+    out: dict[str, Any] = {"cores": os.cpu_count(), "matmul_tflops": {}}
+    n = 1024
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for t in sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(t)
+            rate = _best_rate(lambda: a @ b, 2 * n**3, seconds)
+            out["matmul_tflops"][f"{str(dtype).split('.')[-1]}_{t}thread"] = rate / 1e12
+    torch.set_num_threads(1)
+    src = torch.ones(64 << 18)  # 64 MiB
+    dst = torch.empty_like(src)
+    # A copy reads and writes every byte; AdamW streams its tensors the same way.
+    out["memory_gbps_1thread"] = _best_rate(lambda: dst.copy_(src), 2 * src.numel() * 4, seconds) / 1e9
+    torch.set_num_threads(threads)
+    for world in worlds:
+        times = measure_collectives(world, seconds=seconds / 2)
+        ar = times["all_reduce"]
+        big = max(ar)
+        # Ring all-reduce moves 2 (n-1)/n of the message through every rank's link: the "bus" bandwidth.
+        out[f"gloo_{world}"] = {
+            "all_reduce_bus_gbps": 2 * (world - 1) / world * big / ar[big] / 1e9,
+            "all_reduce_latency_us": ar[min(ar)] * 1e6,
+            "p2p_gbps": big / times["p2p"][big] / 1e9,
+            "all_reduce_s": {str(k): v for k, v in ar.items()},
+        }
+    return out

@@ -1,0 +1,181 @@
+"""The plan as text: the workload, the physical limit, the top layouts, why the first wins, a target check."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from ..config import human
+from ..models import count_parameters
+
+if TYPE_CHECKING:
+    from .search import Candidate, PlanResult
+
+GIB = 2**30
+PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
+              "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends", "bubble": "the pipeline bubble",
+              "optimizer": "the optimizer step"}
+
+
+def format_plan(result: "PlanResult") -> str:
+    """Everything `shardwise plan` prints."""
+    lines = header_lines(result)
+    if result.ranked:
+        lines += ["", candidate_table(result.ranked), ""]
+        lines += wrap("why #1: " + explain_winner(result))
+    else:
+        lines += [""] + wrap(no_fit_message(result))
+    target = target_check(result)
+    if target:
+        lines += [""] + wrap(target)
+    return "\n".join(lines)
+
+
+def header_lines(result: "PlanResult") -> list[str]:
+    """Workload, hardware, usable memory, the physical limit, and the search's size."""
+    req = result.request
+    cfg, hw, n = req.cfg, req.hardware, req.devices
+    nodes = req.nodes or hw.nodes_for(n)
+    m = cfg.model
+    params = count_parameters(m)
+    seq, gbs = cfg.data.seq_length, cfg.train.global_batch_size
+    tune = ""
+    if cfg.lora is not None:
+        tune = f", LoRA r={cfg.lora.r}"
+    elif cfg.freeze.active():
+        tune = f", bottom {cfg.freeze.layers} layers frozen" + (" with embeddings" if cfg.freeze.embeddings else "")
+    usable = result.ranked[0].usable if result.ranked else (result.smallest.usable if result.smallest else 0)
+    reserve = "" if hw.kind == "cpu" else f", {hw.reserved_gib:g} GiB runtime reserve"
+    shared = f" (the node's {hw.memory_gib:g} GiB RAM shared by {n // nodes} processes)" if hw.kind == "cpu" else ""
+    lim = result.limit
+    lines = [
+        f"workload   {m.preset or m.model_type}: {human(params)} parameters, seq {seq}, global batch {gbs} "
+        f"({gbs * seq:,} tokens per step), {cfg.optimize.mixed_precision} {cfg.optimize.level()}{tune}",
+        f"hardware   {n} x {hw.summary()}; {nodes} node(s)",
+        f"memory     {usable / GIB:.1f} GiB usable per device{shared} ({100 * req.memory_margin:g}% safety "
+        f"margin{reserve})",
+        f"limit      {limit_arithmetic(lim)}",
+    ]
+    if lim["work_flops_per_token"] < lim["flops_per_token"]:
+        lines.append(f"           frozen weights skip their weight gradients: the work is "
+                     f"{lim['work_flops_per_token']:.3g} FLOPs per token, at most "
+                     f"{lim['work_tokens_per_s_per_device']:,.0f} tokens/s per device")
+    fit_note = (f"{len(result.faster_not_fitting)} faster one(s) do not fit" if result.ranked
+                else "none fits")
+    lines.append(f"search     {result.evaluated:,} layouts timed, {result.estimated:,} memory estimates; {fit_note}")
+    return lines
+
+
+def limit_arithmetic(lim: dict[str, float]) -> str:
+    """'989 TFLOP/s / 4.29e10 FLOPs per token = 23,073 tokens/s per device at 100% MFU'."""
+    return (f"{lim['peak_flops'] / 1e12:g} TFLOP/s / {lim['flops_per_token']:.3g} FLOPs per token = "
+            f"{lim['tokens_per_s_per_device']:,.0f} tokens/s per device at 100% MFU (the physical best)")
+
+
+def candidate_table(cands: list["Candidate"]) -> str:
+    """The ranked layouts as a fixed-width table."""
+    head = ("#", "layout", "ZeRO", "recompute", "mbs x GA", "schedule", "memory GiB", "step s", "tok/s/dev",
+            "MFU", "where the time goes")
+    rows = [head]
+    for i, c in enumerate(cands, 1):
+        lay, s = c.layout, c.step
+        rows.append((str(i), lay.short(), f"{lay.zero}" + ("+off" if lay.offload else ""), lay.recompute,
+                     f"{lay.micro_batch} x {lay.accumulation}", lay.schedule_name(),
+                     f"{c.peak / GIB:.3g}", f"{s.total:.3g}", f"{s.tokens_per_s_per_device:,.0f}",
+                     f"{100 * s.mfu:.1f}%", s.breakdown()))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = []
+    for r in rows:
+        out.append("  ".join(cell.ljust(w) if i in (1, 3, 5, 10) else cell.rjust(w)
+                             for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(out)
+
+
+def explain_winner(result: "PlanResult") -> str:
+    """Why the first layout beats the others: its time split, the runner-up's extra cost, faster layouts
+    that do not fit, and the documents' rule of thumb (prefer data parallelism) checked."""
+    best = result.ranked[0]
+    s = best.step
+    parts = [f"{best.layout.describe()} predicts {s.total:.3g} s per step, {s.tokens_per_s_per_device:,.0f} "
+             f"tokens/s per device ({100 * s.mfu:.1f}% MFU); its step is {s.breakdown()}."]
+    if len(result.ranked) > 1:
+        runner = result.ranked[1]
+        parts.append(_compare(best, runner, "The next best"))
+    if result.faster_not_fitting:
+        fastest = result.faster_not_fitting[0]
+        parts.append(f"{len(result.faster_not_fitting)} faster layout(s) do not fit: the fastest, "
+                     f"{fastest.layout.describe()} ({fastest.step.total:.3g} s), needs {fastest.peak / GIB:.1f} GiB "
+                     f"of the {best.usable / GIB:.1f} usable.")
+    dp = result.best_data_parallel
+    if best.layout.tp == 1 and best.layout.pp == 1:
+        parts.append("Plain data parallelism wins, as the documents advise.")
+    elif dp is None:
+        parts.append("No pure data-parallel layout fits, so model parallelism is needed here.")
+    else:
+        parts.append(_compare(best, dp, "The best pure data-parallel layout"))
+    return " ".join(parts)
+
+
+def _compare(best: "Candidate", other: "Candidate", what: str) -> str:
+    """How much slower `other` is than `best`, and the part of the step that makes the difference."""
+    slower = other.step.total / best.step.total - 1
+    diffs = {p: getattr(other.step, p) - getattr(best.step, p) for p in best.step.PARTS}
+    part, extra = max(diffs.items(), key=lambda kv: kv[1])
+    because = f", mostly {PART_NAMES[part]} (+{extra:.3g} s)" if extra > 0 else ""
+    close = " (closer than the model can tell apart: either will do)" if slower < 0.02 else ""
+    return f"{what}, {other.layout.describe()}, is {100 * slower:.1f}% slower{because}{close}."
+
+
+def no_fit_message(result: "PlanResult") -> str:
+    """Nothing fits: by how much the most frugal layout misses, and what would help."""
+    req = result.request
+    c = result.smallest
+    if c is None:
+        return "no layout fits"
+    over = c.peak - c.usable
+    msg = (f"No layout fits: the most memory-frugal one, {c.layout.describe()}, needs {c.peak / GIB:.1f} GiB per "
+           f"device, {over / GIB:.1f} GiB ({100 * over / max(c.usable, 1):.0f}%) over the {c.usable / GIB:.1f} GiB "
+           f"usable on {req.hardware.name}.")
+    if c.memory is not None:
+        msg += " " + _largest_parts(c)
+    if result.advice:
+        msg += " What would help: " + "; ".join(result.advice) + "."
+    return msg
+
+
+def _largest_parts(c: "Candidate") -> str:
+    mem = c.memory
+    parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
+             "activations": mem.activations, "buffers": mem.buffers}
+    top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    return "Largest parts: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in top) + "."
+
+
+def target_check(result: "PlanResult") -> Optional[str]:
+    """Compare `--target-tokens-per-s` with the physical limit and with the best prediction."""
+    target = result.request.target_tokens_per_s
+    if target is None:
+        return None
+    lim = result.limit
+    needed = target * lim["flops_per_token"]
+    peak = lim["peak_flops"]
+    work_needed = target * lim["work_flops_per_token"]
+    if work_needed > peak:
+        return (f"target {target:,.0f} tokens/s per device is IMPOSSIBLE: {target:,.0f} tokens/s x "
+                f"{lim['work_flops_per_token']:.3g} FLOPs per token = {work_needed / 1e12:,.0f} TFLOP/s per device, "
+                f"{work_needed / peak:.1f} x the device's peak of {peak / 1e12:g} TFLOP/s; even at 100% MFU it "
+                f"reaches {peak / lim['work_flops_per_token']:,.0f} tokens/s per device.")
+    best = result.best
+    if best is None:
+        return f"target {target:,.0f} tokens/s per device: within the physical limit, but no layout fits."
+    got = best.step.tokens_per_s_per_device
+    if got >= target:
+        return f"target {target:,.0f} tokens/s per device: met by #1 ({got:,.0f} predicted)."
+    return (f"target {target:,.0f} tokens/s per device: possible in principle ({100 * needed / peak:.0f}% MFU), "
+            f"but the best layout predicts {got:,.0f} ({100 * best.step.mfu:.1f}% MFU).")
+
+
+def wrap(text: str, width: int = 110) -> list[str]:
+    """Text wrapped to lines of at most `width` characters."""
+    import textwrap
+
+    return textwrap.wrap(text, width=width, break_on_hyphens=False) or [""]

@@ -1,0 +1,455 @@
+"""The layout search: every DP x TP x PP split, ZeRO stage, recompute, micro-batch and schedule of a
+workload, ranked by predicted step time among those whose estimated memory fits.
+
+Layouts are timed first (cheap) and their memory is estimated (`shardwise.memory.estimate`) in order
+of speed until enough fit, so the ones shown are the fastest that fit, and the faster ones that do
+not fit are known. Memory must stay under the device memory less a safety margin and what the
+runtime reserves. `plan()` returns a `PlanResult`, whose `report()` is what `shardwise plan` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+from ..config import ParallelConfig, RunConfig, validate
+from ..errors import ConfigError
+from .cost import StepTime, lora_adapter_params, physical_limit, predict_step
+from .hardware import CATALOGUE, Hardware
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+
+GIB = 2**30
+RECOMPUTE = ("none", "selective", "full")
+# Schedules tried for pipelines of each depth: (schedule, virtual stages). GPipe is left out: it has
+# 1F1B's bubble and keeps every micro-batch's activations.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 1),
+                      ("zero_bubble", 2))
+MAX_MICRO_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1
+    accumulation: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    offload: bool = False
+
+    def short(self) -> str:
+        """'DP4 TP2 PP1' style degrees."""
+        return f"DP{self.dp} TP{self.tp} PP{self.pp}"
+
+    def describe(self) -> str:
+        """All settings in one line."""
+        parts = [self.short(), f"ZeRO-{self.zero}" + ("+offload" if self.offload else ""),
+                 f"recompute {self.recompute}", f"micro-batch {self.micro_batch} x {self.accumulation}"]
+        if self.pp > 1:
+            parts.append(self.schedule_name())
+        return ", ".join(parts)
+
+    def schedule_name(self) -> str:
+        """The pipeline schedule with its virtual stages."""
+        if self.pp == 1:
+            return "-"
+        return self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+
+
+@dataclass
+class Candidate:
+    """A layout, its run config, predicted step and (once estimated) memory."""
+
+    layout: Layout
+    cfg: RunConfig
+    step: StepTime
+    memory: Any = None  # MemoryEstimate once estimated
+    usable: int = 0  # bytes a device may use
+    lower_bound: int = 0  # bytes the weights, gradients and optimizer state need at least
+
+    @property
+    def peak(self) -> int:
+        """Estimated peak bytes per device (the lower bound when not estimated)."""
+        return self.memory.peak if self.memory is not None else self.lower_bound
+
+    @property
+    def fits(self) -> bool:
+        """Whether the estimated peak is within the usable memory."""
+        return self.memory is not None and self.memory.peak <= self.usable
+
+
+@dataclass
+class PlanRequest:
+    """What to plan for: a workload (model, sequence, batch, precision, fine-tuning) on some hardware."""
+
+    cfg: RunConfig
+    devices: int
+    hardware: Hardware
+    nodes: Optional[int] = None
+    memory_margin: float = 0.10
+    top: int = 10
+    pins: dict[str, list[Any]] = field(default_factory=dict)  # tp, pp, dp, zero, recompute, micro_batch, schedule
+    offload: bool = True
+    target_tokens_per_s: Optional[float] = None  # per device
+
+
+@dataclass
+class PlanResult:
+    """Ranked layouts and what the report says about them."""
+
+    request: PlanRequest
+    ranked: list[Candidate]  # fitting, fastest first (at most `top`)
+    evaluated: int  # layouts timed
+    estimated: int  # layouts whose memory was estimated
+    faster_not_fitting: list[Candidate]  # faster than the winner but over the memory
+    best_data_parallel: Optional[Candidate]  # the fastest fitting pure-DP layout, when there is one
+    limit: dict[str, float]
+    smallest: Optional[Candidate] = None  # when nothing fits: the layout needing the least memory
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Optional[Candidate]:
+        """The winner."""
+        return self.ranked[0] if self.ranked else None
+
+    def report(self) -> str:
+        """The text `shardwise plan` prints."""
+        from .report import format_plan
+
+        return format_plan(self)
+
+
+# --- the workload ---------------------------------------------------------------------------------
+
+
+def workload_config(model: Optional[str] = None, config: Optional[RunConfig] = None, seq_length: Optional[int] = None,
+                    global_batch: Optional[int] = None, devices: int = 1, precision: Optional[str] = None,
+                    precision_level: Optional[str] = None, lora_rank: Optional[int] = None,
+                    freeze_layers: Optional[int] = None, hardware: Optional[Hardware] = None) -> RunConfig:
+    """The run config to plan: a preset (or a given config) with the sequence, batch and precision asked for."""
+    from ..models import preset_names
+
+    if config is None and model is None:
+        raise ConfigError("give a model preset (--model NAME) or a run config to plan for")
+    if config is not None:
+        raw = config.model_dump(mode="json")
+        raw["model"].pop("init_from", None)  # the architecture is resolved already; weights are not needed
+    else:
+        if model not in preset_names():
+            raise ConfigError(f"model preset {model!r} is not known. Known presets: {', '.join(preset_names())}")
+        raw = {"model": {"preset": model}, "train": {"max_steps": 1}}
+    raw.setdefault("data", {})
+    if seq_length is not None:
+        if seq_length < 2:
+            raise ConfigError(f"--seq-length {seq_length}: give at least 2 tokens")
+        raw["data"]["seq_length"] = seq_length
+    if config is None:
+        from ..models import get_preset
+
+        preset = get_preset(model)
+        seq = raw["data"].get("seq_length") or preset["max_position_embeddings"]
+        if seq > preset["max_position_embeddings"]:
+            if preset.get("position") == "learned":
+                raise ConfigError(f"--seq-length {seq} exceeds {model}'s {preset['max_position_embeddings']} learned "
+                                  "positions")
+            raw["model"]["max_position_embeddings"] = seq  # RoPE: longer sequences change no sizes
+    if global_batch is not None:
+        if global_batch < 1:
+            raise ConfigError(f"--global-batch {global_batch}: give at least 1 sample")
+        raw["train"]["global_batch_size"] = global_batch
+    elif raw["train"].get("global_batch_size") is None:
+        raw["train"]["global_batch_size"] = 4 * devices
+    raw["train"].update(micro_batch_size=1, max_steps=raw["train"].get("max_steps") or 1)
+    opt = raw.setdefault("optimize", {})
+    opt["gradient_accumulation_steps"] = None
+    if precision is not None:
+        opt["mixed_precision"] = precision
+        opt["precision_level"] = precision_level
+    elif config is None:
+        opt["mixed_precision"] = "fp32" if hardware is not None and hardware.kind == "cpu" else "bf16"
+    if lora_rank is not None:
+        raw["lora"] = {"r": lora_rank, "alpha": 2.0 * lora_rank}
+    if raw.get("lora"):
+        raw["lora"]["dropout"] = 0.0  # dropout is refused with TP; it does not change sizes or time
+    if freeze_layers is not None:
+        raw.setdefault("freeze", {})["layers"] = freeze_layers
+    raw["parallel"] = {"sequence_parallel": raw.get("parallel", {}).get("sequence_parallel", True)}
+    return validate(raw)
+
+
+# --- enumeration ----------------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(pins: dict[str, list[Any]], key: str, values: Iterable[Any]) -> list[Any]:
+    return [v for v in values if key not in pins or v in pins[key]]
+
+
+def check_request(req: PlanRequest) -> None:
+    """Refuse impossible device counts, nodes and pinned degrees with what would work."""
+    n = req.devices
+    if n < 1:
+        raise ConfigError(f"--devices {n}: give at least 1 device")
+    if req.nodes is not None and (req.nodes < 1 or n % req.nodes):
+        raise ConfigError(f"--nodes {req.nodes} must divide --devices {n} (the same number of devices on every node)")
+    if not 0 <= req.memory_margin < 1:
+        raise ConfigError(f"--memory-margin {req.memory_margin}: give a fraction in [0, 1), e.g. 0.1")
+    m = req.cfg.model
+    for key, values in req.pins.items():
+        for v in values:
+            if key in ("tp", "pp", "dp", "micro_batch") and v < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} {v}: degrees and sizes are at least 1")
+            if key in ("tp", "pp", "dp") and n % v:
+                raise ConfigError(f"--{key} {v} does not divide {n} devices; degrees that do: "
+                                  f"{', '.join(map(str, divisors(n)))}")
+    for tp in req.pins.get("tp", []):
+        bad = [f"{name} {size}" for name, size in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                                                   ("intermediate_size", m.intermediate_size)) if size % tp]
+        if bad:
+            ok = [t for t in divisors(n) if not (m.num_heads % t or m.num_kv_heads % t or m.intermediate_size % t)]
+            raise ConfigError(f"--tp {tp} must divide the model's {', '.join(bad)}; tensor-parallel degrees that "
+                              f"suit this model on {n} devices: {', '.join(map(str, ok))}")
+    for pp in req.pins.get("pp", []):
+        if pp > m.num_layers:
+            raise ConfigError(f"--pp {pp} exceeds the model's {m.num_layers} layers: every stage needs a layer")
+    for z in req.pins.get("zero", []):
+        if z not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero {z}: ZeRO stages are 0, 1, 2, 3")
+    for sched in req.pins.get("schedule", []):
+        if sched not in SCHEDULES:
+            raise ConfigError(f"--schedule {sched!r}: use one of {', '.join(SCHEDULES)}")
+    for r in req.pins.get("recompute", []):
+        if r not in RECOMPUTE:
+            raise ConfigError(f"--recompute {r!r}: use one of {', '.join(RECOMPUTE)}")
+    gbs = req.cfg.train.global_batch_size
+    if gbs is not None and not any(gbs % dp == 0 for dp in _allowed(req.pins, "dp", divisors(n))):
+        raise ConfigError(f"--global-batch {gbs} cannot be split over any data-parallel degree allowed on {n} devices")
+
+
+def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
+    """Every layout of the request that the trainer can run (validity only; memory comes later)."""
+    from ..parallel.pipeline import check_pipeline
+
+    cfg, n, pins = req.cfg, req.devices, req.pins
+    m = cfg.model
+    seq = cfg.data.seq_length
+    gbs = cfg.train.global_batch_size
+    sp = cfg.parallel.sequence_parallel
+    nodes = req.nodes or req.hardware.nodes_for(n)
+    per_node = n // nodes
+    out = []
+    for tp in _allowed(pins, "tp", divisors(n)):
+        if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
+            continue
+        if tp > per_node and "tp" not in pins:
+            continue  # tensor parallelism across nodes: every layer would wait on the slow link
+        for pp in _allowed(pins, "pp", divisors(n // tp)):
+            if pp > m.num_layers:
+                continue
+            dp = n // (tp * pp)
+            if "dp" in pins and dp not in pins["dp"]:
+                continue
+            if gbs % dp:
+                continue
+            per_rank = gbs // dp
+            mbs_options = [b for b in divisors(per_rank) if b <= MAX_MICRO_BATCH and (b & (b - 1) == 0 or b == per_rank)]
+            for mbs in _allowed(pins, "micro_batch", mbs_options):
+                ga = per_rank // mbs
+                schedules = (PIPELINE_SCHEDULES + (("gpipe", 1),) if "gpipe" in pins.get("schedule", []) else
+                             PIPELINE_SCHEDULES) if pp > 1 else (("1f1b", 1),)
+                for schedule, v in schedules:
+                    if "schedule" in pins and schedule not in pins["schedule"]:
+                        continue
+                    if "virtual_stages" in pins and v not in pins["virtual_stages"]:
+                        continue
+                    if pp > 1:
+                        try:
+                            check_pipeline(m.num_layers, pp, v, schedule, None, ga)
+                        except ConfigError:
+                            continue
+                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
+                        offloads = (False, True) if (req.offload and zero >= 2 and req.hardware.kind != "cpu") else (False,)
+                        for offload in offloads:
+                            for recompute in _allowed(pins, "recompute", RECOMPUTE):
+                                layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload)
+                                out.append((layout, layout_config(cfg, layout)))
+    return out
+
+
+def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
+    """`base` with the layout's parallel, batch and memory settings (checked by `enumerate_layouts`)."""
+    parallel = ParallelConfig(data_parallel=layout.dp, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
+                              zero_stage=layout.zero, micro_batch_num=layout.accumulation if layout.pp > 1 else 1,
+                              schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                              sequence_parallel=base.parallel.sequence_parallel)
+    optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
+                                               "gradient_accumulation_steps": None,
+                                               "offload_optimizer": layout.offload, "offload_params": False})
+    train = base.train.model_copy(update={"micro_batch_size": layout.micro_batch,
+                                          "global_batch_size": layout.dp * layout.micro_batch * layout.accumulation})
+    return base.model_copy(update={"parallel": parallel, "optimize": optimize, "train": train})
+
+
+def usable_bytes(hw: Hardware, margin: float, devices_on_node: int) -> int:
+    """Memory one device may fill: its memory less the margin and the runtime's reserve (a CPU's RAM is
+    shared by the processes on the node)."""
+    if hw.kind == "cpu":
+        return int(hw.memory_gib * (1 - margin) / max(1, devices_on_node) * GIB)
+    return int((hw.memory_gib * (1 - margin) - hw.reserved_gib) * GIB)
+
+
+# --- the search -----------------------------------------------------------------------------------
+
+
+MemoryFn = Callable[[RunConfig, int, str], Any]
+
+
+def _estimate(cfg: RunConfig, devices: int, device: str) -> Any:
+    from ..memory.estimate import estimate_memory
+
+    return estimate_memory(cfg, devices, device)
+
+
+def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = True) -> PlanResult:
+    """Time every layout, estimate memory in order of speed, and rank the fastest that fit (when none
+    does and `advise`, say what would help)."""
+    memory_fn = memory_fn or _estimate
+    check_request(req)
+    hw, n = req.hardware, req.devices
+    nodes = req.nodes or hw.nodes_for(n)
+    usable = usable_bytes(hw, req.memory_margin, n // nodes)
+    adapters = lora_adapter_params(req.cfg)
+    candidates = []
+    for layout, cfg in enumerate_layouts(req):
+        step = predict_step(cfg, n, hw, nodes, adapter_params=adapters)
+        candidates.append(Candidate(layout, cfg, step, usable=usable, lower_bound=state_lower_bound(cfg, layout, step)))
+    if not candidates:
+        raise ConfigError(_no_layout_message(req))
+    candidates.sort(key=lambda c: (c.step.total, c.layout.tp, c.layout.pp, c.layout.zero))
+    device = hw.kind
+    estimated = 0
+
+    def estimate(c: Candidate) -> Candidate:
+        nonlocal estimated
+        if c.memory is None and (c.lower_bound <= usable or not quick):
+            c.memory = memory_fn(c.cfg, n, device)
+            estimated += 1
+        return c
+
+    quick = True  # skip estimates whose lower bound is already over the memory
+    ranked, faster_not_fitting = [], []
+    for c in candidates:
+        if estimate(c).fits:
+            ranked.append(c)
+            if len(ranked) >= req.top:
+                break
+        elif not ranked:
+            faster_not_fitting.append(c)
+    best_dp = next((c for c in candidates if c.layout.tp == 1 and c.layout.pp == 1 and estimate(c).fits), None)
+    result = PlanResult(request=req, ranked=ranked, evaluated=len(candidates), estimated=estimated,
+                        faster_not_fitting=faster_not_fitting, best_data_parallel=best_dp,
+                        limit=physical_limit(req.cfg, hw))
+    if not ranked and advise:
+        quick = False
+        for c in candidates:
+            estimate(c)
+        result.estimated = estimated
+        result.smallest = min(candidates, key=lambda c: c.peak)
+        result.advice = fit_advice(req, result.smallest, memory_fn)
+    return result
+
+
+def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
+    """Bytes per device that parameters, gradients and optimizer state need at the least (16-bit copies,
+    two moments, ZeRO sharding, nothing for offloaded shards): a cheap test before the full estimate."""
+    m = cfg.model
+    half = cfg.optimize.mixed_precision != "fp32"
+    elem = 2 if half else 4
+    state = 4 if cfg.optimize.level() == "O3" else 8
+    dp, tp, pp = layout.dp, layout.tp, layout.pp
+    tokens = layout.micro_batch * cfg.data.seq_length
+    if layout.recompute == "full":  # each block keeps its input
+        per_layer = tokens * m.hidden_size * elem / tp
+    else:  # at least the matmul outputs: q, k, v, attention projection, MLP branches and output
+        widths = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 2 * m.hidden_size + 2 * m.intermediate_size
+        per_layer = tokens * widths * elem / tp
+    bound = 0.0
+    for rank, load in enumerate(step.detail["loads"]):
+        params, trainable = load.params / tp, load.trainable / tp
+        if layout.offload:
+            need = params * elem * (0 if layout.zero == 3 else 1) / dp
+        else:
+            need = (params * elem / (dp if layout.zero == 3 else 1) + trainable * elem / (dp if layout.zero >= 2 else 1)
+                    + trainable * state / (dp if layout.zero >= 1 else 1))
+        # 1F1B keeps pp - rank micro-batches in flight on pipeline rank `rank`; other schedules as many or more.
+        in_flight = min(layout.accumulation, pp - rank) if pp > 1 else 1
+        bound = max(bound, need + load.layers * in_flight * per_layer)
+    return int(bound)
+
+
+def _no_layout_message(req: PlanRequest) -> str:
+    m, n = req.cfg.model, req.devices
+    pins = ", ".join(f"--{k.replace('_', '-')} {','.join(map(str, v))}" for k, v in req.pins.items())
+    return (f"no layout of {n} devices suits this workload{f' with {pins}' if pins else ''}: tensor parallelism "
+            f"must divide num_heads {m.num_heads}, num_kv_heads {m.num_kv_heads} and intermediate_size "
+            f"{m.intermediate_size} (and seq_length {req.cfg.data.seq_length} under sequence parallelism), pipelines "
+            f"need at most {m.num_layers} stages and enough micro-batches, the global batch "
+            f"{req.cfg.train.global_batch_size} must split over the data-parallel ranks, and ZeRO stages 1-3 "
+            "need more than one data-parallel rank")
+
+
+def fit_advice(req: PlanRequest, smallest: Candidate, memory_fn: MemoryFn) -> list[str]:
+    """What would make the workload fit: more devices, LoRA, a device with more memory."""
+    hw, n = req.hardware, req.devices
+    advice = []
+    need, usable = smallest.peak, smallest.usable
+    # More devices of the same kind: the fully sharded layout on 2x, 4x, ... as many.
+    for factor in (2, 4, 8, 16, 32):
+        more = dataclasses.replace(req, devices=n * factor, top=1, pins={}, nodes=None,
+                                   cfg=_with_batch(req.cfg, n * factor))
+        try:
+            found = _quick_fit(more, memory_fn)
+        except ConfigError:
+            continue
+        if found is not None:
+            advice.append(f"{n * factor} devices of this kind fit it ({found.layout.describe()}: "
+                          f"{found.peak / GIB:.1f} GiB per device)")
+            break
+    if req.cfg.lora is None and not req.cfg.freeze.active():
+        lora_cfg = validate({**smallest.cfg.model_dump(mode="json"), "lora": {"r": 8, "alpha": 16}})
+        peak = memory_fn(lora_cfg, n, hw.kind).peak
+        if peak <= usable:
+            advice.append(f"LoRA fine-tuning (r=8) instead of full training fits: {peak / GIB:.1f} GiB per device")
+    bigger = [h for h in CATALOGUE.values() if h.kind != "cpu" and usable_bytes(h, req.memory_margin, 1) >= need]
+    if bigger:
+        advice.append("devices with more memory: " + ", ".join(f"{h.name} ({h.memory_gib:g} GiB)" for h in bigger))
+    return advice
+
+
+def _with_batch(cfg: RunConfig, devices: int) -> RunConfig:
+    """`cfg` with its global batch raised to a multiple of `devices` when smaller."""
+    gbs = cfg.train.global_batch_size or devices
+    if gbs % devices == 0:
+        return cfg
+    gbs = math.lcm(gbs, devices)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_size": gbs})})
+
+
+def _quick_fit(req: PlanRequest, memory_fn: MemoryFn) -> Optional[Candidate]:
+    """The fastest of the most memory-frugal layouts (ZeRO-3, full recompute, micro-batch 1), if any fits."""
+    req = dataclasses.replace(req, pins={"zero": [3], "recompute": ["full"], "micro_batch": [1]}, offload=False)
+    if req.devices == 1:
+        return None
+    return plan(req, memory_fn, advise=False).best

@@ -1,0 +1,54 @@
+"""The hardware catalogue, user YAML files and custom hardware."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.plan.hardware import CATALOGUE, custom_hardware, get_hardware, load_hardware_file
+from shardwise.train.metrics import PEAK_TFLOPS
+
+
+def test_catalogue_holds_the_devices_of_the_issue() -> None:
+    for name in ("H100", "H100-PCIe", "H200", "A100-40GB", "A100-80GB", "Ascend910B1", "Ascend910B2", "Ascend910B3",
+                 "Ascend910B4", "cpu"):
+        assert name in CATALOGUE
+    # The peaks are the ones MFU is measured against during training.
+    assert CATALOGUE["H100"].tflops_16 == PEAK_TFLOPS["H100"]["16"] == 989.0
+    assert CATALOGUE["A100-40GB"].memory_gib == 40 and CATALOGUE["A100-80GB"].memory_gib == 80
+    assert CATALOGUE["Ascend910B3"].tflops_16 == PEAK_TFLOPS["Ascend910B3"]["16"]
+    assert CATALOGUE["Ascend910B4"].memory_gib == 32
+    cpu = CATALOGUE["cpu"]
+    assert cpu.kind == "cpu" and 1 <= cpu.cores_per_node <= 2 and cpu.tflops_32 > 0 and cpu.intra_bandwidth_gbps > 0
+
+
+def test_names_are_found_case_insensitively_and_by_alias() -> None:
+    assert get_hardware("h100").name == "H100"
+    assert get_hardware("910B").name == "Ascend910B3"
+    assert get_hardware("a100").name == "A100-80GB"
+
+
+def test_user_file(tmp_path: Path) -> None:
+    path = tmp_path / "hw.yaml"
+    path.write_text("my-h800:\n  like: H100\n  inter_bandwidth_gbps: 25\n"
+                    "small-gpu:\n  memory_gib: 24\n  tflops_16: 165\n  intra_bandwidth_gbps: 32\n")
+    table = load_hardware_file(path)
+    assert table["my-h800"].tflops_16 == 989 and table["my-h800"].inter_bandwidth_gbps == 25
+    small = table["small-gpu"]
+    assert (small.memory_gib, small.tflops_16, small.tflops_32, small.inter_bandwidth_gbps) == (24, 165, 165 / 8, 32)
+    assert get_hardware("MY-H800", table).name == "my-h800"
+    path.write_text("bad:\n  memory_gb: 24\n")
+    with pytest.raises(ConfigError, match="memory_gb is not a hardware field; did you mean memory_gib"):
+        load_hardware_file(path)
+    path.write_text("bad:\n  memory_gib: 24\n")
+    with pytest.raises(ConfigError, match="needs tflops_16, intra_bandwidth_gbps"):
+        load_hardware_file(path)
+
+
+def test_custom_hardware() -> None:
+    hw = custom_hardware(48, 362, 32)
+    assert (hw.memory_gib, hw.tflops_16, hw.intra_bandwidth_gbps) == (48, 362, 32)
+    with pytest.raises(ConfigError, match="--tflops -1"):
+        custom_hardware(48, -1, 32)

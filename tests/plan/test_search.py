@@ -1,0 +1,111 @@
+"""The layout search: valid layouts only, memory filtering, ranking, the report, and bad input."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.plan import PlanRequest, get_hardware, plan, workload_config
+from shardwise.plan.search import enumerate_layouts
+
+GIB = 2**30
+
+
+def request(model: str = "llama_7b", devices: int = 8, hardware: str = "H100", seq: int = 2048, gbs: int = 64,
+            **kwargs: object) -> PlanRequest:
+    hw = get_hardware(hardware)
+    cfg = workload_config(model=model, seq_length=seq, global_batch=gbs, devices=devices, hardware=hw,
+                          lora_rank=kwargs.pop("lora_rank", None))
+    return PlanRequest(cfg=cfg, devices=devices, hardware=hw, **kwargs)
+
+
+def fake_memory(limit_tp1: float):
+    """Memory that only depends on the degrees: tp=1 layouts need `limit_tp1` GiB, others half as much."""
+    def fn(cfg, devices, device):  # noqa: ANN001, ANN202
+        p = cfg.parallel
+        peak = int(limit_tp1 * GIB / (p.tensor_parallel * p.pipeline_parallel))
+        return SimpleNamespace(peak=peak, params=peak // 4, grads=peak // 4, optimizer=peak // 2, activations=0,
+                               buffers=0)
+    return fn
+
+
+def test_every_layout_is_one_the_trainer_runs() -> None:
+    req = request()
+    layouts = enumerate_layouts(req)
+    assert len(layouts) > 500
+    seen = set()
+    for lay, cfg in layouts:
+        assert lay.dp * lay.tp * lay.pp == 8
+        assert cfg.parallel.dp_degree(8) == lay.dp and cfg.parallel.world_size(8) == 8
+        assert 32 % lay.tp == 0 and lay.tp <= 8
+        assert cfg.global_batch_size(8) == 64  # the workload's batch, whatever the split
+        assert cfg.gradient_accumulation(8) == lay.accumulation
+        if lay.pp > 1:
+            assert cfg.parallel.micro_batch_num == lay.accumulation >= lay.pp
+        if lay.dp == 1:
+            assert lay.zero == 0
+        seen.add((lay.tp, lay.pp, lay.zero, lay.recompute))
+    assert {(1, 1, 3, "full"), (2, 1, 0, "none"), (1, 2, 1, "selective"), (8, 1, 0, "none")} <= seen
+
+
+def test_the_fastest_layouts_that_fit_are_ranked() -> None:
+    req = request(top=5, offload=False)
+    result = plan(req, memory_fn=fake_memory(100))  # 100 GiB without model parallelism: does not fit in 71
+    assert len(result.ranked) == 5
+    times = [c.step.total for c in result.ranked]
+    assert times == sorted(times)
+    assert all(c.fits and c.layout.tp * c.layout.pp > 1 for c in result.ranked)
+    assert result.faster_not_fitting and all(c.layout.tp * c.layout.pp == 1 for c in result.faster_not_fitting)
+    assert all(c.step.total <= times[0] for c in result.faster_not_fitting)
+    assert result.best_data_parallel is None
+    text = result.report()
+    assert "why #1" in text and "No pure data-parallel layout fits" in text
+    assert "23,073 tokens/s per device at 100% MFU" in text  # 989e12 / 4.286e10
+
+
+def test_real_estimates_seed_003_lora_on_910b() -> None:
+    req = request(devices=8, hardware="Ascend910B3", gbs=128, lora_rank=8, top=3,
+                  pins={"dp": [8], "micro_batch": [2], "recompute": ["full"], "zero": [0]})
+    result = plan(req)
+    best = result.best
+    assert best.layout.describe() == "DP8 TP1 PP1, ZeRO-0, recompute full, micro-batch 2 x 8"
+    # Replicated fp32 base weights (FSDP2's masters) and their bf16 copies: near the seed's 52 GB peak.
+    assert best.fits and 35 * GIB < best.peak < 55 * GIB
+    assert 1000 < best.step.tokens_per_s_per_device < 10_539  # below the LoRA physical limit
+
+
+def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
+    req = request(devices=1, hardware="A100-40GB", gbs=8)
+    result = plan(req)
+    assert not result.ranked and result.smallest is not None
+    text = result.report()
+    assert "No layout fits" in text and "GiB" in text and "over the 35.0 GiB usable" in text
+    assert any("devices of this kind fit it" in a for a in result.advice)
+    assert any("LoRA" in a for a in result.advice)
+
+
+def test_a_target_beyond_the_physical_limit_is_impossible() -> None:
+    req = request("llm_100b", devices=32, hardware="Ascend910B3", seq=4096, gbs=32, target_tokens_per_s=15000,
+                  pins={"tp": [8], "pp": [2], "zero": [3], "recompute": ["full"], "micro_batch": [1]})
+    text = " ".join(plan(req).report().split())  # unwrapped
+    assert "IMPOSSIBLE" in text
+    assert "15,000 tokens/s x 4.22e+11 FLOPs per token = 6,335 TFLOP/s per device, 20.2 x the device's peak" in text
+
+
+def test_bad_input_is_explained() -> None:
+    with pytest.raises(ConfigError, match="llama_7b"):  # the known presets are listed
+        workload_config(model="llama_8b", devices=8)
+    with pytest.raises(ConfigError, match="H100.*A100-40GB.*Ascend910B3"):
+        get_hardware("B200")
+    with pytest.raises(ConfigError, match="did you mean H100"):
+        get_hardware("H10")
+    with pytest.raises(ConfigError, match="--tp 3 does not divide 8 devices; degrees that do: 1, 2, 4, 8"):
+        plan(request(pins={"tp": [3]}))
+    with pytest.raises(ConfigError, match="--nodes 3 must divide --devices 8"):
+        plan(request(nodes=3))
+    with pytest.raises(ConfigError, match="--pp 16 exceeds the model's 32 layers|--pp 16 does not divide"):
+        plan(request(pins={"pp": [16]}))
+    with pytest.raises(ConfigError, match="global-batch 6 cannot be split"):
+        plan(request(gbs=6, pins={"dp": [4, 8]}))
