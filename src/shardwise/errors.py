@@ -18,7 +18,8 @@ class DataError(ShardwiseError):
 
 
 class CheckpointError(ShardwiseError):
-    """A checkpoint is missing, incomplete or does not match the model."""
+    """A checkpoint is missing, incomplete, does not match the model, or is not what shardwise writes
+    (damaged or altered: it is refused unread rather than trusted)."""
 
 
 class DeviceError(ShardwiseError):

@@ -180,3 +180,42 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_hf_weights(model, path)
+
+
+def test_pickle_weights_are_refused_with_how_to_convert(tmp_path, monkeypatch):
+    """A directory with its weights as pytorch_model.bin (what transformers wrote before safetensors) is
+    refused unread (torch.load never runs), and the message says how to convert it."""
+    hf, path = _make("llama", tmp_path)
+    (path / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), path / "pytorch_model.bin")
+
+    def no_unpickling(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("torch.load was called on a model directory")
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin, a pickle.*safetensors only.*"
+                                              r"AutoModelForCausalLM\.from_pretrained\(.*\)\.save_pretrained\("
+                                              r"'OUT', safe_serialization=True\)"):
+        from_hf(path)
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "/abs/model.safetensors", "sub/model.safetensors",
+                                   "model-00001-of-00002.bin"])
+def test_index_naming_a_file_elsewhere_is_refused(tmp_path, where):
+    """The shard index may name plain .safetensors files of the directory only."""
+    _, path = _make("llama", tmp_path, max_shard_size="20KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = where
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"maps {name} to '{where}', which is not a \.safetensors file name"):
+        from_hf(path)
+
+
+def test_unreadable_weights_and_config_are_named(tmp_path):
+    _, path = _make("llama", tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        from_hf(path)
+    (path / "config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"config\.json holds a JSON list, not an object"):
+        load_hf_config(path)

@@ -6,11 +6,13 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models import ModelConfig, Transformer, build_model
 from shardwise.models.hf import from_hf
+from shardwise.peft.lora import ARCH_METADATA_KEY
 from shardwise.peft import (
     LoRALinear,
     apply_lora,
@@ -402,5 +404,29 @@ def test_missing_adapter_files(tmp_path):
         load_adapter(build_model(_tiny_cfg()), tmp_path)
     adapter, _ = _saved_adapter(tmp_path, _tiny_cfg())
     (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
-    with pytest.raises(CheckpointError, match=r"found adapter_model\.bin"):
+    with pytest.raises(CheckpointError, match=r"adapter_model\.bin .*safetensors only.*PeftModel\.from_pretrained"
+                                              r".*save_pretrained\('OUT', safe_serialization=True\)"):
+        load_adapter(build_model(_tiny_cfg()), adapter)
+
+
+def test_unreadable_adapter_files_are_named(tmp_path):
+    """A garbage adapter_model.safetensors, a config that is no JSON object, and a mangled architecture
+    record fail naming the file (no traceback from safetensors or json)."""
+    adapter, _ = _saved_adapter(tmp_path, _tiny_cfg())
+    weights = adapter / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors is not a readable safetensors file"):
+        load_adapter(build_model(_tiny_cfg()), adapter)
+    weights.write_bytes(good)
+    config = adapter / "adapter_config.json"
+    settings = config.read_text()
+    config.write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"adapter_config\.json holds a JSON list"):
+        load_adapter(build_model(_tiny_cfg()), adapter)
+    config.write_text(settings)
+    with safe_open(str(weights), framework="pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(weights), metadata={**metadata, ARCH_METADATA_KEY: "{not json"})
+    with pytest.raises(CheckpointError, match=f"{ARCH_METADATA_KEY} entry that is not JSON"):
         load_adapter(build_model(_tiny_cfg()), adapter)

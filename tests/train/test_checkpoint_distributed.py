@@ -189,13 +189,13 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         # 3. Failures inside a distributed save leave the previous checkpoint the newest good one.
         crash = tmp / "run_crash"
         ckpt.save_sharded_checkpoint(crash, 1, dp, dp_opt, STATE)
-        original_rng, original_write = ckpt.rng_state, ckpt.JsonMetadataWriter.write_data
+        original_rng, original_write = ckpt.capture_rng, ckpt.JsonMetadataWriter.write_data
         if rank == 1:  # after DCP wrote every rank's tensors, before the rename
-            def boom() -> dict:
+            def boom(device) -> dict:  # noqa: ANN001
                 raise OSError("disk full (test)")
-            ckpt.rng_state = boom
+            ckpt.capture_rng = boom
         _expect_error(lambda: ckpt.save_sharded_checkpoint(crash, 2, dp, dp_opt, STATE), results, "crash_rng")
-        ckpt.rng_state = original_rng
+        ckpt.capture_rng = original_rng
         dist.barrier()
         results["after_rng_crash"] = sorted(p.name for p in (crash / "checkpoints").iterdir())
         if rank == 1:  # inside DCP's write stage

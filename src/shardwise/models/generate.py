@@ -281,6 +281,18 @@ def _instruction_template(data: Optional[dict]) -> Any:
     return data.get("template", "auto")
 
 
+def _json_object(file: Path) -> dict:
+    """A model directory's JSON settings file; CheckpointError naming it when it is not a JSON object."""
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
+        raise CheckpointError(f"{file} is not valid JSON ({e}); fix it or copy the model directory again") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(doc).__name__}, not an object; fix it or copy the model "
+                              "directory again")
+    return doc
+
+
 def _has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in _TOKENIZER_FILES)
 
@@ -291,7 +303,7 @@ def _adds_bos(tokenizer: Any, config_dir: Path) -> bool:
         return False
     config_file = config_dir / "tokenizer_config.json"
     if config_file.is_file():
-        flag = json.loads(config_file.read_text(encoding="utf-8")).get("add_bos_token")
+        flag = _json_object(config_file).get("add_bos_token")
         if isinstance(flag, bool):
             return flag
     from tokenizers import Tokenizer as HFTokenizer
@@ -307,7 +319,7 @@ def _hf_eos_ids(directory: Path, vocab_size: int) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         file = directory / name
         if file.is_file():
-            value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+            value = _json_object(file).get("eos_token_id")
             if value is not None:
                 ids = value if isinstance(value, list) else [value]
                 return [i for i in ids if isinstance(i, int) and 0 <= i < vocab_size]

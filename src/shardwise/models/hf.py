@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.models.transformer import Transformer
+from shardwise.train.checkpoint_storage import plain_file_name
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -65,9 +66,12 @@ def _read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a Hugging Face model directory needs {what}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
+    return doc
 
 
 def hf_family(hf: dict) -> str:
@@ -124,7 +128,7 @@ def hf_to_model_config(hf: dict) -> ModelConfig:
         if family == "gpt2":
             return _gpt2_config(hf)
         return _llama_like_config(hf, family)
-    except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+    except (KeyError, TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"config.json cannot be used for a {family} model: {exc}") from exc
@@ -321,6 +325,11 @@ def _weight_files(directory: Path) -> list[tuple[Path, Optional[list[str]]]]:
             raise CheckpointError(f"{index} has no weight_map")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            if not _is_safetensors_name(file):
+                raise CheckpointError(
+                    f"{index} maps {name} to {file!r}, which is not a .safetensors file name inside {directory}; "
+                    "shardwise reads the weights of a Hugging Face directory from its own safetensors files only"
+                )
             by_file.setdefault(file, []).append(name)
         missing = [f for f in sorted(by_file) if not (directory / f).is_file()]
         if missing:
@@ -332,9 +341,21 @@ def _weight_files(directory: Path) -> list[tuple[Path, Optional[list[str]]]]:
     single = directory / SINGLE_FILE
     if single.is_file():
         return [(single, None)]
-    bins = sorted(p.name for p in directory.glob("pytorch_model*.bin"))
-    hint = f" (found {', '.join(bins)}: re-save it with safe_serialization=True)" if bins else ""
-    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}{hint}")
+    pickled = sorted(p.name for p in directory.glob("pytorch_model*.bin"))
+    if pickled:
+        raise CheckpointError(
+            f"{directory} holds its weights as {', '.join(pickled)}, a pickle, and no {SINGLE_FILE}: shardwise "
+            "reads Hugging Face weights from safetensors only, since unpickling a file can run any code in it. "
+            "Convert it once, where you trust the file, e.g. with transformers: "
+            f"AutoModelForCausalLM.from_pretrained('{directory}').save_pretrained('OUT', safe_serialization=True), "
+            "then use OUT (with the tokenizer files copied beside it)"
+        )
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
+
+
+def _is_safetensors_name(name: object) -> bool:
+    """A plain .safetensors file name: an index naming a path (`../x`, `/abs`, `sub/x`) is refused."""
+    return plain_file_name(name) and name.endswith(".safetensors")
 
 
 def _short(names: list[str], limit: int = 8) -> str:
@@ -412,6 +433,14 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     local.copy_(full[region])
 
 
+def open_safetensors(path: Path) -> Any:
+    """safe_open of a weights file, a CheckpointError naming it when it is not valid safetensors."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); download or save it again") from None
+
+
 @contextlib.contextmanager
 def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple[Any, Path]]]:
     """HF tensor name -> (open safetensors file, its path), after checking that the files hold exactly
@@ -419,7 +448,7 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
     with contextlib.ExitStack() as stack:
         handles: dict[str, tuple[Any, Path]] = {}
         for path, names in _weight_files(directory):
-            f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            f = stack.enter_context(open_safetensors(path))
             for hf_name in names if names is not None else list(f.keys()):
                 handles[hf_name] = (f, path)
         if cfg.position == "learned" and "wte.weight" in handles:  # the original gpt2 files: no prefix

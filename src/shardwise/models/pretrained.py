@@ -50,9 +50,14 @@ def pretrained_architecture(path: str) -> dict[str, Any]:
     else:
         from shardwise.config import read_yaml
 
-        raw = dict(read_yaml(p / "config.yaml").get("model") or {})
-        raw.pop("init_from", None)
-        cfg = ModelConfig(**raw)
+        model = read_yaml(p / "config.yaml").get("model") or {}
+        try:
+            raw = {k: v for k, v in dict(model).items() if k != "init_from"}
+            cfg = ModelConfig(**raw)
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise ConfigError(f"the model section of {p / 'config.yaml'} is not a valid model config "
+                              f"({' '.join(str(exc).split())}); it must be the config of the run that saved "
+                              "the checkpoint") from None
     return cfg.model_dump(exclude={"preset", "init_from"})
 
 

@@ -27,12 +27,11 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
-from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES, save_safetensors
+from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES, open_safetensors, save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -599,9 +598,11 @@ def read_adapter_config(adapter_dir: Union[str, os.PathLike[str]]) -> AdapterSet
         raise CheckpointError(f"{path} not found: a LoRA adapter directory needs {ADAPTER_CONFIG} "
                               f"and {ADAPTER_WEIGHTS} (as peft's save_pretrained writes them)")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object of adapter settings")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path} is a {cfg.get('peft_type')} adapter; shardwise loads LoRA adapters only")
     for key, what in _UNSUPPORTED_OPTIONS.items():
@@ -637,9 +638,15 @@ def read_adapter(
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():
         found = sorted(p.name for p in directory.glob("adapter_model*"))
-        hint = f" (found {', '.join(found)}: re-save it with peft's safe_serialization=True)" if found else ""
-        raise CheckpointError(f"{path} not found{hint}")
-    with safe_open(str(path), framework="pt", device="cpu") as f:
+        if found:
+            raise CheckpointError(
+                f"{directory} holds the adapter as {', '.join(found)} and no {ADAPTER_WEIGHTS}: shardwise reads "
+                "adapters from safetensors only, since unpickling a .bin file can run any code in it. Convert it "
+                f"once, where you trust the file, e.g. with peft: PeftModel.from_pretrained(base_model, "
+                f"'{directory}').save_pretrained('OUT', safe_serialization=True), then use OUT"
+            )
+        raise CheckpointError(f"{path} not found")
+    with open_safetensors(path) as f:
         metadata = f.metadata() or {}
         peft_state = {key: f.get_tensor(key) for key in f.keys()}
 
@@ -674,7 +681,14 @@ def read_adapter(
     if not peft_state:
         raise CheckpointError(f"{path} holds no LoRA tensors")
     if ARCH_METADATA_KEY in metadata:
-        saved = json.loads(metadata[ARCH_METADATA_KEY])
+        try:
+            saved = json.loads(metadata[ARCH_METADATA_KEY])
+        except ValueError as exc:
+            raise CheckpointError(f"{path} has a {ARCH_METADATA_KEY} entry that is not JSON ({exc}); save the "
+                                  "adapter again") from None
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path} has a {ARCH_METADATA_KEY} entry that is not a JSON object; save the "
+                                  "adapter again")
         current = architecture_fingerprint(model_cfg)
         diffs = [f"{k}: adapter {saved.get(k)!r}, model {current.get(k)!r}"
                  for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]

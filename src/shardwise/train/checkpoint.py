@@ -17,19 +17,19 @@ each hold some layers) loads under any other: every rank reads the pieces its ow
 
 A checkpoint is written into a hidden temporary directory shared by all ranks and renamed into place
 by rank 0 only when every rank's files are on disk; a failure on any rank stops every rank before the
-rename, so the previous checkpoints stay the newest good ones. Tensors are read back with
-`torch.load(weights_only=True)` by DCP and metadata with `json`: nothing is unpickled. (DCP exchanges
-its save and load plans between the processes of a job with pickled objects in memory; nothing
-pickled is written to disk.)
+rename, so the previous checkpoints stay the newest good ones.
+
+A checkpoint may come from anywhere: every load goes through `_dcp_load`, which reads it with
+`checkpoint_storage` (metadata as validated JSON, tensors with `torch.load(weights_only=True)`, checked
+against the metadata; nothing is unpickled), and the JSON files beside the tensors are checked as they
+are read. (DCP exchanges its save and load plans between the processes of a job with pickled objects
+in memory; nothing pickled is written to disk or read from it.)
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
@@ -39,101 +39,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
+from ..parallel.collectives import all_reduce
+from .checkpoint_storage import (
+    METADATA_FILE,
+    JsonMetadataWriter,
+    SafeCheckpointReader,
+    TensorOnlyLoadPlanner,
+    is_count,
+    read_json_object,
+    refused,
+)
+from .checkpoint_storage import write_json_atomic as _write_json_atomic
+from .rng import capture as capture_rng
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = ".metadata.json"
+CPU = torch.device("cpu")
+
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-# --- DCP storage with JSON metadata ------------------------------------------------------------------
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _metadata_to_json(md: Metadata) -> dict:
-    items = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, BytesStorageMetadata):
-            items[fqn] = {"kind": "bytes"}
-        else:
-            items[fqn] = {
-                "kind": "tensor",
-                "dtype": _dtype_name(m.properties.dtype),
-                "requires_grad": m.properties.requires_grad,
-                "size": list(m.size),
-                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
-            }
-    storage = [
-        {
-            "fqn": idx.fqn,
-            "offset": None if idx.offset is None else list(idx.offset),
-            "index": idx.index,
-            "path": info.relative_path,
-            "byte_offset": info.offset,
-            "length": info.length,
-            "transforms": None if info.transform_descriptors is None else list(info.transform_descriptors),
-        }
-        for idx, info in (md.storage_data or {}).items()
-    ]
-    planner = {k: list(v) for k, v in (md.planner_data or {}).items()}
-    return {"version": md.version, "state_dict": items, "storage": storage, "planner": planner}
-
-
-def _metadata_from_json(doc: dict) -> Metadata:
-    items: dict[str, Any] = {}
-    for fqn, m in doc["state_dict"].items():
-        if m["kind"] == "bytes":
-            items[fqn] = BytesStorageMetadata()
-            continue
-        props = TensorProperties(dtype=getattr(torch, m["dtype"]), requires_grad=m["requires_grad"])
-        chunks = [ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
-                  for c in m["chunks"]]
-        items[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(m["size"]), chunks=chunks)
-    storage = {}
-    for s in doc["storage"]:
-        idx = MetadataIndex(fqn=s["fqn"], offset=None if s["offset"] is None else torch.Size(s["offset"]),
-                            index=s["index"])
-        storage[idx] = _StorageInfo(relative_path=s["path"], offset=s["byte_offset"], length=s["length"],
-                                    transform_descriptors=s["transforms"])
-    planner = {k: tuple(v) for k, v in doc["planner"].items()}
-    return Metadata(state_dict_metadata=items, planner_data=planner, storage_data=storage,
-                    version=doc["version"])
-
-
-class JsonMetadataWriter(FileSystemWriter):
-    """DCP's file writer, but the checkpoint's metadata is written as JSON instead of a pickle."""
-
-    def finish(self, metadata: Metadata, results: list) -> None:
-        """Write the metadata file once every rank's tensors are on disk."""
-        storage = {}
-        for wr_list in results:
-            storage.update({wr.index: wr.storage_data for wr in wr_list})
-        metadata.storage_data = storage
-        _write_json_atomic(Path(self.path) / METADATA_FILE, _metadata_to_json(metadata))
-
-
-class JsonMetadataReader(FileSystemReader):
-    """DCP's file reader for checkpoints written by `JsonMetadataWriter`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Read the JSON metadata."""
-        with open(Path(self.path) / METADATA_FILE, encoding="utf-8") as f:
-            return _metadata_from_json(json.load(f))
 
 
 # --- Small file helpers ----------------------------------------------------------------------------------
@@ -145,15 +73,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -182,17 +101,6 @@ def _rank(group: Any = None) -> int:
     return dist.get_rank(group) if _distributed() else 0
 
 
-def _collective_device(group: Any = None) -> torch.device:
-    """Where small control tensors live for this group's backend (CPU for gloo, else the accelerator)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or backend == "mpi":
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
-
-
 def _agree(error: Exception | None, group: Any = None, what: str = "the checkpoint",
            verbatim: bool = False) -> None:
     """Raise on every rank if any rank failed: its own error where it failed, the first failing rank's
@@ -201,22 +109,20 @@ def _agree(error: Exception | None, group: Any = None, what: str = "the checkpoi
         if error is not None:
             raise error
         return
-    device = _collective_device(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    flags = torch.zeros(world, dtype=torch.int32)
     if error is not None:
         flags[rank] = 1
-    dist.all_reduce(flags, group=group)
-    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    failed = [r for r, f in enumerate(all_reduce(flags, group).tolist()) if f]
     if not failed:
         return
     first = failed[0]
-    text = torch.zeros(_MESSAGE_CHARS, dtype=torch.int32, device=device)
+    text = torch.zeros(_MESSAGE_CHARS, dtype=torch.int32)
     if rank == first:
         message = str(error) if verbatim else f"{type(error).__name__}: {error}"
         codes = list(message.encode("utf-8", "replace"))[:_MESSAGE_CHARS]
-        text[: len(codes)] = torch.tensor(codes, dtype=torch.int32, device=device)
-    dist.all_reduce(text, op=dist.ReduceOp.MAX, group=group)
+        text[: len(codes)] = torch.tensor(codes, dtype=torch.int32)
+    text = all_reduce(text, group, dist.ReduceOp.MAX)
     if error is not None:
         raise error
     message = bytes(c for c in text.tolist() if c).decode("utf-8", "replace")
@@ -232,37 +138,23 @@ def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Exception | None]
         return None, e
 
 
-# --- RNG ------------------------------------------------------------------------------------------------------
+# --- Per-rank state ------------------------------------------------------------------------------------------
 
 
-def rng_state() -> dict:
-    """Every random generator's state, JSON-serialisable."""
-    def b64(t: torch.Tensor) -> str:
-        return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-    state = {"torch": b64(torch.get_rng_state()), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available():
-        state["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
+def rank_state_file(path: str | Path, rank: int) -> Path:
+    """The file holding rank `rank`'s own state (its random generators) in a checkpoint."""
+    return Path(path) / f"rng_rank{rank}.json"
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state()` returned."""
-    def unb64(s: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-    torch.set_rng_state(unb64(state["torch"]))
-    random.setstate(_tupled(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([unb64(s) for s in state["cuda"]])
+def read_rank_state(path: str | Path, rank: int) -> dict | None:
+    """Rank `rank`'s saved state (`train.rng.capture`), or None when the checkpoint has none for it."""
+    file = rank_state_file(path, rank)
+    return read_json_object(file, Path(path)) if file.is_file() else None
 
 
-def _jsonable(x: Any) -> Any:
-    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tupled(x: Any) -> Any:
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
+def saved_ranks(path: str | Path) -> int:
+    """How many ranks saved their own state into a checkpoint."""
+    return sum(1 for p in Path(path).glob("rng_rank*.json") if p.is_file())
 
 
 # --- Finding checkpoints ----------------------------------------------------------------------------------
@@ -345,11 +237,12 @@ def _shapes_from_metadata(md: Metadata, groups: Any) -> dict[str, dict[str, list
 
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                     trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
-                    keep: int = 3, *, process_group: Any = None) -> Path:
+                    keep: int = 3, *, rank_state: dict | None = None, process_group: Any = None) -> Path:
     """Write a checkpoint for `step` atomically, then drop all but the newest `keep`.
 
     `tensors` maps groups ("model", "optim", "master") to flat name -> tensor dicts; `extra_files`
-    maps names inside the checkpoint to files or directories to copy (config, tokenizer).
+    maps names inside the checkpoint to files or directories to copy (config, tokenizer);
+    `rank_state` is this rank's own JSON state (its random generators; default: the CPU's).
 
     Distributed (torch.distributed initialised): every rank of `process_group` (default: all) calls
     this with its own tensors - DTensor shards (FSDP2, tensor parallel) or plain tensors, and the
@@ -379,7 +272,8 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         metadata = dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True),
                             process_group=group, no_dist=not _distributed())
-    _, error = _attempt(lambda: _write_json_atomic(tmp / f"rng_rank{rank}.json", rng_state()))
+    _, error = _attempt(lambda: _write_json_atomic(rank_state_file(tmp, rank),
+                                                   rank_state if rank_state is not None else capture_rng(CPU)))
     _agree(error, group, f"writing {tmp}")
 
     def finish() -> None:  # rank 0, once every rank's files are on disk
@@ -416,12 +310,36 @@ def _prune(run_dir: str | Path, keep: int) -> None:
 
 
 def read_trainer_state(path: str | Path) -> dict:
-    """The JSON trainer state of a checkpoint."""
+    """The JSON trainer state of a checkpoint, its fields checked (the checkpoint may come from elsewhere)."""
     file = Path(path) / STATE_FILE
     if not file.is_file():
         raise CheckpointError(f"{path} has no {STATE_FILE}: it is not a complete shardwise checkpoint")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    state = read_json_object(file, Path(path))
+    _check_trainer_state(state, Path(path))
+    return state
+
+
+def _check_trainer_state(state: dict, path: Path) -> None:
+    """The fields read back have the types `save_checkpoint` writes, so a crafted or hand-edited file
+    fails here, naming the field, instead of deep inside a load."""
+    def bad(problem: str) -> CheckpointError:
+        return refused(path, STATE_FILE, problem)
+
+    if not is_count(state.get("step")):
+        raise bad(f"has the step {state.get('step')!r}; it must be a non-negative integer")
+    shapes = state.get("shapes")
+    if not isinstance(shapes, dict):
+        raise bad(f"has the shapes {shapes!r}; they must be an object of groups (model, optim, ...)")
+    for group, names in shapes.items():
+        if not isinstance(names, dict):
+            raise bad(f"has the shapes of group {group!r} as {names!r}; they must be an object of tensor names")
+        for name, shape in names.items():
+            if not isinstance(shape, list) or not all(is_count(n) for n in shape):
+                raise bad(f"gives {group}.{name} the shape {shape!r}; a shape is a list of non-negative integers")
+    if not isinstance(state.get("loader", {}), dict):
+        raise bad(f"has the data loader state {state['loader']!r}; it must be an object")
+    if state.get("scaler") is not None and not isinstance(state["scaler"], dict):
+        raise bad(f"has the loss scaler state {state['scaler']!r}; it must be an object or null")
 
 
 _MISMATCH_HINTS = {
@@ -495,8 +413,7 @@ def check_all_shapes(path: str | Path, tensors: dict[str, dict[str, torch.Tensor
         flags.extend(int(held is not None and n in held) for n in names[g])
     if not flags:
         return
-    reduced = torch.tensor(flags, dtype=torch.int32, device=_collective_device(process_group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=process_group)
+    reduced = all_reduce(torch.tensor(flags, dtype=torch.int32), process_group, dist.ReduceOp.MAX)
     reduced_list, i = reduced.tolist(), 0
     for g in groups:
         loaded, held = reduced_list[i], reduced_list[i + 1: i + 1 + len(names[g])]
@@ -506,16 +423,49 @@ def check_all_shapes(path: str | Path, tensors: dict[str, dict[str, torch.Tensor
             raise _extra_error(path, g, extra)
 
 
+def _check_against_metadata(md: Metadata, tensors: dict[str, dict[str, torch.Tensor]], path: Path) -> None:
+    """Every tensor to load is in the checked metadata with its shape: the shapes were compared with
+    trainer_state.json before, which a crafted checkpoint could make disagree with .metadata.json."""
+    for group, items in tensors.items():
+        for name, t in items.items():
+            saved = md.state_dict_metadata.get(f"{group}.{name}")
+            if saved is None:
+                raise refused(path, METADATA_FILE, f"has no tensor {group}.{name}, which {STATE_FILE} lists")
+            if list(saved.size) != list(t.shape):
+                raise refused(path, METADATA_FILE, f"gives {group}.{name} the shape {list(saved.size)}, but "
+                                                   f"{STATE_FILE} and the model have {list(t.shape)}")
+
+
+def _checkpoint_error(e: CheckpointException) -> BaseException:
+    """The first rank's CheckpointError inside DCP's wrapper of every rank's failures (else the wrapper)."""
+    errors = [e.failures[rank][0] for rank in sorted(e.failures)]
+    return next((error for error in errors if isinstance(error, CheckpointError)), e)
+
+
 def _dcp_load(tensors: dict, path: Path, process_group: Any = None, no_dist: bool | None = None) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(tensors, storage_reader=JsonMetadataReader(path), process_group=process_group,
-                 no_dist=not _distributed() if no_dist is None else no_dist)
+    """Load tensors in place through DCP, the way every load goes: the metadata validated before DCP
+    plans anything (on every rank, failing together), chunks read and checked by `SafeCheckpointReader`,
+    and a planner that never unpickles. `no_dist`: this process reads alone inside a distributed job."""
+    alone = not _distributed() if no_dist is None else no_dist
+    reader = SafeCheckpointReader(path)
+    _, error = _attempt(lambda: _check_against_metadata(reader.read_metadata(), tensors, path))
+    if not alone:
+        _agree(error, process_group, verbatim=True)
+    elif error is not None:
+        raise error
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(path),
+                     process_group=process_group, no_dist=alone)
+    except CheckpointException as e:  # DCP wraps a failure on any rank: the user needs its message
+        raise _checkpoint_error(e) from None
 
 
 def load_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]], *,
                     process_group: Any = None) -> dict:
-    """Load tensors in place (after checking shapes), restore RNG, and return the trainer state.
+    """Load tensors in place (after checking shapes) and return the trainer state (each rank's random
+    state is the caller's: `read_rank_state`).
 
     Distributed: every rank calls it with the tensors it holds (DTensor shards or plain tensors, any
     layout); each reads the parts of the saved tensors that its shards cover.
@@ -523,10 +473,6 @@ def load_checkpoint(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]
     path = Path(path)
     check_all_shapes(path, tensors, process_group)
     _dcp_load(tensors, path, process_group)
-    rng_file = path / f"rng_rank{_rank(process_group)}.json"
-    if rng_file.is_file():
-        with open(rng_file, encoding="utf-8") as f:
-            set_rng_state(json.load(f))
     return read_trainer_state(path)
 
 
@@ -542,11 +488,12 @@ def load_weights(path: str | Path, tensors: dict[str, dict[str, torch.Tensor]], 
 def read_saved_tensors(path: str | Path, group: str, names: list[str]) -> dict[str, torch.Tensor]:
     """Whole fp32 copies of some saved tensors, read in this process alone (whatever layout wrote them)."""
     path = Path(path)
-    shapes = read_trainer_state(path).get("shapes", {}).get(group, {})
-    missing = [n for n in names if n not in shapes]
+    # Sized by the checked metadata, whose chunks are bounded by the bytes on disk.
+    saved = SafeCheckpointReader(path).read_metadata().state_dict_metadata
+    missing = [n for n in names if f"{group}.{n}" not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {path} has no tensor {group}.{missing[0]}")
-    tensors = {n: torch.empty(shapes[n], dtype=torch.float32) for n in names}
+    tensors = {n: torch.empty(saved[f"{group}.{n}"].size, dtype=torch.float32) for n in names}
     _dcp_load({group: tensors}, path, no_dist=True)
     return tensors
 
