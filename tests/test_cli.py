@@ -221,6 +221,18 @@ def test_unknown_key_names_path_and_closest_key(capsys, tmp_path) -> None:
     assert_user_error(code, err, "train.max_step", "train.max_steps", "optimize.recomptue", "optimize.recompute")
 
 
+def test_seed_file_mistakes_are_named_in_its_own_spelling(capsys, tmp_path) -> None:
+    """Seed 000's file with a misspelt key and a wrong value: exit 2, both named as the file writes
+    them (learning_rate, not train.lr), the closest key in the seed's spelling, and what is allowed."""
+    text = SEED_000.read_text(encoding="utf-8")
+    cfg = tmp_path / "seed.yaml"
+    cfg.write_text(text.replace("batch_size: 8", "batch_sze: 8").replace("learning_rate: 2e-5", "learning_rate: fast"))
+    code, _, err = run_cli(capsys, "train", cfg, "--dry-run")
+    assert_user_error(code, err, "unknown key batch_sze; did you mean batch_size?",
+                      "learning_rate = 'fast': input should be a valid number", "expected a number > 0")
+    assert "train.lr" not in err and "micro_batch_size" not in err
+
+
 def test_missing_config_file(capsys, tmp_path) -> None:
     """A config path that does not exist: exit 2 naming the file."""
     missing = tmp_path / "nope" / "cfg.yaml"

@@ -95,10 +95,113 @@ def test_unknown_preset_lists_known(tmp_path):
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match="max_grad_norm"):
         validate({**BASE, "train": {"max_steps": 5, "max_grad_norm": -1.0}})
-    with pytest.raises(ConfigError, match="precision_level O2 needs mixed_precision"):
+    with pytest.raises(ConfigError, match="optimize.precision_level O2 needs optimize.mixed_precision"):
         validate({**BASE, "optimize": {"precision_level": "O2"}})
     with pytest.raises(ConfigError, match="train.eps"):
         validate({**BASE, "optimize": {"mixed_precision": "fp16", "precision_level": "O3"}})
     ok = validate({**BASE, "optimize": {"mixed_precision": "fp16", "precision_level": "O3"},
                    "train": {"max_steps": 5, "eps": 1e-4}})
     assert ok.optimize.level() == "O3"
+
+
+# --- mistakes named as the user wrote them ------------------------------------------------------------
+
+
+def _error(raw: dict, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(raw=raw, overrides=overrides)
+    return str(e.value)
+
+
+SEED_000_SHAPE = {"model_name": "tiny_llama", "epochs": 1, "learning_rate": 1e-3}
+
+
+@pytest.mark.parametrize("typo, meant", [("learnin_rate", "learning_rate"), ("batch_sze", "batch_size"),
+                                         ("seq_lenght", "seq_length"), ("device_targt", "device_target")])
+def test_typo_in_a_seed_000_file_gets_the_seed_spelling(typo: str, meant: str) -> None:
+    """A file written in seed 000's shape is answered in that shape: `learning_rate`, not `train.lr`."""
+    msg = _error({**SEED_000_SHAPE, typo: 1})
+    assert f"unknown key {typo}; did you mean {meant}?" in msg
+    assert "train." not in msg and "valid keys here" not in msg
+
+
+def test_typo_in_our_shape_gets_our_key() -> None:
+    """The same slip in a file written in our shape gets our key."""
+    assert "unknown key learnin_rate; did you mean train.lr?" in _error({**BASE, "learnin_rate": 1})
+    assert "unknown key parallel_confg; did you mean parallel?" in _error({**BASE, "parallel_confg": {}})
+
+
+def test_misspelt_seed_keys_inside_sections() -> None:
+    """A seed key of a section (seed 000's parallel.model_parallel, seed 002's train.batch_size)."""
+    msg = _error({**SEED_000_SHAPE, "parallel": {"model_paralel": 2}})
+    assert "unknown key parallel.model_paralel; did you mean parallel.model_parallel?" in msg
+    seed_002 = {"model": {"preset": "tiny_llama"}, "train": {"epochs": 1, "batch_sze": 8, "grad_clip_norm": 1.0}}
+    assert "unknown key train.batch_sze; did you mean train.batch_size?" in _error(seed_002)
+
+
+def test_key_in_the_wrong_section_is_found() -> None:
+    """A right key in the wrong place: its section is named (the wrong place has nothing close)."""
+    assert "unknown key lr; did you mean train.lr?" in _error({**BASE, "lr": 1e-3})
+    msg = _error({**BASE, "train": {"max_steps": 5, "tensor_parallel": 2}})
+    assert "unknown key train.tensor_parallel; did you mean parallel.tensor_parallel?" in msg
+    msg = _error({**BASE, "model": {"preset": "tiny_llama", "data": {}}})
+    assert "unknown key model.data; did you mean data?" in msg
+
+
+def test_wrong_value_names_the_key_as_written_and_what_is_allowed() -> None:
+    """learning_rate: fast in a seed file is reported as learning_rate, with the type and bound."""
+    msg = _error({**SEED_000_SHAPE, "learning_rate": "fast"})
+    assert "learning_rate = 'fast': input should be a valid number" in msg
+    assert "expected a number > 0 (peak learning rate)" in msg and "train.lr" not in msg
+    msg = _error({**SEED_000_SHAPE, "parallel": {"model_parallel": "two"}})
+    assert "parallel.model_parallel = 'two'" in msg and "a whole number >= 1" in msg and "tensor_parallel" not in msg
+    # An override is named as the --set wrote it, and takes the file's spelling away from that key.
+    assert "learning_rate = 'fast'" in _error(BASE, ["learning_rate=fast"])
+    assert "train.lr = 'fast'" in _error(SEED_000_SHAPE, ["train.lr=fast"])
+    # A check across keys speaks of them as written too.
+    msg = _error({**SEED_000_SHAPE, "train": {"min_lr": 0.1}})
+    assert "train.min_lr 0.1 is above learning_rate 0.001" in msg
+    msg = _error({"model_name": "tiny_llama", "epochs": 1, "seq_length": 100000})
+    assert "seq_length 100000 is above model.max_position_embeddings 256" in msg and "data.seq_length" not in msg
+
+
+def test_seed_values_that_cannot_be_translated_name_their_key() -> None:
+    """Values of seed keys checked while translating: device_target, use_zero, zero_level, mode."""
+    assert "device_target = 'tpu' is not allowed; use Ascend" in _error({**SEED_000_SHAPE, "device_target": "tpu"})
+    assert "parallel.use_zero = 'yes' is not allowed; use true or false" in _error(
+        {**BASE, "parallel": {"use_zero": "yes"}})
+    assert "parallel.zero_level = 7 is not allowed; use 0, 1, 2 or 3" in _error({**BASE, "parallel": {"zero_level": 7}})
+    assert "mode = ['graph'] is not allowed" in _error({**SEED_000_SHAPE, "mode": ["graph"]})
+
+
+TINY = {"preset": "tiny_llama"}
+ONE_STEP = {"max_steps": 1}
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"model": TINY, "train": {"epochs": float("inf")}}, "train.epochs = inf: input should be a finite number"),
+    ({"model": TINY, "train": {**ONE_STEP, "lr": "nan"}}, "train.lr = 'nan': input should be a finite number"),
+    ({"model": {**TINY, "rope_theta": float("inf")}, "train": ONE_STEP},
+     "model.rope_theta = inf: give a finite number"),
+    ({"model": {**TINY, "hidden_size": 2**64}, "train": ONE_STEP},
+     "model.hidden_size = 18446744073709551616 is larger than any run can use (at most 2,147,483,647)"),
+    ({**BASE, "lora": {"r": 10**30}}, "lora.r = 1000000000000000000000000000000 is larger"),
+    ({"model": TINY, "train": {**ONE_STEP, "seed": -1}}, "train.seed = -1: input should be greater than or equal to 0"),
+    ({"model": {"preset": {"name": "tiny_llama"}}, "train": ONE_STEP},
+     "model.preset = {'name': 'tiny_llama'} must be text"),
+    ({"model": {"init_from": 3}, "train": ONE_STEP}, "model.init_from = 3 must be text"),
+    ({**BASE, "train": 5}, "train = 5 is not a section; expected a mapping of keys such as output_dir"),
+    ({**BASE, "optimize": {"loss_scale": "big"}},
+     "optimize.loss_scale = 'big' is not allowed; expected one of 'dynamic' or a number"),
+    ({**BASE, "data": {"train_files": ["a.txt", 3]}},
+     "data.train_files[1] = 3: input should be a valid string; expected text"),
+    ({**BASE, 3: 4}, "key 3 in the top level is not text"),
+])
+def test_values_no_run_can_use_are_refused(raw: dict, needle: str) -> None:
+    """Non-finite numbers, integers past any size, negative seeds, wrong types: one clear line each."""
+    assert needle in _error(raw)
+
+
+def test_set_without_a_key() -> None:
+    with pytest.raises(ConfigError, match="has no key before '='"):
+        apply_overrides(BASE, ["=3"])

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from .data.build import check_data_files
 from .errors import ConfigError, ShardwiseError
 
 log = logging.getLogger("shardwise")
@@ -80,6 +81,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                 max_restarts=args.max_restarts)
     from .train.trainer import Trainer
 
+    if args.overwrite:
+        # The run replaces the previous one only once training starts; inputs that cannot be read
+        # fail now, before anything of the previous run is removed.
+        check_data_files(cfg.data)
     result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
     if env is not None and env.rank != 0:
         return 0  # rank 0 reports the run

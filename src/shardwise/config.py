@@ -4,15 +4,22 @@ A run is described by five sections (`model`, `parallel`, `optimize`, `train`, `
 `run` section (device, eager or compiled). `load_config(path, overrides)` reads YAML, translates the
 keys of the two seed shapes (MindSpore Transformers' `train_config.yaml` and `llm_pretrain.yaml`) to
 ours, applies `--set a.b=value` overrides, and validates everything. Mistakes raise `ConfigError`
-naming the dotted key, what is allowed, and the closest valid key.
+naming the key as the user's file (or `--set`) spells it, what is allowed, and the closest valid key
+in the spelling of the shape the file is written in (a seed 000 file gets `learning_rate`, not
+`train.lr`).
 """
 
 from __future__ import annotations
 
 import difflib
+import io
 import logging
 import math
 import os
+import re
+import types
+import typing
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import yaml
@@ -31,7 +38,8 @@ FINETUNE_LR_LORA = 2e-4
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and nan are no setting's value (an epoch count of inf would never end): refuse them here.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ParallelConfig(_Section):
@@ -108,7 +116,8 @@ class OptimizeConfig(_Section):
     def _level_needs_16_bit(self) -> "OptimizeConfig":
         if self.mixed_precision == "fp32" and self.precision_level not in (None, "O0"):
             raise ValueError(
-                f"precision_level {self.precision_level} needs mixed_precision bf16 or fp16 (fp32 is O0)"
+                f"optimize.precision_level {self.precision_level} needs optimize.mixed_precision bf16 or fp16 "
+                "(fp32 is O0)"
             )
         return self
 
@@ -132,7 +141,7 @@ class TrainConfig(_Section):
     """Optimizer, schedule, length, batch sizes, logging, evaluation and checkpoints."""
 
     output_dir: str = Field("runs/default", description="run directory: checkpoints, metrics, logs")
-    seed: int = Field(42, description="seed for weights, data order and dropout")
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="seed for weights, data order and dropout")
     max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps (or give epochs)")
     epochs: Optional[float] = Field(None, gt=0, description="passes over the training data")
     micro_batch_size: int = Field(1, ge=1, description="samples per device per micro-batch")
@@ -172,7 +181,7 @@ class TrainConfig(_Section):
         if self.max_steps is None and self.epochs is None:
             raise ValueError("give train.max_steps or train.epochs")
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
+            raise ValueError(f"train.min_lr {self.min_lr} is above train.lr {self.lr}; lower min_lr")
         return self
 
 
@@ -299,6 +308,10 @@ class RunConfig(_Section):
     @field_validator("model", mode="before")
     @classmethod
     def _preset(cls, v: Any) -> Any:
+        for key in ("preset", "init_from"):  # both are looked up before the section is validated
+            if isinstance(v, dict) and v.get(key) is not None and not isinstance(v[key], str):
+                raise ValueError(f"model.{key} = {v[key]!r} must be text: "
+                                 + ("a preset name" if key == "preset" else "a model or checkpoint directory"))
         if isinstance(v, dict) and v.get("init_from"):
             from .models.pretrained import architecture_with_overrides
 
@@ -312,6 +325,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         m, p = self.model, self.parallel
+        _check_numbers(self)
         if self.data.seq_length is None:
             self.data.seq_length = m.max_position_embeddings
         if self.data.seq_length > m.max_position_embeddings:
@@ -456,29 +470,65 @@ class RunConfig(_Section):
         return self.train.micro_batch_size * dp * self.gradient_accumulation(devices)
 
 
+def _numbers_of(section: BaseModel, prefix: str) -> list[tuple[str, float]]:
+    """(dotted key, value) of every number in a validated section, nested sections included."""
+    out: list[tuple[str, float]] = []
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out.extend(_numbers_of(value, f"{prefix}.{name}"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((f"{prefix}.{name}", value))
+    return out
+
+
+# An integer setting (a size, a degree, a count of steps) above this is a slip, not a plan: torch
+# takes 64-bit sizes, and the product of two settings (a weight's shape) must still fit in one.
+MAX_SETTING = 2**31 - 1
+_UNBOUNDED = ("train.seed",)  # bounded by its own field (any 63-bit seed is fine)
+
+
+def _check_numbers(cfg: BaseModel) -> None:
+    """Every float finite (the model section's schema takes inf and nan) and every integer setting
+    within MAX_SETTING, in one place for all sections."""
+    for section in type(cfg).model_fields:
+        value = getattr(cfg, section)
+        if not isinstance(value, BaseModel):
+            continue
+        for name, number in _numbers_of(value, section):
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ValueError(f"{name} = {number}: give a finite number")
+            if isinstance(number, int) and abs(number) > MAX_SETTING and name not in _UNBOUNDED:
+                raise ValueError(f"{name} = {number} is larger than any run can use (at most {MAX_SETTING:,}); "
+                                 "check for a slip of the keyboard")
+
+
 # --- The source documents' YAML shapes -------------------------------------------------------------
-# Each entry: seed key (dotted) -> (our key, value translation). Applied before validation, so both
-# seed files load as written there.
 
 _DEVICE_NAMES = {"ascend": "npu", "npu": "npu", "gpu": "cuda", "cuda": "cuda", "cpu": "cpu", "auto": "auto"}
 
 
 def _device(v: Any) -> Any:
-    return _DEVICE_NAMES.get(str(v).lower(), v)
+    if isinstance(v, str) and v.lower() in _DEVICE_NAMES:
+        return _DEVICE_NAMES[v.lower()]
+    raise ValueError("use Ascend (or npu), GPU (or cuda), CPU, or auto")
 
 
 def _graph_mode(v: Any) -> Any:
     # MindSpore: mode graph / GRAPH_MODE = 0 compiles; pynative / PYNATIVE_MODE = 1 runs eagerly.
-    text = str(v).lower()
+    text = str(v).lower() if isinstance(v, (str, int)) and not isinstance(v, bool) else None
     if text in ("graph", "graph_mode", "0"):
         return True
     if text in ("pynative", "pynative_mode", "1", "eager"):
         return False
-    raise ConfigError(f"mode {v!r} is not known: use graph (or 0) to compile, pynative (or 1) for eager")
+    raise ValueError("use graph (or 0) to compile, pynative (or 1) for eager")
 
 
-_SEED_KEYS: dict[str, tuple[str, Any]] = {
-    # seed 000, train_config.yaml
+# The two shapes by the document that uses them: a typo is matched against the spellings of the
+# shapes the user's file is written in (a seed 000 file gets `learning_rate`, ours `train.lr`).
+SEED_000, SEED_002 = "seed 000 (train_config.yaml)", "seed 002 (llm_pretrain.yaml)"
+
+_SEED_000_KEYS: dict[str, tuple[str, Any]] = {
     "model_name": ("model.preset", None),
     "device_target": ("run.device", _device),
     "mode": ("run.compile", _graph_mode),
@@ -492,7 +542,8 @@ _SEED_KEYS: dict[str, tuple[str, Any]] = {
     "parallel.model_parallel": ("parallel.tensor_parallel", None),
     "parallel.pipeline_stages": ("parallel.pipeline_parallel", None),
     "optimize.max_grad_norm": ("train.max_grad_norm", None),
-    # seed 002, llm_pretrain.yaml
+}
+_SEED_002_KEYS: dict[str, tuple[str, Any]] = {
     "model.seq_length": ("data.seq_length", None),
     "train.batch_size": ("train.global_batch_size", None),
     "train.grad_clip_norm": ("train.max_grad_norm", None),
@@ -500,6 +551,10 @@ _SEED_KEYS: dict[str, tuple[str, Any]] = {
     "run.mode": ("run.compile", _graph_mode),
     "run.device_target": ("run.device", _device),
 }
+# Each entry: seed key (dotted) -> (our key, value translation). Applied before validation, so both
+# seed files load as written there.
+_SEED_KEYS: dict[str, tuple[str, Any]] = {**_SEED_000_KEYS, **_SEED_002_KEYS}
+_ZERO_KEYS = ("parallel.use_zero", "parallel.zero_level")  # seed 002's ZeRO pair -> parallel.zero_stage
 
 # Accepted so that seed files load, but they change nothing here: the warning says why.
 _NO_EFFECT_KEYS = {
@@ -509,6 +564,16 @@ _NO_EFFECT_KEYS = {
     "graph_kernel_flags": "MindSpore graph-kernel flags have no PyTorch equivalent; use run.compile",
     "parallel.auto_parallel": "shardwise applies the layout you give in parallel.*",
     "parallel.micro_batch_interleave": "MindSpore's micro-batch interleaving has no PyTorch equivalent",
+}
+
+# Every seed spelling and the shape it belongs to.
+_SEED_SPELLINGS: dict[str, str] = {
+    **{k: SEED_000 for k in _SEED_000_KEYS},
+    **{k: SEED_002 for k in _SEED_002_KEYS},
+    **{k: SEED_002 for k in _ZERO_KEYS},
+    "enable_graph_kernel": SEED_000, "graph_kernel_flags": SEED_000, "parallel.auto_parallel": SEED_000,
+    "run.enable_graph_kernel": SEED_002, "run.graph_kernel_flags": SEED_002,
+    "parallel.micro_batch_interleave": SEED_002,
 }
 
 # Hints for names people commonly try that are neither ours nor a seed key.
@@ -556,17 +621,17 @@ def zero_stage_from(use_zero: bool | None, zero_level: int | None) -> int:
 
 def translate_seed_keys(raw: dict) -> tuple[dict, list[str]]:
     """Rewrite the seed documents' keys into ours; return the new dict and warnings to show."""
+    canonical, warnings, _ = translate_with_origins(raw)
+    return canonical, warnings
+
+
+def translate_with_origins(raw: dict) -> tuple[dict, list[str], dict[str, str]]:
+    """`translate_seed_keys`, plus where each translated key came from (our dotted key -> the key as
+    the user wrote it), so that an error about its value can name the key the user knows."""
     raw = _deepcopy(raw)
     warnings: list[str] = []
-    # ZeRO in seed 002: use_zero + zero_level.
-    found_use, use_zero = _get(raw, "parallel.use_zero")
-    found_lvl, level = _get(raw, "parallel.zero_level")
-    if found_use or found_lvl:
-        stage = zero_stage_from(use_zero if found_use else None, level if found_lvl else None)
-        for key in ("parallel.use_zero", "parallel.zero_level"):
-            if _get(raw, key)[0]:
-                _pop(raw, key)
-        _merge_into(raw, "parallel.zero_stage", stage, "parallel.use_zero/zero_level")
+    origins: dict[str, str] = {}
+    _translate_zero(raw, origins)
     # `batch_size` is the per-device batch at the top level of seed 000 but the global batch under
     # `train` in seed 002 (next to micro_batch_size): the table keeps the two apart by their paths.
     for seed_key, (our_key, fn) in _SEED_KEYS.items():
@@ -574,18 +639,49 @@ def translate_seed_keys(raw: dict) -> tuple[dict, list[str]]:
         if not found:
             continue
         _pop(raw, seed_key)
-        _merge_into(raw, our_key, fn(value) if fn else value, seed_key)
+        _merge_into(raw, our_key, _seed_value(seed_key, value, fn), seed_key)
+        origins[our_key] = seed_key
     for key, why in _NO_EFFECT_KEYS.items():
         found, value = _get(raw, key)
         if found:
             _pop(raw, key)
             warnings.append(f"{key}: {value!r} has no effect in shardwise ({why})")
-    # Seed 002 gives seq_length in the model section: make the model long enough for it.
+    # Seed 002 gives seq_length in the model section: make the model long enough for it. Only a
+    # usable length is copied, so that a wrong one is reported once, under the key the user wrote.
     found_seq, seq = _get(raw, "data.seq_length")
-    if found_seq and isinstance(raw.get("model"), dict) and "max_position_embeddings" not in raw["model"]:
-        if raw["model"] and not raw["model"].get("preset"):
-            raw["model"]["max_position_embeddings"] = seq
-    return raw, warnings
+    model = raw.get("model")
+    if found_seq and isinstance(model, dict) and model and "max_position_embeddings" not in model:
+        if not model.get("preset") and isinstance(seq, int) and not isinstance(seq, bool) and seq >= 2:
+            model["max_position_embeddings"] = seq
+    return raw, warnings, origins
+
+
+def _seed_value(seed_key: str, value: Any, fn: Any) -> Any:
+    """A seed value in our terms; a value the seed key cannot take names the key as written."""
+    if fn is None:
+        return value
+    try:
+        return fn(value)
+    except ValueError as e:
+        raise ConfigError(f"{seed_key} = {value!r} is not allowed; {e}") from None
+
+
+def _translate_zero(raw: dict, origins: dict[str, str]) -> None:
+    """Seed 002's `parallel.use_zero` + `parallel.zero_level` -> `parallel.zero_stage`."""
+    found_use, use_zero = _get(raw, "parallel.use_zero")
+    found_lvl, level = _get(raw, "parallel.zero_level")
+    if not (found_use or found_lvl):
+        return
+    if found_use and not isinstance(use_zero, bool):
+        raise ConfigError(f"parallel.use_zero = {use_zero!r} is not allowed; use true or false")
+    if found_lvl and (isinstance(level, bool) or level not in (0, 1, 2, 3)):
+        raise ConfigError(f"parallel.zero_level = {level!r} is not allowed; use 0, 1, 2 or 3 (the ZeRO stage)")
+    stage = zero_stage_from(use_zero if found_use else None, level if found_lvl else None)
+    for key in _ZERO_KEYS:
+        if _get(raw, key)[0]:
+            _pop(raw, key)
+    _merge_into(raw, "parallel.zero_stage", stage, "parallel.use_zero/zero_level")
+    origins["parallel.zero_stage"] = "parallel.zero_level" if found_lvl else "parallel.use_zero"
 
 
 def _merge_into(raw: dict, our_key: str, value: Any, seed_key: str) -> None:
@@ -609,23 +705,40 @@ def _deepcopy(d: Any) -> Any:
 # --- Overrides ---------------------------------------------------------------------------------------
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `a.b=value` strings (value parsed as YAML) to a canonical raw dict."""
+def apply_overrides(raw: dict, overrides: list[str], origins: dict[str, str] | None = None) -> dict:
+    """Apply `a.b=value` strings (value parsed as YAML) to a canonical raw dict.
+
+    `origins` (from `translate_with_origins`), when given, is updated to the key each override was
+    written as: an error about an overridden value then names the key of the `--set`."""
     raw = _deepcopy(raw)
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+        written, value = _parse_override(item)
+        key = written
         if key in _SEED_KEYS:
             our_key, fn = _SEED_KEYS[key]
-            key, value = our_key, (fn(value) if fn else value)
+            key, value = our_key, _seed_value(written, value, fn)
         _set(raw, key, value)
+        if origins is not None:
+            for ours in [k for k in origins if k == key or k.startswith(key + ".")]:
+                del origins[ours]  # the file's spelling of this key no longer holds its value
+            if written != key:
+                origins[key] = written
     return raw
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """(dotted key, value) of one `--set key=value`."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} must look like section.key=value, e.g. train.lr=1e-4")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or "" in key.split("."):
+        raise ConfigError(f"--set {item!r} has no key before '='; write section.key=value, e.g. train.lr=1e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+    return key, value
 
 
 # --- Loading and validation --------------------------------------------------------------------------
@@ -633,27 +746,77 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 raw: dict | None = None) -> RunConfig:
-    """Read YAML (or a dict), translate seed keys, apply overrides, validate; warn about no-op keys."""
+    """Read YAML (or a dict), translate seed keys, apply overrides, validate; warn about no-op keys.
+
+    Errors name each key as the file (or the `--set`) wrote it, and a misspelt key is matched against
+    the spellings of the shape the file is written in (ours, seed 000's or seed 002's)."""
     if raw is None:
         if path is None:
             raise ConfigError("give a config file")
         raw = read_yaml(path)
-    canonical, warnings = translate_seed_keys(raw)
-    canonical = apply_overrides(canonical, overrides or [])
+    canonical, warnings, origins = translate_with_origins(raw)
+    canonical = apply_overrides(canonical, overrides or [], origins)
     for w in warnings:
         log.warning(w)
-    return validate(canonical)
+    return validate(canonical, Spelling(origins, _seeds_used(raw)))
+
+
+def _seeds_used(raw: dict) -> frozenset[str]:
+    """The seed shapes (SEED_000, SEED_002) whose own keys a raw config uses."""
+    return frozenset(shape for key, shape in _SEED_SPELLINGS.items() if _get(raw, key)[0])
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How the user's file spells its keys, so that an error names a key as it is written there.
+
+    origins: our dotted key -> the key as the user wrote it (a seed key, or the key of a `--set`).
+    seeds: the seed shapes the file uses; a misspelt key is matched against their spellings too.
+    """
+
+    origins: dict[str, str]
+    seeds: frozenset[str]
+
+    def written(self, dotted: str) -> str:
+        """Our dotted key (or a path below it) as the user wrote it."""
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            head = ".".join(parts[:n])
+            if head in self.origins:
+                return ".".join([self.origins[head], *parts[n:]])
+        return dotted
+
+    def in_user_terms(self, text: str) -> str:
+        """`text` with each of our translated keys replaced by the user's spelling of it."""
+        for ours, theirs in self.origins.items():
+            # A whole key only: not inside a longer key, a path or a quoted value.
+            text = re.sub(rf"(?<![\w./'\"-]){re.escape(ours)}(?![\w'\"/-])", lambda _: theirs, text)
+        return text
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """Load a YAML mapping from a file, with clear messages for a missing or malformed file."""
+    """Load a YAML mapping from a file, with clear messages for a missing, binary or malformed file
+    (and for a key given twice, which YAML itself would let the second silently replace)."""
+    if os.path.isdir(path):
+        raise ConfigError(f"config path {path} is a directory; give the YAML file in it")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist; check the path")
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not a YAML text file: byte {e.start} is not UTF-8 (a binary file, or "
+                          "another encoding); give a UTF-8 YAML config") from None
+    stream = io.StringIO(text)
+    stream.name = str(path)  # YAML's messages then say which file (with line and column)
+    try:
+        raw = yaml.load(stream, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -661,61 +824,254 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
-def validate(raw: dict) -> RunConfig:
-    """Validate a canonical dict into a RunConfig, turning pydantic's errors into one clear message."""
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line, where it is first: 'line 5, column 1: found key ...'. PyYAML's own text
+    spreads over several lines with the file name on each."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return " ".join(str(e).split())
+    mark = e.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+    return f"{where}: {e.problem}{context}"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one,
+    so a repeated section (two `train:` blocks) would silently drop every key of the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """The mapping of `node`; a ConstructorError naming both lines for a repeated key."""
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` may be overridden by the keys beside it: that is its purpose
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                seen = key in first
+            except TypeError:
+                continue  # an unhashable key: SafeLoader's own check reports it
+            if seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark,
+                    f"found key {key!r} a second time (first on line {first[key].line + 1}); keep one of them",
+                    key_node.start_mark)
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def validate(raw: dict, spelling: Spelling | None = None) -> RunConfig:
+    """Validate a canonical dict into a RunConfig, turning pydantic's errors into one clear message
+    that names each key as the user wrote it (`spelling`, from `load_config`)."""
+    spelling = spelling or Spelling({}, frozenset())
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_explain(e)) from None
+        raise ConfigError(spelling.in_user_terms(_explain(e, spelling))) from None
+    except ConfigError as e:
+        raise ConfigError(spelling.in_user_terms(str(e))) from None
 
 
-def _explain(err: ValidationError) -> str:
-    lines = []
+# --- Explaining validation errors --------------------------------------------------------------------
+
+
+def _explain(err: ValidationError, spelling: Spelling) -> str:
+    """One line per key at fault (a value failing every member of a union is one error, not several)."""
+    grouped: dict[str, tuple[list[Any], Any, list[dict]]] = {}
     for item in err.errors():
-        loc = [str(p) for p in item["loc"]]
-        dotted = ".".join(loc) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"unknown key {dotted}{_suggest(loc)}")
-        elif item["type"] in ("literal_error", "enum"):
-            allowed = item.get("ctx", {}).get("expected", "")
-            lines.append(f"{dotted} = {item.get('input')!r} is not allowed; expected {allowed}")
-        elif item["type"] == "missing":
-            lines.append(f"{dotted} is required" + (" (give at least train.max_steps or train.epochs)" if dotted == "train" else ""))
-        else:
-            msg = item["msg"].removeprefix("Value error, ")
-            got = f" (got {item['input']!r})" if not isinstance(item.get("input"), dict) else ""
-            lines.append(f"{dotted}: {msg}{got}" if loc else msg)
+        path, field_info = _schema_path(item["loc"])
+        entry = grouped.setdefault(_dotted(path), (path, field_info, []))
+        entry[2].append(item)
+    lines: list[str] = []
+    for path, field_info, items in grouped.values():
+        line = _explain_key(path, field_info, items, spelling)
+        if line not in lines:
+            lines.append(line)
     return "invalid config: " + "; ".join(lines)
 
 
-def _section_class(loc: list[str]) -> type[BaseModel] | None:
+def _explain_key(path: list[Any], field_info: Any, items: list[dict], spelling: Spelling) -> str:
+    """The message for one key: unknown (with the closest key), missing, or a value that is not allowed."""
+    written = spelling.written(_dotted(path)) or "(top level)"
+    kinds = {item["type"] for item in items}
+    value = _shown(items[0].get("input"))
+    if "extra_forbidden" in kinds:
+        return f"unknown key {written}{_suggest([str(p) for p in path], spelling)}"
+    if "invalid_key" in kinds:
+        where = _dotted(path[:-1]) or "the top level"
+        return f"key {path[-1]!r} in {where} is not text; keys are names such as lr or max_steps"
+    if "missing" in kinds:
+        return f"{written} is required" + (" (give at least train.max_steps or train.epochs)"
+                                          if written == "train" else "")
+    custom = [i["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+              for i in items if i["type"] in ("value_error", "assertion_error")]
+    if custom:
+        # Our validators' own words; those of a section already name its keys.
+        section = field_info is None or _model_in(field_info.annotation) is not None
+        return "; ".join(custom) if section else f"{written} = {value}: {'; '.join(custom)}"
+    allowed = _allowed(field_info, of_item=bool(path) and isinstance(path[-1], int)) if field_info else ""
+    if field_info is not None and _model_in(field_info.annotation) is not None:
+        return f"{written} = {value} is not a section; expected {allowed}"
+    if kinds == {"literal_error"} or len(items) > 1:
+        return f"{written} = {value} is not allowed; expected {allowed or items[0]['msg']}"
+    msg = items[0]["msg"]
+    why = msg[:1].lower() + msg[1:]
+    return f"{written} = {value}: {why}" + (f"; expected {allowed}" if allowed else "")
+
+
+def _dotted(path: list[Any]) -> str:
+    """["data", "train_files", 1] -> "data.train_files[1]"."""
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
+
+
+def _shown(value: Any) -> str:
+    """A value as the message shows it: its repr, cut to fit on a line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The section class an annotation holds (Section, or Optional[Section]), else None."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def _schema_path(loc: tuple) -> tuple[list[Any], Any]:
+    """The keys (and list indexes) of an error's location, without pydantic's union-member tags, and
+    the schema field the path ends in (None for an unknown key or a whole section)."""
     cls: Any = RunConfig
-    for part in loc[:-1]:
-        field = cls.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        cls = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    field_info: Any = None
+    path: list[Any] = []
+    for part in loc:
+        if isinstance(part, int):
+            path.append(part)
+        elif cls is not None:
+            path.append(part)
+            field_info = cls.model_fields.get(part)
+            cls = _model_in(field_info.annotation) if field_info is not None else None
+            if field_info is None:
+                break  # an unknown key; nothing deeper is a key of ours
+        # else: a tag such as "literal['dynamic']" or "float" naming the member of a union that failed
+    return path, field_info
+
+
+def _allowed(field_info: Any, of_item: bool = False) -> str:
+    """What a key (or, `of_item`, each item of its list) takes, in words: type, bounds and meaning
+    (`a number > 0 (peak learning rate)`)."""
+    annotation = field_info.annotation
+    if of_item:
+        lists = [a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is list]
+        annotation = typing.get_args(lists[0])[0] if lists and typing.get_args(lists[0]) else Any
+    kind = _kind(annotation, _bounds(field_info))
+    return f"{kind} ({field_info.description})" if field_info.description else kind
+
+
+def _bounds(field_info: Any) -> str:
+    """A field's numeric bounds in words: '>= 0 and < 1'."""
+    marks = []
+    for m in field_info.metadata:
+        for attr, sign in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(m, attr, None) is not None:
+                marks.append(f"{sign} {getattr(m, attr)}")
+    return " and ".join(marks)
+
+
+def _kind(annotation: Any, bounds: str = "") -> str:
+    """`annotation` in words; numbers get `bounds` (e.g. '>= 1')."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        members = [_kind(a, bounds) for a in args if a is not type(None)]
+        return " or ".join(members) + (", or null" if type(None) in args else "")
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list (each {_kind(args[0]) if args else 'any value'})"
+    if origin is dict or annotation is dict:
+        return "a mapping"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        keys = list(annotation.model_fields)
+        return f"a mapping of keys such as {', '.join(keys[:5])}" + (", ..." if len(keys) > 5 else "")
+    names = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+    name = names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+    return f"{name} {bounds}" if bounds and annotation in (int, float) else name
+
+
+def _section_class(parents: list[str]) -> type[BaseModel] | None:
+    """The section class at the dotted path `parents` ([] = the whole config), else None."""
+    cls: Any = RunConfig
+    for part in parents:
+        field_info = cls.model_fields.get(part)
+        cls = _model_in(field_info.annotation) if field_info is not None else None
         if cls is None:
             return None
     return cls
 
 
-def _suggest(loc: list[str]) -> str:
-    name = loc[-1]
-    cls = _section_class(loc)
-    if cls is None:
-        return ""
-    valid = list(cls.model_fields)
-    prefix = ".".join(loc[:-1])
-    if name in _HINTS and _HINTS[name].split(".")[-1] in valid:
-        return f"; did you mean {prefix + '.' if prefix else ''}{_HINTS[name]}?"
-    if name in _HINTS and "." in _HINTS[name]:
-        return f"; did you mean {_HINTS[name]}?"
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    if close:
-        return f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
-    return f"; valid keys here: {', '.join(valid)}"
+def _candidates(parents: list[str], seeds: frozenset[str]) -> dict[str, str]:
+    """Keys that may be meant at `parents`: name as typed there -> the key to suggest (dotted).
+
+    A seed spelling is suggested as written in the seed shapes the file uses (a seed 000 file gets
+    `learning_rate`), and as our key otherwise (`train.lr`)."""
+    out: dict[str, str] = {}
+    cls = _section_class(parents)
+    if cls is not None:
+        out.update({name: ".".join([*parents, name]) for name in cls.model_fields})
+    for seed_key, shape in _SEED_SPELLINGS.items():
+        *seed_parents, last = seed_key.split(".")
+        if seed_parents != parents:
+            continue
+        if shape in seeds:
+            out[last] = seed_key
+        elif seed_key in _SEED_KEYS:
+            out.setdefault(last, _SEED_KEYS[seed_key][0])
+    return out
+
+
+def _elsewhere(seeds: frozenset[str]) -> dict[str, str]:
+    """Every key of every section (`lr` -> `train.lr`) and every seed spelling (as `_candidates`
+    shows it), by its last part: a key put in the wrong section is found too."""
+    out: dict[str, str] = {section: section for section in RunConfig.model_fields}  # a section put inside another
+    for section, section_field in RunConfig.model_fields.items():
+        cls = _model_in(section_field.annotation)
+        for name in cls.model_fields if cls is not None else ():
+            out.setdefault(name, f"{section}.{name}")
+    for seed_key, shape in _SEED_SPELLINGS.items():
+        if shape in seeds:
+            out.setdefault(seed_key.split(".")[-1], seed_key)
+        elif seed_key in _SEED_KEYS:
+            out.setdefault(seed_key.split(".")[-1], _SEED_KEYS[seed_key][0])
+    return out
+
+
+# A key where the unknown one stands wins over an equally close key of another section, which must be
+# closer to be suggested at all: a key put in the wrong section is usually spelt right.
+_HERE_CUTOFF, _ELSEWHERE_CUTOFF, _HERE_BONUS = 0.6, 0.8, 0.05
+
+
+def _closest(name: str, here: dict[str, str], elsewhere: dict[str, str]) -> str | None:
+    """The suggestion whose typed name is closest to `name` (case ignored), if close enough."""
+    best: tuple[float, str] | None = None
+    for candidates, cutoff, bonus in ((here, _HERE_CUTOFF, _HERE_BONUS), (elsewhere, _ELSEWHERE_CUTOFF, 0.0)):
+        for typed, suggestion in candidates.items():
+            ratio = difflib.SequenceMatcher(None, name.lower(), typed.lower()).ratio()
+            if ratio >= cutoff and (best is None or ratio + bonus > best[0]):
+                best = (ratio + bonus, suggestion)
+    return best[1] if best else None
+
+
+def _suggest(loc: list[str], spelling: Spelling) -> str:
+    """'; did you mean KEY?' for an unknown key, or the keys valid where it stands."""
+    name, parents = loc[-1], loc[:-1]
+    here = _candidates(parents, spelling.seeds)
+    hint = _HINTS.get(name)
+    if hint is not None and ("." in hint or hint in here):
+        return f"; did you mean {spelling.written(here.get(hint, hint))}?"
+    close = _closest(name, here, _elsewhere(spelling.seeds))
+    if close is not None:
+        return f"; did you mean {spelling.written(close)}?"
+    valid = [typed for typed, key in here.items() if key == ".".join([*parents, typed])]
+    return f"; valid keys here: {', '.join(valid)}" if valid else ""
 
 
 def to_yaml(cfg: RunConfig) -> str:

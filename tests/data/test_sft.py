@@ -424,10 +424,14 @@ def test_empty_binary_and_missing_inputs(tmp_path: Path, tiny_tokenizer: Tokeniz
         InstructionDataset(str(tmp_path / "nothing" / "*.jsonl"), tiny_tokenizer, 64)
     binary = tmp_path / "blob.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
-    with pytest.raises(DataError, match=r"blob\.jsonl:1: is not valid UTF-8"):
-        InstructionDataset(str(binary), tiny_tokenizer, 64)
-    with pytest.raises(DataError, match="none of the .* records of .*blob.jsonl"):
-        InstructionDataset(str(binary), tiny_tokenizer, 64, on_bad_line="skip")
+    # A binary file is refused whole, as for pre-training, also when bad lines are skipped.
+    for mode in ("stop", "skip"):
+        with pytest.raises(DataError, match=r"blob\.jsonl looks like a binary file.*NUL byte at offset 8"):
+            InstructionDataset(str(binary), tiny_tokenizer, 64, on_bad_line=mode)
+    latin = tmp_path / "latin1.jsonl"  # text in another encoding: one bad line, not a binary file
+    latin.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"instruction": "caf\xe9", "output": "x"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: is not valid UTF-8"):
+        InstructionDataset(str(latin), tiny_tokenizer, 64)
     txt = tmp_path / "notes.txt"
     txt.write_text("hello\n", encoding="utf-8")
     with pytest.raises(DataError, match="is not JSON lines"):

@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DataError
+from .prepare import prepare_cached
 from .pretrain import PackedDataset, default_cache_dir, expand_files, files_key
+from .sft import InstructionDataset, inspect_instruction_file
 from .shards import MANIFEST_FILE, TokenShards
+from .sources import resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
 
 if TYPE_CHECKING:
@@ -48,8 +51,6 @@ def _prepare_options(data: "DataConfig") -> dict[str, Any]:
 
 def _token_stream(globs: list[str], tokenizer: Tokenizer, data: "DataConfig", cache_dir: str) -> TokenShards:
     """Token shards of `globs`: a prepared directory as is, raw files prepared (or found) in the cache."""
-    from .prepare import prepare_cached
-
     directory = prepared_dir(globs)
     if directory is None:
         directory = prepare_cached(globs, tokenizer, cache_dir, workers=data.prepare_workers,
@@ -59,8 +60,6 @@ def _token_stream(globs: list[str], tokenizer: Tokenizer, data: "DataConfig", ca
 
 def _train_tokenizer(globs: list[str], data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer:
     """A byte-level BPE tokenizer trained on the training files, kept in the cache for the next run."""
-    from .sources import resolve_inputs
-
     files = resolve_inputs(globs, data.format)
     key = files_key([f.path for f in files], "bpe", vocab_size, data.text_field)
     out = Path(cache_dir).expanduser() / f"tokenizer-{key}"
@@ -70,7 +69,9 @@ def _train_tokenizer(globs: list[str], data: "DataConfig", vocab_size: int, cach
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        train_bpe_tokenizer([f.path for f in files], vocab_size, tmp, text_field=data.text_field)
+        # Bad lines are skipped here too when the data section says so: the tokenizer reads the same lines.
+        train_bpe_tokenizer([f.path for f in files], vocab_size, tmp, text_field=data.text_field,
+                            skip_bad_lines=data.on_bad_line == "skip")
         if out.exists() and not (out / "tokenizer.json").is_file():
             shutil.rmtree(out)  # a leftover without tokenizer.json is unusable
         # Renaming the finished directory keeps a half-trained tokenizer from ever being reused.
@@ -125,8 +126,6 @@ def _pretrain_datasets(data: "DataConfig", tokenizer: Tokenizer, cache_dir: str)
 def _instruction_datasets(
     data: "DataConfig", tokenizer: Tokenizer, cache_dir: str, micro_batch_size: int, seed: int
 ) -> tuple[Any, Any]:
-    from .sft import InstructionDataset
-
     if data.eval_fraction:
         raise DataError(
             "data.eval_fraction is not supported for instruction data (a tail of conversations is not a "
@@ -147,6 +146,23 @@ def _instruction_datasets(
     return train, dataset(data.eval_files, False) if data.eval_files else None
 
 
+def check_data_files(data: "DataConfig") -> None:
+    """Fail now, naming the file, on inputs that cannot be read: an empty glob, a directory, a binary
+    or empty-of-JSON file, broken gzip, a .parquet that is not parquet, a mix of prepared and raw
+    entries. Only each file's first bytes are read (a bad line deeper in is found when the data is
+    read), so this is cheap enough to run before anything is written or removed."""
+    if not data.train_files:
+        raise DataError("data.train_files is empty: give globs of data files (or a prepared directory)")
+    for globs in (data.train_files, data.eval_files or []):
+        if not globs or prepared_dir(globs) is not None:
+            continue
+        if data.kind == "instruction":
+            for path in expand_files(globs):
+                inspect_instruction_file(path)
+        else:
+            resolve_inputs(globs, data.format)
+
+
 def build_data(
     data: "DataConfig", vocab_size: int, micro_batch_size: int = 1, seed: int = 0
 ) -> tuple[Tokenizer, Any, Any]:
@@ -155,10 +171,8 @@ def build_data(
     Without `data.tokenizer`, pre-training trains a byte-level BPE tokenizer of `vocab_size` tokens on
     the training files (cached). `micro_batch_size` sets the token budget of dynamic SFT batches.
     """
-    if not data.train_files:
-        raise DataError("data.train_files is empty: give globs of data files (or a prepared directory)")
+    check_data_files(data)
     cache_dir = data.cache_dir if data.cache_dir is not None else default_cache_dir()
-    prepared_dir(data.train_files)  # a mix of prepared and raw entries fails before any work
     tokenizer = _tokenizer(data, vocab_size, cache_dir)
     if data.kind == "instruction":
         train, evaluation = _instruction_datasets(data, tokenizer, cache_dir, micro_batch_size, seed)
@@ -171,4 +185,4 @@ def build_data(
     return tokenizer, train, evaluation
 
 
-__all__ = ["build_data", "expand_files", "prepared_dir"]
+__all__ = ["build_data", "check_data_files", "expand_files", "prepared_dir"]

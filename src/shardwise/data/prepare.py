@@ -65,6 +65,7 @@ _CHUNK_CHARS = 1 << 18
 _CHUNK_DOCS = 4096
 _IN_FLIGHT_PER_WORKER = 2
 _ENV_PARALLEL = "TOKENIZERS_PARALLELISM"
+_NAMED_FILES = 3  # input files named in the message when none of them holds a document
 
 
 def default_workers() -> int:
@@ -437,8 +438,9 @@ def _no_documents(
         why.append(f"{stats.bad_lines} bad lines skipped (first: {stats.first_bad_line})")
     if stats.empty_files:
         why.append(f"{stats.empty_files} empty files skipped")
+    named = ", ".join(f.path for f in files[:_NAMED_FILES]) + (", ..." if len(files) > _NAMED_FILES else "")
     return DataError(
-        f"no documents to prepare from {len(files)} input files ({'; '.join(why)}); check the inputs, "
+        f"no documents to prepare from {len(files)} input files ({named}: {'; '.join(why)}); check the inputs, "
         f"the format and text field (format={options['format']!r}, text_field={options['text_field']!r}) "
         f"and min_chars"
     )

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when what files_key feeds changes, so that old caches are never read as new ones.
 _CACHE_VERSION = 1
+_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz")
 
 
 def expand_files(globs: Sequence[str] | str) -> list[str]:
@@ -45,9 +46,13 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
         files = [m for m in matches if os.path.isfile(m)]
         if not files:
             if any(os.path.isdir(m) for m in matches):
+                # A directory named like a file (`x.jsonl/`) most often holds files of that kind.
+                ext = os.path.splitext(pattern.rstrip("/"))[1]
+                example = os.path.join(pattern, "*" + (ext if ext in _DATA_EXTENSIONS else ".txt"))
                 raise DataError(
-                    f"data file pattern {pattern!r} matches only directories; "
-                    f"use a pattern for the files in it, such as '{os.path.join(pattern, '*.txt')}'"
+                    f"data file pattern {pattern!r} matches only directories, not files (and none is a "
+                    f"`shardwise prepare` directory, which holds a manifest.json); use a pattern for the "
+                    f"files in it, such as '{example}'"
                 )
             raise DataError(
                 f"data file pattern {pattern!r} matches no file (working directory {os.getcwd()}); "

@@ -85,6 +85,7 @@ import json
 import logging
 import os
 import tempfile
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -97,6 +98,7 @@ from tqdm.auto import tqdm
 
 from ..errors import DataError
 from .pretrain import expand_files, files_key, token_dtype
+from .sources import InputFile, inspect_input, open_input
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -224,17 +226,34 @@ class _BadLines:
             logger.warning("skipping more bad records; only their count is reported from now on")
 
 
-def _json_lines(path: str) -> Iterator[tuple[int, str | None, int]]:
+def _json_lines(f: InputFile) -> Iterator[tuple[int, str | None, int]]:
     """(line number, text or None when not UTF-8, bytes) of the non-blank lines of a file."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError:
-                yield lineno, None, len(raw)
-                continue
-            if text.strip():
-                yield lineno, text, len(raw)
+    lineno = 0
+    try:
+        with open_input(f) as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError:
+                    yield lineno, None, len(raw)
+                    continue
+                if text.strip():
+                    yield lineno, text, len(raw)
+    except (OSError, EOFError, zlib.error) as e:  # a gzip file cut short, a disk error
+        raise DataError(f"cannot read instruction data file {f.path} after line {lineno}: {e}") from e
+
+
+def inspect_instruction_file(path: str) -> InputFile:
+    """An instruction data file checked before it is read: a JSON-lines (or .json) name, not binary,
+    valid gzip when compressed; DataError naming the file otherwise."""
+    name = path[:-3] if path.endswith(".gz") else path
+    if not name.endswith(SUFFIXES) or (name != path and name.endswith(".json")):
+        raise DataError(
+            f"instruction data file {path!r} is not JSON lines; give .jsonl files (also .jsonl.gz; one "
+            f"{{\"instruction\", \"output\"}} or {{\"messages\"}} object per line) or a .json array"
+        )
+    # The same rules as pre-training files: a binary file (or broken gzip) is refused whole.
+    return inspect_input(path, "jsonl")
 
 
 def iter_records(
@@ -242,13 +261,8 @@ def iter_records(
 ) -> Iterator[tuple[str, list[Message]]]:
     """("file:line", messages) of every usable record; bad ones go to `bad`, counts into `stats`."""
     for path in files:
-        if not path.endswith(SUFFIXES):
-            raise DataError(
-                f"instruction data file {path!r} is not JSON lines; give .jsonl files (one "
-                f"{{\"instruction\", \"output\"}} or {{\"messages\"}} object per line) or a .json array"
-            )
         good = seen = 0
-        for where, obj, size in _file_objects(path, bad):
+        for where, obj, size in _file_objects(inspect_instruction_file(path)):
             seen += 1
             if progress is not None:
                 progress.update(size)
@@ -276,24 +290,25 @@ def iter_records(
         stats["records"] += good
 
 
-def _file_objects(path: str, bad: _BadLines) -> Iterator[tuple[str, Any, int]]:
+def _file_objects(f: InputFile) -> Iterator[tuple[str, Any, int]]:
     """("file:line", parsed object or _BadRecord, bytes) for each record of a .jsonl or .json file."""
+    path = f.path
     if path.endswith(".json"):
-        with open(path, "rb") as f:
-            head = f.read(4096).lstrip()
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip()
         if head.startswith(b"\xef\xbb\xbf"):
             head = head[3:].lstrip()
         if head.startswith(b"["):
             try:
-                with open(path, encoding="utf-8-sig") as f:
-                    items = json.load(f)
+                with open(path, encoding="utf-8-sig") as fh:
+                    items = json.load(fh)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise DataError(f"{path!r} starts like a JSON array but does not parse: {e}") from e
             size = os.path.getsize(path) // max(1, len(items))
             for i, item in enumerate(items):
                 yield f"{path} item {i}", item, size
             return
-    for lineno, text, size in _json_lines(path):
+    for lineno, text, size in _json_lines(f):
         where = f"{path}:{lineno}"
         if text is None:
             yield where, _BadRecord("is not valid UTF-8 text (a binary file?)"), size
@@ -836,10 +851,11 @@ class InstructionDataset(Dataset):
         self.stats["tokens"] = int(self._lengths.sum())
         self.stats["target_tokens"] = int(targets[keep].sum())
         if not len(self._starts):
+            other = " or use truncation='truncate'" if self.truncation == "drop" else ""
             raise DataError(
                 f"no instruction sample is left of {len(lengths)} ({self.stats['dropped_too_long']} "
                 f"longer than max_seq_len {self.seq_length}, {self.stats['dropped_no_target']} without "
-                f"an assistant token within it); raise data.seq_length or use truncation='truncate'"
+                f"an assistant token within it); raise data.seq_length{other}"
             )
 
     def _group(self) -> None:

@@ -115,6 +115,11 @@ def _open_binary(path: str, gz: bool) -> BinaryIO:
     return gzip.open(path, "rb") if gz else open(path, "rb")  # type: ignore[return-value]
 
 
+def open_input(f: InputFile) -> BinaryIO:
+    """The bytes of an inspected input file, decompressed when it is gzip."""
+    return _open_binary(f.path, f.gzip)
+
+
 def inspect_input(path: str, fmt: str = "auto") -> InputFile:
     """Format, compression and size of `path`; DataError for a binary or unreadable file."""
     check_choice("format", fmt, FORMATS)
@@ -215,9 +220,10 @@ class _BadLines:
             shown = f" (line starts {snippet!r})"
         message = f"{where}: {why}{shown}"
         if not self.skip:
+            # Read by `shardwise prepare` and by a run preparing its own data: both spellings.
             raise DataError(
-                f"{message}; fix it, or skip such lines with on_bad_line='skip' (--on-bad-line skip), "
-                f"which counts them in the manifest"
+                f"{message}; fix it, or skip such lines with on_bad_line='skip' (--on-bad-line skip; in a "
+                f"run's config data.on_bad_line: skip), which counts them in the manifest"
             )
         self.stats.bad_lines += 1
         if self.stats.first_bad_line is None:
@@ -306,7 +312,10 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
     try:
         pf = pq.ParquetFile(f.path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for broken files
-        raise DataError(f"cannot read parquet file {f.path}: {e}") from e
+        raise DataError(
+            f"cannot read parquet file {f.path}: {_first_line(e)}; it is not a valid parquet file (cut short by an "
+            f"interrupted copy, or another format named .parquet): copy it again or remove it from the inputs"
+        ) from e
     schema = pf.schema_arrow
     if text_field not in schema.names:
         raise DataError(
@@ -336,7 +345,12 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot read parquet file {f.path} after row {row}: {e}") from e
+        raise DataError(f"cannot read parquet file {f.path} after row {row}: {_first_line(e)}") from e
+
+
+def _first_line(e: Exception) -> str:
+    """pyarrow's messages run over several lines; the first says what is wrong, and a message stays one line."""
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def read_documents(
@@ -396,6 +410,7 @@ __all__ = [
     "TXT_DOCUMENTS",
     "import_pyarrow_parquet",
     "inspect_input",
+    "open_input",
     "read_documents",
     "resolve_inputs",
 ]

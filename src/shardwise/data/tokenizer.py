@@ -658,9 +658,10 @@ def _read_texts(
                         line = _jsonl_text(line, f"{f}:{lineno}", text_field)
                     except ValueError as e:
                         if not skip_bad_lines:
+                            # This runs for `shardwise tokenizer train` and for a run's own tokenizer.
                             raise DataError(
                                 f"{e}; fix the line, or skip such lines with skip_bad_lines=True "
-                                f"(--skip-bad-lines)"
+                                f"(--skip-bad-lines; in a run's config: data.on_bad_line: skip)"
                             ) from None
                         stats["bad_lines"] += 1
                         if stats["bad_lines"] <= 5:
