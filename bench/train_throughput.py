@@ -65,8 +65,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from shardwise.config import RunConfig, load_config, validate
 from shardwise.data.loader import StatefulLoader
 from shardwise.data.pretrain import PackedDataset, token_dtype
+from shardwise.memory.estimate import run_flops
 from shardwise.memory.precision import precision_plan
-from shardwise.models import Transformer, build_model, count_parameters, flops_per_token
+from shardwise.models import Transformer, build_model, count_parameters
 from shardwise.parallel.launch import resolve_device
 from shardwise.peft.freeze import freeze_parameters
 from shardwise.peft.lora import apply_lora
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ds = config_dataset(cfg)
     peak, peak_note = bench_peak_flops(device, plan.dtype, cfg.train.peak_tflops)
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
+    flops_tok = run_flops(cfg).total  # the trainer's count (frozen weights cost less)
     threads = torch.get_num_threads()
     log(f"{args.config}: {count_parameters(cfg.model) / 1e6:.1f}M params "
         f"({trainable_parameters(cfg) / 1e6:.2f}M trainable), {tokens_per_step} tokens/step, "

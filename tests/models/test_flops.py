@@ -1,11 +1,15 @@
-"""Parameter counts (against our model and Hugging Face's) and training FLOPs per token."""
+"""Parameter counts (against our model and Hugging Face's) and training FLOPs per token (by hand, and
+against the matmuls autograd runs with frozen weights)."""
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.errors import ConfigError
 from shardwise.models import ModelConfig, Transformer, count_parameters, flops_per_token, resolve_model_config
-from shardwise.models.flops import count_parameters_by_kind
+from shardwise.models.flops import count_parameters_by_kind, training_flops
+from shardwise.peft.freeze import freeze_parameters
+from shardwise.peft.lora import apply_lora
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,3 +117,97 @@ def test_flops_gqa_uses_smaller_kv_projections():
 def test_flops_rejects_bad_sequence_length():
     with pytest.raises(ConfigError, match="seq_length"):
         flops_per_token(resolve_model_config({"preset": "tiny_llama"}), 0)
+
+
+# --- training FLOPs with frozen weights: hand counts, and autograd's own matmuls ------------------------
+
+SEQ = 32
+# tiny_llama: hidden 64, 4 heads of 16, 2 kv heads, gated MLP 160 wide, vocab 512, 2 layers, untied.
+WQ, WK, WV, WO, MLP = 64 * 64, 32 * 64, 32 * 64, 64 * 64, 3 * 64 * 160
+LAYER = WQ + WK + WV + WO + MLP  # 43,008 weights per block
+HEAD = 512 * 64
+SCORES = 4 * 4 * 16 * SEQ  # QK^T and AV forward per layer; x3 with their backward
+
+
+def _model(preset: str = "tiny_llama", lora: dict | None = None, freeze: dict | None = None, **changes) -> Transformer:
+    """A small real model with LoRA or freezing applied, as the trainer applies them."""
+    torch.manual_seed(0)
+    model = Transformer(resolve_model_config({"preset": preset, **changes}))
+    if lora is not None:
+        apply_lora(model, lora.get("r", 4), 8.0, 0.0, lora["targets"])
+    if freeze is not None:
+        freeze_parameters(model, **freeze)
+    return model
+
+
+def _trainable(model: Transformer) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_full_training_costs_six_per_weight():
+    flops = training_flops(_model().cfg, SEQ)
+    assert flops.layers == (6 * LAYER + 3 * SCORES,) * 2 and flops.head == 6 * HEAD
+    assert flops.total == 6 * (2 * LAYER + HEAD) + 2 * 3 * SCORES == 761_856
+    assert flops.layers_forward == (2 * LAYER + SCORES,) * 2
+    model = _model()
+    assert training_flops(model.cfg, SEQ, _trainable(model)) == flops  # the table of a full model: the same
+
+
+def test_frozen_layers_cost_four_or_two():
+    # Embeddings and layer 0 frozen: nothing below layer 0 trains, so it runs forward only (2 per
+    # weight, attention once); layer 1 and the head train (6).
+    model = _model(freeze={"embeddings": True, "layers": 1})
+    flops = training_flops(model.cfg, SEQ, _trainable(model))
+    assert flops.layers == (2 * LAYER + SCORES, 6 * LAYER + 3 * SCORES) and flops.head == 6 * HEAD
+    assert flops.total == 573_440
+    # Layer 0 frozen but the embeddings train: its input needs a gradient, so 4 per weight.
+    model = _model(freeze={"layers": 1})
+    flops = training_flops(model.cfg, SEQ, _trainable(model))
+    assert flops.layers == (4 * LAYER + 3 * SCORES, 6 * LAYER + 3 * SCORES) and flops.total == 675_840
+    # Frozen embeddings freeze a tied output projection with them; it still passes gradients down (4).
+    model = _model(freeze={"embeddings": True}, tie_embeddings=True)
+    flops = training_flops(model.cfg, SEQ, _trainable(model))
+    assert flops.head == 4 * HEAD and flops.total == 6 * 2 * LAYER + 2 * 3 * SCORES + 4 * HEAD == 696_320
+
+
+def test_lora_base_weights_cost_four_and_adapters_six():
+    model = _model(lora={"r": 4, "targets": ["q_proj", "v_proj"]})
+    flops = training_flops(model.cfg, SEQ, _trainable(model))
+    a_q, b_q, a_v, b_v = 4 * 64, 64 * 4, 4 * 64, 32 * 4  # lora_A [r, in], lora_B [out, r]
+    # Layer 0 reads the frozen embedding through a frozen norm: the q/k/v base weights run forward
+    # only (2) and the A adapters skip their input gradient (4); o and the MLP pass gradients down (4).
+    first = 2 * (WQ + WK + WV) + 4 * (a_q + a_v) + 6 * (b_q + b_v) + 4 * (WO + MLP) + 3 * SCORES
+    later = 4 * LAYER + 6 * (a_q + b_q + a_v + b_v) + 3 * SCORES
+    assert flops.layers == (first, later) and flops.head == 4 * HEAD
+    assert flops.total == 184_576 + 201_984 + 131_072 == 517_632
+    assert flops.total < flops_per_token(model.cfg, SEQ) == 761_856
+
+
+def _autograd_matmul_flops(model: Transformer) -> float:
+    """Matmul FLOPs per token that forward + backward of `model` really run (torch's FlopCounterMode)."""
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    counts = counter.get_flop_counts()["Global"]
+    return sum(v for op, v in counts.items() if str(op) in ("aten.mm", "aten.addmm")) / tokens.numel()
+
+
+@pytest.mark.parametrize("preset, setup, attention_passes", [
+    ("tiny_llama", {}, (3, 3)),
+    ("tiny_llama", {"freeze": {"embeddings": True, "layers": 1}}, (1, 3)),
+    ("tiny_llama", {"freeze": {"layers": 1}}, (3, 3)),
+    ("tiny_llama", {"lora": {"targets": ["q_proj", "v_proj"]}}, (3, 3)),
+    ("tiny_llama", {"lora": {"targets": "all-linear"}}, (3, 3)),
+    ("tiny_llama", {"lora": {"targets": r"layers\.1\.attention\.wv"}}, (1, 3)),  # nothing trains in layer 0
+    ("tiny_gpt2", {}, (3, 3)),
+    ("tiny_gpt2", {"lora": {"targets": "all-linear"}}, (3, 3)),  # q/k/v share one lora_A per layer
+    ("tiny_gpt2", {"freeze": {"embeddings": True}}, (3, 3)),  # the tied head is frozen with them
+])
+def test_weight_flops_equal_what_autograd_computes(preset, setup, attention_passes):
+    """The rule, checked against the matmuls autograd runs (only tensors that need a gradient get one);
+    the attention scores (SDPA, not counted by FlopCounterMode on CPU) are left out of both sides."""
+    model = _model(preset, **setup)
+    flops = training_flops(model.cfg, SEQ, _trainable(model))
+    scores = 4 * model.cfg.num_heads * model.cfg.head_dim * SEQ
+    assert flops.total - scores * sum(attention_passes) == _autograd_matmul_flops(model)

@@ -6,13 +6,15 @@ import pytest
 
 from shardwise.config import validate
 from shardwise.models import flops_per_token
+from shardwise.memory.estimate import run_flops
 from shardwise.plan.cost import (
     all_reduce_time,
     gather_time,
+    lora_adapter_params,
+    model_flops_per_token,
     physical_limit,
     predict_step,
     rank_loads,
-    work_flops_per_token,
 )
 from shardwise.plan.hardware import get_hardware
 
@@ -45,15 +47,42 @@ def test_rank_flops_add_up_to_the_model_flops(parallel: dict) -> None:
 def test_frozen_weights_skip_their_weight_gradients() -> None:
     full, lora = config(), config(lora=True)
     m = full.model
-    weights = 4 * 4096 * 4096 + 3 * 4096 * 11008
-    adapters = 4 * 8 * (4096 + 4096)  # r x (in + out) for q, k, v, o
-    # 4 instead of 6 FLOPs per frozen weight, 6 per adapter weight, attention scores unchanged.
-    expected = 32 * (4 * weights + 12 * 32 * 128 * 2048 + 6 * adapters) + 4 * m.vocab_size * 4096
-    assert work_flops_per_token(lora) == pytest.approx(expected, rel=1e-12)
-    assert work_flops_per_token(full) == flops_per_token(m, 2048)
+    h, inter, s = 4096, 11008, 2048
+    qkv, wo, mlp = 3 * h * h, h * h, 3 * h * inter
+    adapter_a, adapter_b = 8 * h, h * 8  # r x in, out x r for each of q, k, v, o (all 4096 wide)
+    scores = 4 * 32 * 128 * s  # QK^T and AV forward; x3 with backward
+    # Layer 0: its input is the frozen embedding, so q/k/v base weights run forward only (2) and their
+    # adapters' A skip the input gradient (4); o and the MLP read inputs that need gradients (base 4,
+    # o's A 6); every B reads its A's output (6).
+    first = 2 * qkv + 4 * (wo + mlp) + 4 * 3 * adapter_a + 6 * adapter_a + 6 * 4 * adapter_b + 3 * scores
+    # Later layers: every base weight 4, every adapter weight 6.
+    later = 4 * (qkv + wo + mlp) + 6 * 4 * (adapter_a + adapter_b) + 3 * scores
+    expected = first + 31 * later + 4 * m.vocab_size * h  # the frozen head still passes gradients down
+    assert model_flops_per_token(lora) == pytest.approx(expected, rel=1e-12)
+    assert sum(load.flops_per_token for load in rank_loads(lora)) == pytest.approx(expected, rel=1e-12)
+    assert model_flops_per_token(full) == flops_per_token(m, 2048)
+    assert lora_adapter_params(lora) == 4 * (adapter_a + adapter_b)
     lim = physical_limit(lora, get_hardware("Ascend910B3"))
-    assert lim["tokens_per_s_per_device"] == pytest.approx(313e12 / flops_per_token(m, 2048))
-    assert lim["work_tokens_per_s_per_device"] == pytest.approx(313e12 / expected)
+    assert lim["tokens_per_s_per_device"] == pytest.approx(313e12 / expected)
+    assert lim["full_training_flops_per_token"] == flops_per_token(m, 2048)
+
+
+def test_the_planner_and_the_trainer_count_the_same_flops() -> None:
+    """rank_loads splits `run_flops` (the trainer's MFU count) over the stages, recompute included."""
+    cfg = validate({"model": {"preset": "llama_7b"}, "data": {"seq_length": 2048}, "freeze": {"embeddings": True,
+                    "layers": 3}, "optimize": {"recompute": "full", "recompute_every": 2},
+                    "parallel": {"pipeline_parallel": 2, "micro_batch_num": 4},
+                    "train": {"max_steps": 1, "global_batch_size": 8, "micro_batch_size": 1}})
+    flops = run_flops(cfg)
+    loads = rank_loads(cfg)
+    assert loads[0].flops_per_token == pytest.approx(sum(flops.layers[:16]))
+    assert loads[1].flops_per_token == pytest.approx(sum(flops.layers[16:]) + flops.head)
+    assert sum(load.flops_per_token for load in loads) == pytest.approx(flops.total) == model_flops_per_token(cfg)
+    # The three frozen bottom layers run forward only; recompute repeats layers 0, 2, .. of each stage.
+    assert flops.layers[0] == flops.layers_forward[0] < flops.layers[3] / 2
+    forward = flops.layers_forward
+    assert loads[0].recompute_flops_per_token == pytest.approx(sum(forward[i] for i in range(0, 16, 2)))
+    assert loads[1].recompute_flops_per_token == pytest.approx(sum(forward[i] for i in range(16, 32, 2)))
 
 
 def test_physical_limit_of_seed_002() -> None:

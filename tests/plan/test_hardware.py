@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.plan.hardware import CATALOGUE, custom_hardware, get_hardware, load_hardware_file
-from shardwise.train.metrics import PEAK_TFLOPS
+from shardwise.plan.hardware import (
+    CATALOGUE,
+    PEAK_TFLOPS,
+    best_rate,
+    custom_hardware,
+    get_hardware,
+    load_hardware_file,
+    table_peak_tflops,
+)
 
 
 def test_catalogue_holds_the_devices_of_the_issue() -> None:
@@ -22,6 +29,36 @@ def test_catalogue_holds_the_devices_of_the_issue() -> None:
     assert CATALOGUE["Ascend910B4"].memory_gib == 32
     cpu = CATALOGUE["cpu"]
     assert cpu.kind == "cpu" and 1 <= cpu.cores_per_node <= 2 and cpu.tflops_32 > 0 and cpu.intra_bandwidth_gbps > 0
+
+
+def test_device_names_find_their_table_peak() -> None:
+    assert table_peak_tflops("NVIDIA H100 80GB HBM3", fp32=False) == ("H100", 989.0)
+    assert table_peak_tflops("NVIDIA A100-SXM4-80GB", fp32=True) == ("A100", 19.5)
+    assert table_peak_tflops("NVIDIA GeForce RTX 4090", fp32=False) == ("RTX 4090", 165.2)
+    assert table_peak_tflops("Ascend910B3", fp32=False) == ("Ascend910B3", 313.0)
+    assert table_peak_tflops("Some Future GPU", fp32=False) is None
+
+
+class _FakeClock:
+    """A clock that moves only when the timed function runs, by the durations given."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.now, self.durations = 0.0, iter(durations)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self) -> None:
+        self.now += next(self.durations)
+
+
+def test_best_rate_keeps_the_fastest_timed_call() -> None:
+    # The untimed first call is the fastest; then 0.2, 0.1, 0.4, 0.3 s fill the 1 s budget.
+    clock = _FakeClock([0.01, 0.2, 0.1, 0.4, 0.3])
+    assert best_rate(clock.run, work=1.0, seconds=1.0, clock=clock) == pytest.approx(10.0)
+    # At least three timed calls, however long they take.
+    clock = _FakeClock([0.0, 5.0, 4.0, 8.0])
+    assert best_rate(clock.run, work=2.0, seconds=1.0, clock=clock) == pytest.approx(0.5)
 
 
 def test_names_are_found_case_insensitively_and_by_alias() -> None:

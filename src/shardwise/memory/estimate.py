@@ -30,6 +30,10 @@ storages. On CPU that is the whole estimate (overhead 0). On CUDA/NPU `overhead`
 `ALLOCATOR_OVERHEAD` of the tensor peak for the caching allocator's rounding and fragmentation
 (`max_memory_reserved` above `max_memory_allocated`); the CUDA context itself (about 0.5 GiB, outside
 the allocator) is not included.
+
+`run_flops(cfg)` gives the run's training FLOPs per token from the same parameter table (what trains
+under LoRA / freezing decides what the backward computes): the trainer's MFU and the planner's step
+time both count with it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..models.flops import TrainingFlops, training_flops
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
 GIB = 2**30
@@ -193,7 +198,8 @@ def _precision(cfg: Any, lay: _Layout) -> _Precision:
         return _Precision(level, 2, 2, 2, 2, False)
     if lay.dp > 1:  # O2 under data parallelism: FSDP2's fp32 parameters are the masters
         return _Precision(level, 4, 2, 4, 4, False)
-    return _Precision(level, 2, 2, 2, 4, True)
+    # O2 in one process (or TP/PP only): 16-bit weights, gradients accumulated in the fp32 masters.
+    return _Precision(level, 2, 2, 4, 4, True)
 
 
 # --- parameters --------------------------------------------------------------------------------------
@@ -265,6 +271,17 @@ def _params_of(cfg: Any) -> tuple[_Param, ...]:
                       "lora": cfg.lora.model_dump(mode="json") if cfg.lora is not None else None,
                       "freeze": freeze}, sort_keys=True)
     return _param_table(key)
+
+
+def trainable_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter that trains under the run config's LoRA / freezing."""
+    return {p.name: p.shape for p in _params_of(cfg) if p.trainable}
+
+
+def run_flops(cfg: Any) -> TrainingFlops:
+    """Training FLOPs per token of a run config, per layer and head (`models.flops.training_flops` on
+    the parameters that train): what MFU counts and what the planner times."""
+    return training_flops(cfg.model, cfg.data.seq_length, trainable_shapes(cfg))
 
 
 def _chunk(size: int, parts: int) -> int:
@@ -984,9 +1001,6 @@ def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad
         group = state_elems
     temp = group * prec.state if cfg.train.optimizer != "sgd" else 0
     total = static + grad_bytes + temp
-    if prec.masters:
-        # grads_to_masters replaces the 16-bit gradients by fp32 master gradients, one tensor at a time.
-        total = static + state_elems * 4 + temp
     if lay.zero == 1:
         # Each owner broadcasts its updated parameters as one flat buffer (two alive at the switch).
         owned = state_elems * prec.param

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
 from shardwise.errors import ConfigError
 from shardwise.models.config import ModelConfig
 
@@ -61,18 +64,141 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return cfg.num_layers * (_attention_weights(cfg) + _mlp_weights(cfg)) + cfg.vocab_size * cfg.hidden_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM appendix B convention.
+def flops_per_token(cfg: ModelConfig, seq_length: int, trainable: Mapping[str, Sequence[int]] | None = None) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B convention; see `training_flops`.
 
-    FLOPs = 6 * N + 12 * num_layers * num_heads * head_dim * seq_length, where N counts the weights of
-    every matrix multiply: the q/k/v/output and MLP projections of each layer and the output (logits)
-    projection, which is counted even when it shares its weight with the embedding. Embedding and
-    position lookups, biases, norms, softmax and activations are left out (they are not matmuls or are
-    negligible). The factor 6 is 2 (multiply-add) x 3 (forward, input grad, weight grad); the second
-    term is the attention scores and their weighted sum (QK^T and AV, 2 x 2 x 3 per element) over the
-    full, unmasked sequence, as PaLM counts it. This is the number MFU is measured against.
+    With every parameter trainable (`trainable` None): FLOPs = 6 * N + 12 * num_layers * num_heads *
+    head_dim * seq_length, where N counts the weights of every matrix multiply: the q/k/v/output and
+    MLP projections of each layer and the output (logits) projection, which is counted even when it
+    shares its weight with the embedding. Embedding and position lookups, biases, norms, softmax and
+    activations are left out (they are not matmuls or are negligible). The factor 6 is 2
+    (multiply-add) x 3 (forward, input grad, weight grad); the second term is the attention scores
+    and their weighted sum (QK^T and AV, 2 x 2 x 3 per element) over the full, unmasked sequence, as
+    PaLM counts it. With frozen weights (LoRA, freezing) fewer FLOPs are computed, and counted. This
+    is the number MFU is measured against.
+    """
+    return training_flops(cfg, seq_length, trainable).total
+
+
+# --- training FLOPs that account for what trains ---------------------------------------------------
+
+# The block linears that read the normed residual stream (names under layers.{i}), in forward order.
+_ATTENTION_INPUTS = ("attention.wq", "attention.wk", "attention.wv")
+_MLP_INPUTS = ("feed_forward.w1", "feed_forward.w3")
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """FLOPs per token of one training step (forward + the backward autograd runs), by where they are spent."""
+
+    layers: tuple[float, ...]  # per block, forward + backward, attention scores included
+    layers_forward: tuple[float, ...]  # per block, the forward alone (what recompute runs again)
+    head: float  # the output projection, forward + backward
+
+    @property
+    def total(self) -> float:
+        """FLOPs per token of the whole model: what MFU divides by the peak."""
+        return sum(self.layers) + self.head
+
+
+def _linear_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each block linear present in the config (w3 only in gated MLPs)."""
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    dims = {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv), "attention.wo": (q, h),
+            "feed_forward.w1": (h, i), "feed_forward.w2": (i, h)}
+    if cfg.mlp == "gated":
+        dims["feed_forward.w3"] = (h, i)
+    return dims
+
+
+def _modules_of(name: str) -> list[str]:
+    """The modules a parameter name lies in: "a.b.weight" -> ["a", "a.b"]."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+class _Walk:
+    """The FLOP rule applied along the forward pass, knowing which parameters train.
+
+    A weight matrix W used as y = x W costs, per token and weight: 2 for the forward, 2 more for its
+    weight gradient when W trains, and 2 more for the input gradient when x depends on any trainable
+    parameter (autograd computes a gradient only for tensors that need one). So a trainable weight
+    costs 6, a frozen weight with something trainable below it 4, and a frozen weight whose input
+    depends on nothing trainable 2: the bottom layers of a model frozen from the embeddings up, the
+    layers below a LoRA model's first adapter, and the q/k/v base weights of its first adapted layer
+    (their input is the frozen embedding, normed by a frozen norm). An adapter's A trains and reads the layer input; its B
+    trains and reads A's output, which needs a gradient: 6.
+    """
+
+    def __init__(self, trainable: Mapping[str, Sequence[int]] | None) -> None:
+        self.trainable = trainable
+        self.flops = 0.0
+        # Every module (dotted prefix) that holds a trainable parameter, for constant-time lookups.
+        self._training_modules = {module for name in trainable or () for module in _modules_of(name)}
+
+    def trains(self, module: str) -> bool:
+        """Whether any parameter of `module` ("layers.0.attention.wq") trains (all do without a table)."""
+        return self.trainable is None or module in self._training_modules
+
+    def linear(self, name: str, dims: tuple[int, int], input_grad: bool) -> bool:
+        """Count one linear (and its LoRA adapter); returns whether its output needs a gradient."""
+        d_in, d_out = dims
+        weight_trains = self.trainable is None or f"{name}.weight" in self.trainable
+        self.flops += d_in * d_out * (2 + 2 * weight_trains + 2 * input_grad)
+        adapter = None if self.trainable is None else self.trainable.get(f"{name}.lora_B.weight")
+        if adapter is not None:
+            r = int(adapter[1])  # lora_B is [out, r]; lora_A is [r, in], trains, and may be shared (GPT-2 q/k/v)
+            self.flops += r * d_in * (4 + 2 * input_grad) + d_out * r * 6
+        return input_grad or self.trains(name)
+
+
+def training_flops(cfg: ModelConfig, seq_length: int,
+                   trainable: Mapping[str, Sequence[int]] | None = None) -> TrainingFlops:
+    """Training FLOPs per token of `Transformer(cfg)`, counting what a step computes.
+
+    `trainable` maps the name of every parameter that trains to its shape, as `named_parameters()` of
+    the model with LoRA / freezing applied gives them (a tied output projection is listed as
+    `tok_embeddings.weight`); None means every parameter trains. Weight matrices follow the rule of
+    `_Walk`: 6 FLOPs per trainable weight, 4 per frozen weight whose input needs a gradient, 2 per
+    frozen weight with nothing trainable below it; LoRA adapters count like weights (A: [r, in],
+    B: [out, r]). The attention scores (QK^T and AV over the full, unmasked sequence, PaLM's
+    convention) cost 4 * num_heads * head_dim * seq_length per layer forward, and three times that
+    when q, k or v needs a gradient. Embedding lookups, norms, biases and activations are left out.
+    With everything trainable this is PaLM's 6 N + 12 L H d s (`flops_per_token`).
     """
     if seq_length <= 0:
         raise ConfigError(f"seq_length must be a positive number of tokens, got {seq_length}")
-    attention_scores = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_length
-    return float(6 * matmul_parameters(cfg) + attention_scores)
+    walk = _Walk(trainable)
+    dims = _linear_dims(cfg)
+    scores = 4 * cfg.num_heads * cfg.head_dim * seq_length
+    grad = walk.trains("tok_embeddings") or walk.trains("pos_embeddings")  # the residual stream needs one
+    layers, forward = [], []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        before = walk.flops
+        x = grad or walk.trains(p + "attention_norm")
+        qkv = [walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS]
+        attended = any(qkv)
+        walk.flops += scores * (3 if attended else 1)
+        grad = walk.linear(p + "attention.wo", dims["attention.wo"], attended) or grad
+        x = grad or walk.trains(p + "ffn_norm")
+        hidden = any([walk.linear(p + n, dims[n], x) for n in _MLP_INPUTS if n in dims])
+        grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
+        layers.append(walk.flops - before)
+        forward.append(_forward_flops(cfg, trainable, p, dims, scores))
+    head_trains = walk.trains("output") or (cfg.tie_embeddings and walk.trains("tok_embeddings"))
+    x = grad or walk.trains("norm")
+    head = cfg.vocab_size * cfg.hidden_size * (2 + 2 * head_trains + 2 * x)
+    return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head))
+
+
+def _forward_flops(cfg: ModelConfig, trainable: Mapping[str, Sequence[int]] | None, prefix: str,
+                   dims: dict[str, tuple[int, int]], scores: int) -> float:
+    """Forward FLOPs per token of one block: 2 per weight (adapters included) plus the attention scores."""
+    weights = 0
+    for name, (d_in, d_out) in dims.items():
+        weights += d_in * d_out
+        adapter = None if trainable is None else trainable.get(f"{prefix}{name}.lora_B.weight")
+        if adapter is not None:
+            weights += int(adapter[1]) * (d_in + d_out)
+    return float(2 * weights + scores)

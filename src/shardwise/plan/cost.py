@@ -3,13 +3,14 @@
 A step is the busiest pipeline rank's work, summed from parts (seconds per optimizer step):
 
 - compute: the rank's matmul FLOPs over all its micro-batches at `compute_efficiency` x peak. FLOPs
-  follow `shardwise.models.flops_per_token` (6 per matmul weight per token plus the attention scores),
-  split over tensor-parallel ranks and counted per pipeline stage (the last stage also runs the output
-  projection, so stages are rarely equal). Frozen weights (LoRA, freeze) skip their weight-gradient
-  matmul (4 instead of 6), and layers with nothing trainable below them skip the backward entirely.
-- recompute: full recompute runs the forward of each recomputed layer again (1/3 of its training
-  FLOPs); selective recompute keeps the matmul outputs and redoes the element-wise work, taken as
-  `SELECTIVE_COST` of a layer's forward.
+  per layer and head come from `memory.estimate.run_flops` (`models.flops.training_flops`, the count
+  the trainer's MFU uses): 6 per trainable weight per token, 4 per frozen weight (LoRA, freeze) whose
+  input needs a gradient, 2 per frozen weight with nothing trainable below it, plus the attention
+  scores; split over tensor-parallel ranks and counted per pipeline stage (the last stage also runs
+  the output projection, so stages are rarely equal).
+- recompute: full recompute runs the forward of each recomputed layer again; selective recompute
+  keeps the matmul outputs and redoes the element-wise work, taken as `SELECTIVE_COST` of a layer's
+  forward.
 - tp_comm: per layer and micro-batch, forward and backward, two all-reduces of the [b, s, h]
   activations (or the same volume as all-gather + reduce-scatter with sequence parallelism), plus
   the vocabulary-parallel embedding and output; recompute repeats the forward's. Not overlapped.
@@ -36,12 +37,15 @@ give, they share them, and are slower at computing and at moving bytes alike.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RunConfig
-from ..models import flops_per_token
+from ..memory.estimate import run_flops, trainable_shapes
 from ..models.config import ModelConfig
+from ..models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
+from ..parallel.pipeline import schedule_style, stage_layer_counts
 from .hardware import Hardware
 
 SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone (element-wise ops)
@@ -119,54 +123,44 @@ class RankLoad:
     trainable: int = 0
 
 
-def _layer_weights(m: ModelConfig) -> int:
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    mlp = (3 if m.mlp == "gated" else 2) * m.hidden_size * m.intermediate_size
-    return m.hidden_size * (q + 2 * kv) + q * m.hidden_size + mlp
-
-
 def _layer_params(m: ModelConfig) -> int:
-    from ..models.flops import count_parameters_by_kind
-
     kinds = count_parameters_by_kind(m)
     per_norm = kinds["norm"] // (2 * m.num_layers + 1)
     return (kinds["attention"] + kinds["mlp"]) // m.num_layers + 2 * per_norm
 
 
 def lora_adapter_params(cfg: RunConfig) -> int:
-    """Adapter parameters per layer (all layers alike), counted on a meta-device model."""
+    """Adapter parameters of the first layer (the planner takes all layers alike), from the
+    parameter table the memory estimate and the FLOP count use."""
     if cfg.lora is None:
         return 0
-    import torch
-
-    from ..models.transformer import Transformer
-    from ..peft.lora import apply_lora
-
-    small = cfg.model.model_copy(update={"num_layers": 1})
-    with torch.device("meta"):
-        model = Transformer(small)
-    apply_lora(model, cfg.lora.r, cfg.lora.alpha, 0.0, cfg.lora.target_modules)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(math.prod(shape) for name, shape in trainable_shapes(cfg).items() if name.startswith("layers.0."))
 
 
-def rank_loads(cfg: RunConfig, adapter_params: int | None = None) -> list[RankLoad]:
+@dataclass(frozen=True)
+class Work:
+    """What a step computes whatever the layout: counted once per plan, shared by every layout timed."""
+
+    flops: TrainingFlops  # per token, by layer and head (`memory.estimate.run_flops`)
+    adapter_params: int  # LoRA parameters per layer
+
+
+def work_of(cfg: RunConfig) -> Work:
+    """The layout-independent work of a run config."""
+    return Work(run_flops(cfg), lora_adapter_params(cfg))
+
+
+def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
     """Per pipeline rank: layers, embedding/head ownership, training FLOPs per token, parameters."""
-    from ..parallel.pipeline import schedule_style, stage_layer_counts
-
     m, p = cfg.model, cfg.parallel
-    seq = cfg.data.seq_length
     pp, v = p.pipeline_parallel, p.virtual_stages
     stages = stage_layer_counts(m.num_layers, pp * v, p.stage_layers)
     if schedule_style(p.schedule, v) == "v":
         owner = [s if s < pp else 2 * pp - 1 - s for s in range(pp * v)]
     else:
         owner = [s % pp for s in range(pp * v)]
-    w = _layer_weights(m)
-    attn_fwd = 4 * m.num_heads * m.head_dim * seq  # QK^T and AV, 2 FLOPs per multiply-add
-    adapters = lora_adapter_params(cfg) if adapter_params is None else adapter_params
-    frozen_weights = cfg.lora is not None
-    # Layers below the lowest trainable parameter need no backward at all.
-    no_backward_below = cfg.freeze.layers if (cfg.freeze.embeddings and cfg.lora is None) else 0
+    work = work or work_of(cfg)
+    flops, adapters = work.flops, work.adapter_params
     layer_params = _layer_params(m)
     embed = m.vocab_size * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.position == "learned" else 0)
     head_weights = m.vocab_size * m.hidden_size
@@ -176,18 +170,16 @@ def rank_loads(cfg: RunConfig, adapter_params: int | None = None) -> list[RankLo
     for stage, n_layers in enumerate(stages):
         load = loads[owner[stage]]
         load.layers += n_layers
-        for i in range(first_layer, first_layer + n_layers):
-            frozen = frozen_weights or i < cfg.freeze.layers
-            if i < no_backward_below:
-                load.flops_per_token += 2 * w + attn_fwd
-            else:
-                load.flops_per_token += (4 if frozen else 6) * w + 3 * attn_fwd + 6 * adapters
+        here = range(first_layer, first_layer + n_layers)
+        load.flops_per_token += sum(flops.layers[i] for i in here)
+        for i in here:
             load.params += layer_params + adapters
             load.trainable += adapters if cfg.lora is not None else (0 if i < cfg.freeze.layers else layer_params)
-        recomputed = _recomputed_layers(cfg.optimize.recompute, cfg.optimize.recompute_every, n_layers)
-        load.recompute_flops_per_token += recomputed * (2 * w + attn_fwd + 2 * adapters)
+        # Full recompute wraps every `recompute_every`-th block of each chunk, starting with its first.
+        if cfg.optimize.recompute == "full":
+            load.recompute_flops_per_token += sum(flops.layers_forward[i] for i in here[::cfg.optimize.recompute_every])
         if cfg.optimize.recompute == "selective":
-            load.selective_flops_per_token += n_layers * (2 * w + attn_fwd)
+            load.selective_flops_per_token += sum(flops.layers_forward[i] for i in here)
         first_layer += n_layers
         if stage == 0:
             load.embedding = True
@@ -195,27 +187,17 @@ def rank_loads(cfg: RunConfig, adapter_params: int | None = None) -> list[RankLo
             load.trainable += 0 if (cfg.lora is not None or cfg.freeze.embeddings) else embed
         if stage == pp * v - 1:
             load.head = True
-            load.flops_per_token += (4 if frozen_weights else 6) * head_weights
+            load.flops_per_token += flops.head
             head_params = m.hidden_size + (0 if (m.tie_embeddings and pp == 1) else head_weights)
             load.params += head_params
             load.trainable += 0 if cfg.lora is not None else head_params
     return loads
 
 
-def _recomputed_layers(mode: str, every: int, n_layers: int) -> int:
-    if mode != "full":
-        return 0
-    return len(range(0, n_layers, every))
-
-
 def model_flops_per_token(cfg: RunConfig) -> float:
-    """The FLOPs per token MFU is measured against (the trainer's convention)."""
-    return flops_per_token(cfg.model, cfg.data.seq_length)
-
-
-def work_flops_per_token(cfg: RunConfig) -> float:
-    """FLOPs per token the hardware must really do (less than the model FLOPs with frozen weights)."""
-    return sum(load.flops_per_token for load in rank_loads(cfg))
+    """The FLOPs per token MFU is measured against: what a step computes, frozen weights' savings
+    included (`memory.estimate.run_flops`, the trainer's count)."""
+    return run_flops(cfg).total
 
 
 # --- communication ------------------------------------------------------------------------------
@@ -268,11 +250,12 @@ def _bytes(cfg: RunConfig) -> dict[str, int]:
 
 
 def predict_step(cfg: RunConfig, devices: int, hw: Hardware, nodes: int | None = None,
-                 adapter_params: int | None = None) -> StepTime:
+                 work: Work | None = None) -> StepTime:
     """Predicted time of one optimizer step of `cfg` on `devices` devices of kind `hw`."""
     world = cfg.parallel.world_size(devices)
     nodes = nodes or hw.nodes_for(world)
-    step = _predict(cfg, devices, hw, nodes, adapter_params, 1.0)
+    work = work or work_of(cfg)
+    step = _predict(cfg, devices, hw, nodes, work, 1.0)
     per_node = max(1, world // nodes)
     if not hw.cores_per_node or per_node <= hw.cores_per_node:
         return step
@@ -281,11 +264,11 @@ def predict_step(cfg: RunConfig, devices: int, hw: Hardware, nodes: int | None =
     # to the others. So the slowdown follows the processes busy on average.
     for _ in range(2):
         busy = per_node * step.detail["busy"] / step.total
-        step = _predict(cfg, devices, hw, nodes, adapter_params, max(1.0, busy / hw.cores_per_node))
+        step = _predict(cfg, devices, hw, nodes, work, max(1.0, busy / hw.cores_per_node))
     return step
 
 
-def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, adapter_params: int | None,
+def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
              slowdown: float) -> StepTime:
     """The step with compute, memory and links all `slowdown` times slower (CPU cores shared)."""
     p = cfg.parallel
@@ -299,7 +282,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, adapter_par
     ga = cfg.gradient_accumulation(world)
     tokens_mb = mbs * seq
     b = _bytes(cfg)
-    loads = rank_loads(cfg, adapter_params)
+    loads = rank_loads(cfg, work)
 
     tp_link = _link(hw, tp > per_node, slowdown)
     dp_link = _link(hw, dp * tp > per_node, slowdown)
@@ -332,7 +315,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, adapter_par
     micro_time = sum(t.values())  # one micro-batch on the slowest rank (all its chunks)
     step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], tp_comm=ga * t["tp_comm"],
                     pp_comm=ga * t["pp_comm"], tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
-                    model_flops_per_token=model_flops_per_token(cfg), peak_flops=peak)
+                    model_flops_per_token=work.flops.total, peak_flops=peak)
     if pp > 1:
         # Filling and draining the pipeline passes through the other stages once each: (pp - 1) micro-batch
         # times when the stages are equal, less when only the busiest one is heavy (the output head).
@@ -382,10 +365,9 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, adapter_par
 
 
 def physical_limit(cfg: RunConfig, hw: Hardware) -> dict[str, float]:
-    """The best tokens/s per device at 100% MFU: peak / FLOPs per token (model FLOPs, and the work
-    really needed when weights are frozen)."""
+    """The best tokens/s per device at 100% MFU: peak / FLOPs per token (what a step computes: frozen
+    weights skip their weight gradients), beside the FLOPs per token if every weight trained."""
     peak = hw.peak_tflops(cfg.optimize.mixed_precision) * 1e12
-    model = model_flops_per_token(cfg)
-    work = work_flops_per_token(cfg) if (cfg.lora is not None or cfg.freeze.active()) else model
-    return {"peak_flops": peak, "flops_per_token": model, "tokens_per_s_per_device": peak / model if peak else 0.0,
-            "work_flops_per_token": work, "work_tokens_per_s_per_device": peak / work if peak else 0.0}
+    flops = model_flops_per_token(cfg)
+    return {"peak_flops": peak, "flops_per_token": flops, "tokens_per_s_per_device": peak / flops if peak else 0.0,
+            "full_training_flops_per_token": flops_per_token(cfg.model, cfg.data.seq_length)}

@@ -3,9 +3,9 @@
 Every figure is per device (one GPU, one NPU, or one CPU process). Bandwidths are GB/s (1e9 bytes)
 in one direction; `intra` links join the devices of one node (NVLink, HCCS, shared memory), `inter`
 links join nodes (InfiniBand, RoCE), counted per device (a node with 8 GPUs and 8 x 400 Gb/s NICs
-gives 50 GB/s). Memory is GiB. Peak TFLOP/s are dense (no sparsity) and come from
-`shardwise.train.metrics.PEAK_TFLOPS`, the table MFU is measured against, so that a plan and a run
-speak of the same MFU.
+gives 50 GB/s). Memory is GiB. Peak TFLOP/s are dense (no sparsity) and come from `PEAK_TFLOPS`,
+the table the trainer's MFU also divides by (`shardwise.train.metrics.device_peak`), so that a plan
+and a run speak of the same MFU.
 
 Two fractions turn peaks into predictions: `compute_efficiency` (the share of peak FLOP/s that
 large training matmuls reach in eager PyTorch) and `comm_efficiency` (the share of a link's nominal
@@ -27,13 +27,49 @@ A user file (`--hardware-file my.yaml`) holds one mapping per device name, with 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import multiprocessing as mp
 import os
+import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
+
+from ..config import read_yaml
 from ..errors import ConfigError
-from ..train.metrics import PEAK_TFLOPS
+
+# Dense peak TFLOP/s per device (no sparsity) by dtype family: "16" for bf16/fp16, "32" for fp32
+# (on NVIDIA: TF32 tensor cores, which torch uses for fp32 matmuls only when allowed, so we take
+# the plain fp32 figure). Sources: vendor data sheets.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"16": 989.0, "32": 67.0},
+    "H100": {"16": 989.0, "32": 67.0},
+    "H800": {"16": 989.0, "32": 67.0},
+    "A100": {"16": 312.0, "32": 19.5},
+    "A800": {"16": 312.0, "32": 19.5},
+    "L40S": {"16": 362.0, "32": 91.6},
+    "A10": {"16": 125.0, "32": 31.2},
+    "V100": {"16": 125.0, "32": 15.7},
+    "RTX 4090": {"16": 165.2, "32": 82.6},
+    "Ascend910B1": {"16": 414.0, "32": 103.5},
+    "Ascend910B2": {"16": 376.0, "32": 94.0},
+    "Ascend910B3": {"16": 313.0, "32": 78.3},
+    "Ascend910B4": {"16": 280.0, "32": 70.0},
+}
+
+
+def table_peak_tflops(device_name: str, fp32: bool) -> tuple[str, float] | None:
+    """(table key, dense peak TFLOP/s) of the device whose name contains a key of `PEAK_TFLOPS`
+    (spaces ignored: "NVIDIA H100 80GB HBM3" is an H100), None when none does."""
+    name = device_name.replace(" ", "")
+    for key, peaks in PEAK_TFLOPS.items():
+        if key.replace(" ", "") in name:
+            return key, peaks["32" if fp32 else "16"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -182,8 +218,6 @@ def custom_hardware(memory_gb: float, tflops: float, bandwidth_gbps: float, base
 
 def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
     """Entries of a user YAML file (name -> fields, `like: NAME` to start from a known entry)."""
-    from ..config import read_yaml
-
     raw = read_yaml(path)
     out: dict[str, Hardware] = {}
     for name, fields in raw.items():
@@ -219,27 +253,34 @@ def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
 # --- measuring this machine's CPU -------------------------------------------------------------------
 
 
-def _best_rate(fn: Any, work: float, seconds: float) -> float:
-    """The best work/s of `fn` over repeated calls for about `seconds` (a busy machine only slows calls)."""
-    import time
+def best_rate(fn: Callable[[], Any], work: float, seconds: float, min_trials: int = 3,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """The best work/s of `fn` over repeated calls for about `seconds` (at least `min_trials` calls).
 
+    A busy machine only ever slows a call down, so the fastest call is the closest to the machine's
+    own rate; the first call (thread start-up, first-touch allocation) is not timed.
+    """
     fn()
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
+    best, trials, end = 0.0, 0, clock() + seconds
+    while trials < min_trials or clock() < end:
+        t0 = clock()
         fn()
-        best = max(best, work / (time.perf_counter() - t0))
+        best = max(best, work / max(clock() - t0, 1e-12))
+        trials += 1
     return best
+
+
+def matmul_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5, n: int = 1024,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best FLOP/s of an n x n matmul on this CPU with the current thread count (`best_rate`)."""
+    # A private generator: drawing from the global one would shift dropout masks after a resume.
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    return best_rate(lambda: a @ b, 2 * n**3, seconds, clock=clock)
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], seconds: float, out: Any) -> None:
     """One rank of the gloo measurement: best all-reduce and send/recv times per message size."""
-    import datetime
-    import time
-
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -275,9 +316,6 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], secon
 def measure_collectives(world: int, sizes: tuple[int, ...] = (4, 1 << 20, 16 << 20, 64 << 20),
                         seconds: float = 1.0) -> dict[str, dict[int, float]]:
     """Best gloo all-reduce and rank 0 -> 1 send times (s) per message size (bytes) over `world` processes."""
-    import multiprocessing as mp
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -297,22 +335,17 @@ def measure_cpu(seconds: float = 2.0, worlds: tuple[int, ...] = (2, 4)) -> dict[
     """Measure this CPU as the planner sees it: matmul TFLOP/s per thread count, memory bandwidth, and
     gloo all-reduce bus bandwidth and latency between processes. Best of repeated runs (a shared
     machine only slows things down), so these are the undisturbed rates."""
-    import torch
-
     threads = torch.get_num_threads()
     out: dict[str, Any] = {"cores": os.cpu_count(), "matmul_tflops": {}}
-    n = 1024
     for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         for t in sorted({1, os.cpu_count() or 1}):
             torch.set_num_threads(t)
-            rate = _best_rate(lambda: a @ b, 2 * n**3, seconds)
-            out["matmul_tflops"][f"{str(dtype).split('.')[-1]}_{t}thread"] = rate / 1e12
+            out["matmul_tflops"][f"{str(dtype).split('.')[-1]}_{t}thread"] = matmul_flops(dtype, seconds) / 1e12
     torch.set_num_threads(1)
     src = torch.ones(64 << 18)  # 64 MiB
     dst = torch.empty_like(src)
     # A copy reads and writes every byte; AdamW streams its tensors the same way.
-    out["memory_gbps_1thread"] = _best_rate(lambda: dst.copy_(src), 2 * src.numel() * 4, seconds) / 1e9
+    out["memory_gbps_1thread"] = best_rate(lambda: dst.copy_(src), 2 * src.numel() * 4, seconds) / 1e9
     torch.set_num_threads(threads)
     for world in worlds:
         times = measure_collectives(world, seconds=seconds / 2)

@@ -55,10 +55,9 @@ def header_lines(result: "PlanResult") -> list[str]:
         f"margin{reserve})",
         f"limit      {limit_arithmetic(lim)}",
     ]
-    if lim["work_flops_per_token"] < lim["flops_per_token"]:
-        lines.append(f"           frozen weights skip their weight gradients: the work is "
-                     f"{lim['work_flops_per_token']:.3g} FLOPs per token, at most "
-                     f"{lim['work_tokens_per_s_per_device']:,.0f} tokens/s per device")
+    if lim["flops_per_token"] < lim["full_training_flops_per_token"]:
+        lines.append(f"           frozen weights skip their weight gradients: {lim['flops_per_token']:.3g} FLOPs "
+                     f"per token instead of {lim['full_training_flops_per_token']:.3g} with every weight trained")
     fit_note = (f"{len(result.faster_not_fitting)} faster one(s) do not fit" if result.ranked
                 else "none fits")
     lines.append(f"search     {result.evaluated:,} layouts timed, {result.estimated:,} memory estimates; {fit_note}")
@@ -158,12 +157,11 @@ def target_check(result: "PlanResult") -> Optional[str]:
     lim = result.limit
     needed = target * lim["flops_per_token"]
     peak = lim["peak_flops"]
-    work_needed = target * lim["work_flops_per_token"]
-    if work_needed > peak:
+    if needed > peak:
         return (f"target {target:,.0f} tokens/s per device is IMPOSSIBLE: {target:,.0f} tokens/s x "
-                f"{lim['work_flops_per_token']:.3g} FLOPs per token = {work_needed / 1e12:,.0f} TFLOP/s per device, "
-                f"{work_needed / peak:.1f} x the device's peak of {peak / 1e12:g} TFLOP/s; even at 100% MFU it "
-                f"reaches {peak / lim['work_flops_per_token']:,.0f} tokens/s per device.")
+                f"{lim['flops_per_token']:.3g} FLOPs per token = {needed / 1e12:,.0f} TFLOP/s per device, "
+                f"{needed / peak:.1f} x the device's peak of {peak / 1e12:g} TFLOP/s; even at 100% MFU it "
+                f"reaches {lim['tokens_per_s_per_device']:,.0f} tokens/s per device.")
     best = result.best
     if best is None:
         return f"target {target:,.0f} tokens/s per device: within the physical limit, but no layout fits."

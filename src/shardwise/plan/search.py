@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..config import ParallelConfig, RunConfig, validate
 from ..errors import ConfigError
-from .cost import StepTime, lora_adapter_params, physical_limit, predict_step
+from .cost import StepTime, physical_limit, predict_step, work_of
 from .hardware import CATALOGUE, Hardware
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
@@ -330,10 +330,10 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
     hw, n = req.hardware, req.devices
     nodes = req.nodes or hw.nodes_for(n)
     usable = usable_bytes(hw, req.memory_margin, n // nodes)
-    adapters = lora_adapter_params(req.cfg)
+    work = work_of(req.cfg)  # the same FLOPs and adapters in every layout
     candidates = []
     for layout, cfg in enumerate_layouts(req):
-        step = predict_step(cfg, n, hw, nodes, adapter_params=adapters)
+        step = predict_step(cfg, n, hw, nodes, work=work)
         candidates.append(Candidate(layout, cfg, step, usable=usable, lower_bound=state_lower_bound(cfg, layout, step)))
     if not candidates:
         raise ConfigError(_no_layout_message(req))

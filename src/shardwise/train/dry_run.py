@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..config import RunConfig, human, tokens_per_step
-from ..models import count_parameters, flops_per_token
+from ..memory.estimate import run_flops
+from ..models import count_parameters
 
 
 def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
@@ -13,7 +14,7 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
     dp = p.dp_degree(devices)
     params = count_parameters(m)
     tokens = tokens_per_step(cfg, devices)
-    flops_tok = flops_per_token(m, cfg.data.seq_length)
+    flops_tok = run_flops(cfg).total
     dp_note = " (data_parallel -1: what the devices leave; pass --nproc to resolve it)" if (
         p.data_parallel == -1 and devices is None) else ""
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epochs (steps follow from the data)"
@@ -30,7 +31,7 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
         f"batch        micro-batch {t.micro_batch_size} x accumulation {cfg.gradient_accumulation(devices)} x "
         f"data parallel {dp} = {cfg.global_batch_size(devices)} samples of {cfg.data.seq_length} tokens",
         f"per step     {tokens:,} tokens, {flops_tok * tokens:.3e} FLOPs "
-        f"({flops_tok:.3e} FLOPs per token, training = 3 x forward)",
+        f"({flops_tok:.3e} FLOPs per token: forward, and backward where gradients are needed)",
         f"length       {length}; lr {t.lr:g} -> {t.min_lr:g} ({t.decay_style}, {t.warmup_steps} warmup), "
         f"{t.optimizer}",
         f"output       {t.output_dir}",

@@ -1,39 +1,53 @@
-"""Throughput, MFU and memory: what each step costs, logged to the console, JSONL and TensorBoard."""
+"""Throughput, MFU and memory: what each step costs, logged to the console, JSONL and TensorBoard.
+
+tokens/s counts real tokens: the input tokens of a step that are not padding, over all ranks (packed
+pre-training has none; padded instruction data does), with the tokens that carry a loss beside them
+(`target_tokens_per_s`). MFU is the training FLOPs a token costs (`memory.estimate.run_flops`:
+frozen weights cost less) times real tokens/s per device over the device's peak FLOP/s. The peak is
+`train.peak_tflops` when configured, else the table of `plan.hardware` for GPUs/NPUs, else the best
+matmul rate ever measured on this CPU (kept in a cache file). An MFU above 1 means the peak is too
+low: the record then says `peak_in_doubt: true` and a warning (once) says to set train.peak_tflops.
+
+`metrics.jsonl` holds one JSON object per line, each written with a single write, so a killed run
+can at worst leave a torn last line; a resumed run first keeps only the whole records up to the step
+it resumes from, so the file stays one curve.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import platform
 import resource
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from ..data.pretrain import default_cache_dir
+from ..data.sft import IGNORE_INDEX
+from ..parallel.collectives import max_over
+from ..plan.hardware import matmul_flops, table_peak_tflops
 
 log = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per device (no sparsity) by dtype family: "16" for bf16/fp16, "32" for fp32
-# (on NVIDIA: TF32 tensor cores, which torch uses for fp32 matmuls only when allowed, so we take
-# the plain fp32 figure). Sources: vendor data sheets.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"16": 989.0, "32": 67.0},
-    "H100": {"16": 989.0, "32": 67.0},
-    "H800": {"16": 989.0, "32": 67.0},
-    "A100": {"16": 312.0, "32": 19.5},
-    "A800": {"16": 312.0, "32": 19.5},
-    "L40S": {"16": 362.0, "32": 91.6},
-    "A10": {"16": 125.0, "32": 31.2},
-    "V100": {"16": 125.0, "32": 15.7},
-    "RTX 4090": {"16": 165.2, "32": 82.6},
-    "Ascend910B1": {"16": 414.0, "32": 103.5},
-    "Ascend910B2": {"16": 376.0, "32": 94.0},
-    "Ascend910B3": {"16": 313.0, "32": 78.3},
-    "Ascend910B4": {"16": 280.0, "32": 70.0},
-}
+METRICS_FILE = "metrics.jsonl"
+
+
+# --- the peak FLOP/s that MFU divides by -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s, and where the figure comes from (said when it is in doubt)."""
+
+    flops: float  # FLOP/s per device; NaN when unknown
+    source: str  # "train.peak_tflops", "the H100 table entry", "measured on this CPU"
 
 
 def device_name(device: torch.device) -> str:
@@ -52,54 +66,205 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or "cpu"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None) -> float:
-    """Peak FLOP/s for MFU: configured, else the table for GPUs/NPUs, else measured on this CPU."""
+def device_peak(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None,
+                measure: bool = True) -> Peak:
+    """The peak MFU divides by: configured, else the table for GPUs/NPUs, else measured on this CPU.
+
+    `measure=False` leaves a CPU's peak unknown instead of measuring it: ranks that log nothing skip
+    the measurement, which would otherwise run on every rank at once and slow each other's down.
+    """
     if configured_tflops:
-        return configured_tflops * 1e12
-    family = "32" if dtype == torch.float32 else "16"
+        return Peak(configured_tflops * 1e12, "train.peak_tflops")
     if device.type != "cpu":
-        name = device_name(device).replace(" ", "")
-        for key, peaks in PEAK_TFLOPS.items():
-            if key.replace(" ", "") in name:
-                return peaks[family] * 1e12
-        log.warning("no peak FLOP/s known for %s; set train.peak_tflops for a meaningful MFU", name)
-        return float("nan")
-    return measured_cpu_flops(dtype)
+        name = device_name(device)
+        found = table_peak_tflops(name, fp32=dtype == torch.float32)
+        if found is None:
+            log.warning("no peak FLOP/s known for %s; set train.peak_tflops for a meaningful MFU", name)
+            return Peak(float("nan"), f"unknown for {name}")
+        return Peak(found[1] * 1e12, f"the {found[0]} table entry")
+    if not measure:
+        return Peak(float("nan"), "not measured on this rank")
+    return Peak(measured_cpu_flops(dtype), "measured on this CPU")
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None) -> float:
+    """Peak FLOP/s for MFU (`device_peak`'s figure)."""
+    return device_peak(device, dtype, configured_tflops).flops
+
+
+def cpu_peak_cache() -> Path:
+    """The file that keeps the best CPU matmul rate measured so far, per CPU, threads, dtype and torch."""
+    return Path(default_cache_dir()) / "cpu_peak.json"
 
 
 def measured_cpu_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
-    """Best matmul FLOP/s this CPU reaches with the current thread count.
+    """The best matmul FLOP/s this CPU has reached with the current thread count.
 
-    Measured at every start (about half a second) and kept as the maximum ever seen on disk: a
-    measurement taken while the machine was busy would otherwise understate the peak for good.
+    Measured at every start (`plan.hardware.matmul_flops`: the fastest of short trials over about
+    `seconds`) and compared with the best ever measured, kept on disk: a measurement taken while the
+    machine was busy is low, and must neither be used nor replace a better one. The file is written
+    only when the new measurement beats it.
     """
-    threads = torch.get_num_threads()
-    key = f"{device_name(torch.device('cpu'))}|{threads}|{dtype}|{torch.__version__}"
-    cache = Path(default_cache_dir()) / "cpu_peak.json"
+    key = f"{device_name(torch.device('cpu'))}|{torch.get_num_threads()}|{dtype}|{torch.__version__}"
+    return keep_best(cpu_peak_cache(), key, matmul_flops(dtype, seconds))
+
+
+def keep_best(path: Path, key: str, value: float) -> float:
+    """max(value, the figure stored under `key` in the JSON file `path`); the file is rewritten (whole,
+    atomically, other keys kept) only when `value` is higher."""
+    best = _read_json(path).get(key, 0.0)
+    if value <= best:
+        return float(best)
     try:
-        known = json.loads(cache.read_text())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        known = _read_json(path)  # again: another process may have written since
+        known[key] = max(value, float(known.get(key, 0.0)))
+        _write_atomically(path, json.dumps(known, indent=1) + "\n")
+    except OSError as e:
+        log.debug("could not keep the CPU peak in %s: %s", path, e)
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        known = {}
-    n = 1024
-    # A private generator: drawing from the global one would shift dropout masks after a resume.
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen, dtype=dtype) for _ in range(2))
-    fresh = 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        fresh = max(fresh, 4 * 2 * n**3 / (time.perf_counter() - t0))
-    best = max(fresh, float(known.get(key, 0.0)))
-    if best > known.get(key, 0.0):
-        known[key] = best
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(known, indent=1))
-        except OSError:
-            pass
-    return best
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a file so that a reader (or a kill) sees the old content or the new, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it private
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class MfuMeter:
+    """MFU = training FLOPs per token x real tokens/s per device / peak, watching the peak.
+
+    An MFU above 1 cannot happen with a true peak: the figure is too low (a CPU measured while other
+    jobs ran, or a configured value below the device's). The MFU is still reported, flagged in doubt,
+    and the first time a warning says so and how to fix it.
+    """
+
+    def __init__(self, flops_per_token: float, peak: Peak) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.warned = False
+
+    def of(self, tokens_per_s_per_device: float) -> tuple[float, bool]:
+        """(MFU, whether the peak is in doubt)."""
+        if not self.peak.flops or math.isnan(self.peak.flops):
+            return float("nan"), False
+        mfu = tokens_per_s_per_device * self.flops_per_token / self.peak.flops
+        doubt = mfu > 1.0
+        if doubt and not self.warned:
+            self.warned = True
+            log.warning("MFU %.0f%% is above 100%%: the peak it divides by (%.4g TFLOP/s, %s) is too low%s. "
+                        "MFU is logged with peak_in_doubt: true; set train.peak_tflops to this device's dense "
+                        "peak for a true figure", 100 * mfu, self.peak.flops / 1e12, self.peak.source,
+                        _doubt_reason(self.peak.source))
+        return mfu, doubt
+
+
+def _doubt_reason(source: str) -> str:
+    if source.startswith("measured"):
+        return " (it was measured while other work shared the CPU)"
+    if source == "train.peak_tflops":
+        return " (the configured train.peak_tflops is below what this run computes)"
+    return ""
+
+
+# --- tokens of a step ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """What one optimizer step processed, over all ranks."""
+
+    real: int  # input tokens that are not padding
+    target: int  # label positions that carry a loss
+
+
+def padding_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """True at the padding positions of a batch [B, T]; None when the batch marks no padding.
+
+    The batch contract (data/sft.py) pads a row after its last sample with a document of its own,
+    whose labels are all ignored, while every real sample keeps at least one target (samples without
+    one are left out). So a row's padding is its last document when that document has no target.
+    Labels of -100 alone do not mark padding: prompt tokens carry them too. Packed pre-training
+    windows end in a document with targets, and batches without `document_ids` have no padding.
+    """
+    doc = batch.get("document_ids")
+    if doc is None:
+        return None
+    last = doc == doc[:, -1:]
+    no_target = ~((batch["labels"] != IGNORE_INDEX) & last).any(dim=1, keepdim=True)
+    return last & no_target
+
+
+def count_real_tokens(micro_batches: Iterable[Mapping[str, torch.Tensor]]) -> int:
+    """Input tokens that are not padding, over the micro-batches of one step (on this rank)."""
+    total = 0
+    for mb in micro_batches:
+        pad = padding_mask(mb)
+        total += mb["input_ids"].numel() - (int(pad.sum()) if pad is not None else 0)
+    return total
+
+
+# --- the records -------------------------------------------------------------------------------------------
+
+
+class Window:
+    """The steps between two log lines, turned into one record."""
+
+    def __init__(self, start: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.start = start  # reset after work that is not training (checkpoint saves, evaluation)
+        self.clock = clock
+        self.losses: list[float] = []
+        self.real_tokens = 0
+        self.target_tokens = 0
+        self.skipped = 0
+
+    def add(self, loss: float, real_tokens: int, target_tokens: int, skipped: bool) -> None:
+        """Count one step (its tokens over all ranks; a skipped step's loss is left out of the mean)."""
+        if not skipped:
+            self.losses.append(loss)
+        self.skipped += int(skipped)
+        self.real_tokens += real_tokens
+        self.target_tokens += target_tokens
+
+    def record(self, step: int, lr: float, grad_norm: float, loss_scale: float, mfu: MfuMeter,
+               device: torch.device, world_size: int = 1) -> dict[str, Any]:
+        """The window as one JSON-ready record: tokens/s of real tokens over all ranks (targets beside
+        them), per device, MFU per device, peak memory the largest of any rank (a collective: every
+        rank calls this)."""
+        elapsed = max(self.clock() - self.start, 1e-9)
+        tps = self.real_tokens / elapsed
+        per_device = tps / world_size
+        value, doubt = mfu.of(per_device)
+        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        memory = max_over(peak_memory_gb(device)) if world_size > 1 else peak_memory_gb(device)
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": loss_scale,
+                "tokens_per_s": tps, "target_tokens_per_s": self.target_tokens / elapsed,
+                "tokens_per_s_per_device": per_device, "mfu": value, "peak_in_doubt": doubt,
+                "peak_memory_gb": memory, "skipped_steps": self.skipped}
+
+
+def format_record(r: Mapping[str, Any]) -> str:
+    """One console line for a training record."""
+    doubt = " (peak in doubt)" if r.get("peak_in_doubt") else ""
+    return (f"step {r['step']} loss {r['loss']:.4f} lr {r['lr']:.3g} grad_norm {r['grad_norm']:.3f} "
+            f"loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f} "
+            f"(targets {r['target_tokens_per_s']:.0f}) mfu {r['mfu'] * 100:.1f}%{doubt} "
+            f"peak_mem {r['peak_memory_gb']:.2f}GiB")
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -119,33 +284,95 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+# --- metrics.jsonl ------------------------------------------------------------------------------------------
+
+
+def _parse_lines(data: bytes) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
+    """(line, record) of every whole JSON-object line, and how many lines were not one."""
+    records, bad = [], 0
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append((line, record))
+        else:
+            bad += 1
+    return records, bad
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (or of RUN_DIR/metrics.jsonl), skipping a line that is not a
+    whole JSON object (the torn last line of a killed run)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    return [record for _, record in _parse_lines(path.read_bytes())[0]]
+
+
+def keep_records_through(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl (atomically) with only its whole records of steps <= `step`: a run
+    resumed from the checkpoint of `step` logs the later steps again, and the file stays one curve."""
+    if not path.exists():
+        return
+    records, bad = _parse_lines(path.read_bytes())
+    kept = [line for line, r in records if isinstance(r.get("step"), int) and r["step"] <= step]
+    dropped = len(records) - len(kept)
+    if not dropped and not bad:
+        return
+    _write_atomically(path, "".join(line.decode("utf-8") + "\n" for line in kept))
+    log.info("%s: kept the %d records through step %d, dropped %d after it%s", path, len(kept), step, dropped,
+             f" and {bad} torn line(s)" if bad else "")
+
+
 class MetricsWriter:
-    """Appends one JSON object per record to RUN_DIR/metrics.jsonl, and TensorBoard when present."""
+    """Appends one JSON object per record to RUN_DIR/metrics.jsonl, and TensorBoard when present.
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True) -> None:
+    `resume_step`: the run continues from the checkpoint of this step, so records after it (logged
+    by the run before it stopped) are dropped first, from the file and from TensorBoard's view.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
+                 resume_step: int | None = None) -> None:
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self.tb = None
-        if enabled and tensorboard:
+        self._fd: int | None = None
+        if not enabled:
+            return
+        if resume_step is not None:
+            keep_records_through(self.path, resume_step)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional extra: shardwise[tensorboard]
 
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                # purge_step hides the events a stopped run logged after the step it resumes from.
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
             except ImportError:
                 log.debug("tensorboard is not installed; skipping event files")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Record metrics for `record['step']`."""
-        if not self.enabled:
+        """Record metrics for `record['step']`: one line, in one write (a kill cannot tear it but mid-write)."""
+        if not self.enabled or self._fd is None:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        while data:  # a regular file takes the whole write at once; a short write is finished here
+            data = data[os.write(self._fd, data):]
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
 
     def close(self) -> None:
-        """Flush TensorBoard."""
+        """Close the file and flush TensorBoard."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.tb is not None:
             self.tb.close()
