@@ -109,9 +109,11 @@ def test_breakdown_adds_up_and_names_its_parts(tmp_path: Path) -> None:
     assert set(est.phases) == set(PHASES) and est.peak == max(est.phases.values())
     assert est.overhead > 0  # the CUDA allocator allowance
     assert est.params + est.grads + est.optimizer + est.activations + est.buffers == est.detail["tensor_peak"]
-    # LLaMA-2 7B, O2: 2-byte weights and gradients, fp32 masters and AdamW moments (12 bytes a parameter).
+    # LLaMA-2 7B, O2: 2-byte weights, gradients accumulated in fp32, fp32 masters and AdamW moments
+    # (12 bytes a parameter).
     n = 6_738_415_616
     assert est.params == pytest.approx(2 * n, rel=0.01)
+    assert est.grads == pytest.approx(4 * n, rel=0.01)
     assert est.optimizer == pytest.approx(12 * n, rel=0.01)
     table = est.table()
     for word in ("parameters", "gradients", "optimizer state", "activations", "peak", "backward"):

@@ -124,3 +124,39 @@ def test_fp16_o3_trains_with_an_fp16_safe_eps(tmp_path):
     assert result.losses[4] < result.losses[1]
     state = trainer.model.layers["0"].attention.wq.weight
     assert state.dtype == torch.float16 and torch.isfinite(state).all()
+
+
+def test_master_gradients_accumulate_in_fp32():
+    """16 micro-batches' bf16 gradients sum in fp32 in the masters (the 16-bit .grad is freed after
+    each): the result is the exact sum of the bf16 gradients, where bf16 accumulation loses bits."""
+    torch.manual_seed(0)
+    shape = (64,)
+    p = torch.nn.Parameter(torch.randn(shape).to(torch.bfloat16))
+    mw = MasterWeights([("w", p)])
+    coeffs = [torch.randn(shape).to(torch.bfloat16) * (1 + i) for i in range(16)]
+    for c in coeffs:
+        (p * c).sum().backward()  # d/dp = c, in bf16
+        assert p.grad is None  # taken over at once: no 16-bit gradient lives across micro-batches
+    exact = torch.stack([c.double() for c in coeffs]).sum(0)
+    got = mw.masters[0].grad
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), exact, rtol=1e-7, atol=0)
+    # The old behaviour: accumulation in the bf16 .grad, off by far more than fp32 rounding.
+    q = torch.nn.Parameter(p.detach().clone())
+    for c in coeffs:
+        (q * c).sum().backward()
+    assert ((q.grad.double() - exact).norm() / exact.norm()).item() > 1e-3
+
+
+def test_hand_written_gradients_are_taken_over_before_the_step():
+    """A zero-bubble pipeline's weight pass writes `.grad` without autograd's accumulation hooks:
+    grads_to_masters adds it to what the hooks already accumulated."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    mw = MasterWeights([("w", p)])
+    (p * 2).sum().backward()  # through the hook
+    p.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)  # by hand
+    mw.grads_to_masters()
+    assert p.grad is None and mw.masters[0].grad.tolist() == [2.5] * 4
+    assert mw.master_of(p) is mw.masters[0]
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert mw.master_of(frozen) is frozen

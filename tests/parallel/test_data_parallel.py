@@ -1,9 +1,11 @@
 """Data parallelism, ZeRO 0-3: loss and gradient parity with one process, on forked gloo ranks.
 
-Every variant trains the tiny model for 5 steps on fixed batches and must match one process within
-1e-4 (fp32) in the loss of every step, every parameter's gradient after the first step and the
-(clipped) gradient norm of every step. Gradients are normalised by the GLOBAL token count, so
-parity of the gradients also proves the data-parallel reduction is a SUM (a mean would halve them).
+Every variant trains the tiny model for 5 steps on fixed batches and must match one process
+strictly (harness.assert_records_close, fp32): every parameter's first-step gradient within a
+relative error of 1e-5 per tensor (measured <= 1.6e-7), the loss and the (clipped) gradient norm of
+every step within 5e-6 relative (measured <= 1.4e-7, AdamW and clipping included). Gradients are
+normalised by the GLOBAL token count, so parity of the gradients also proves the data-parallel
+reduction is a SUM (a mean would halve them).
 Many variants run inside one launch per rank count (a launch costs seconds here).
 """
 
@@ -29,6 +31,8 @@ from .harness import (
     LoopRecord,
     WorkerError,
     assert_records_close,
+    assert_tensors_close,
+    assert_values_close,
     build_tiny_model,
     make_optimizer,
     make_steps,
@@ -130,12 +134,10 @@ def _dp2_worker(rank: int, world: int) -> dict:
 
 
 def _assert_bf16_close(rec: LoopRecord, ref: LoopRecord, label: str) -> None:
-    """bf16 compute against fp32: losses within 5e-3 (measured ~6e-4), gradients within 5% of their scale."""
-    for i, (a, b) in enumerate(zip(rec.losses, ref.losses)):
-        assert abs(a - b) <= 5e-3, f"{label}: loss at step {i + 1}: {a} vs fp32 one process {b}"
-    for name, g in ref.first_grads.items():
-        rel = float((rec.first_grads[name] - g).abs().max() / g.abs().max())
-        assert rel <= 5e-2, f"{label}: gradient of {name} off by {rel:.3f} of its scale"
+    """bf16 compute against fp32, within bf16's rounding (8 mantissa bits): losses within 1.5e-3
+    relative (measured 1.5e-4), each first-step gradient within 5e-2 relative (measured 1.0e-2)."""
+    assert_values_close(rec.losses, ref.losses, rtol=1.5e-3, what="bf16 loss", label=label)
+    assert_tensors_close(rec.first_grads, ref.first_grads, rtol=5e-2, what="bf16 gradient", label=label)
 
 
 @pytest.mark.timeout(300)
@@ -153,9 +155,7 @@ def test_dp2_zero_stages_match_one_process():
                 _assert_bf16_close(rec, ref, f"{name} rank {rank}")
                 assert got["dtypes"] == {"torch.float32"}, f"{name}: sharded params and grads stay fp32"
             else:
-                assert_records_close(rec, ref, label=f"{name} rank {rank}")
-                for i, (a, b) in enumerate(zip(rec.grad_norms, ref.grad_norms)):
-                    assert abs(a - b) <= 1e-4, f"{name} rank {rank}: grad norm at step {i + 1}: {a} vs {b}"
+                assert_records_close(rec, ref, label=f"{name} rank {rank}")  # losses, norms, gradients
             assert got["param_type"] == "DTensor", name
             assert got["optimizer_type"] == ("ZeroOneOptimizer" if zero == 1 else "AdamW"), name
             if opts.get("frozen"):
@@ -174,8 +174,7 @@ def test_dp2_zero_stages_match_one_process():
     model = build_tiny_model(CFG, seed=7)
     ref = train_loop(model, make_optimizer(model), STEPS, clip=lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))
     for rank, res in enumerate(results):
-        got = res["zero1_resume"]["losses"]
-        assert all(abs(a - b) <= 1e-4 for a, b in zip(got, ref.losses)), f"rank {rank}: {got} vs {ref.losses}"
+        assert_values_close(res["zero1_resume"]["losses"], ref.losses, label=f"zero1 resumed, rank {rank}")
         assert 0.4 <= res["zero1_resume"]["state_numel"] / results[0]["zero1"]["full_state_numel"] <= 0.6
 
 

@@ -3,8 +3,11 @@
 One launch runs every variant (each launch costs seconds of `import torch` and process start); each
 variant reports its own result, and the parametrized tests below read them. Every variant trains
 the same tiny model twice inside each worker: once plain (the reference, no communication) and
-once tensor-parallel, comparing the loss of 5 AdamW steps with clipping and every parameter's
-gradient after the first step, within 1e-4 (fp32).
+once tensor-parallel, comparing strictly (harness.py, fp32): every parameter's first-step gradient
+within 1e-5 relative per tensor (TP splits the matmul reductions: measured <= 8.7e-7), the loss and
+the gradient norm of each of 5 steps with clipping within 5e-6 relative (measured <= ~2e-7; plain
+SGD, and AdamW's first step, see ADAMW_LATER_RTOL), and the parameters after the last SGD step
+(relative to their update).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from shardwise.errors import ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.parallel.tensor import check_tensor_parallel
 
-TOL = 1e-4
+from .harness import (
+    GRAD_RTOL,
+    SCALAR_RTOL,
+    assert_params_close,
+    assert_tensors_close,
+    assert_values_close,
+)
+
 STEPS = 5
 BATCH, SEQ = 2, 16
 
@@ -36,29 +46,36 @@ GPT2 = dict(BASE, model_type="gpt2", num_kv_heads=4, norm="layernorm", mlp="plai
 
 # name -> (model config, options). loss: "tp" = token_loss_sum_tp; "ctx" = the trainer's own
 # token_loss_sum inside loss_context (backward inside too); packed: document_ids + position_ids.
+# opt: plain SGD by default, so that parameters after the last step are compared too (a gradient
+# error is then a parameter error of the same relative size); two variants run AdamW (foreach, on
+# DTensor state), whose later steps amplify round-off (see ADAMW_LATER_RTOL).
 VARIANTS = {
-    "llama_gqa_sp": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=False)),
+    "llama_gqa_sp_adamw": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=False, opt="adamw")),
     "llama_gqa_sp_trainer_loss_ctx": (LLAMA, dict(sp=True, lp=True, loss="ctx", packed=False)),
     "llama_gqa_sp_packed": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=True)),
     "qwen2_qkv_bias_sp_packed": (QWEN2, dict(sp=True, lp=True, loss="ctx", packed=True)),
     "gpt2_tied_learned_pos_layernorm_sp_packed": (GPT2, dict(sp=True, lp=True, loss="tp", packed=True)),
     "gpt2_tied_sp_trainer_loss_ctx": (GPT2, dict(sp=True, lp=True, loss="ctx", packed=False)),
     "llama_gqa_no_sp_packed": (LLAMA, dict(sp=False, lp=True, loss="tp", packed=True)),
-    "qwen2_no_sp_no_loss_parallel": (QWEN2, dict(sp=False, lp=False, loss="tp", packed=False)),
+    "qwen2_no_sp_no_loss_parallel_adamw": (QWEN2, dict(sp=False, lp=False, loss="tp", packed=False, opt="adamw")),
     "gpt2_tied_no_sp": (GPT2, dict(sp=False, lp=True, loss="ctx", packed=True)),
     "llama_sp_no_loss_parallel": (LLAMA, dict(sp=True, lp=False, loss="tp", packed=False)),
     # a vocabulary not divisible by 2 (GPT-2's 50257): DTensor shards it unevenly.
     "llama_uneven_vocab_sp_packed": (dict(LLAMA, vocab_size=63), dict(sp=True, lp=True, loss="tp", packed=True)),
-    # SGD has no AdamW-style normalisation of tiny gradients, so parameters stay equal to ~1e-7 and
-    # the gradient norm can be compared at every step, with the parameters after the last one.
     # the trainer's order: tensor parallel, then recompute
     "llama_gqa_sp_recompute_full": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=True, recompute="full")),
     "qwen2_sp_recompute_selective": (QWEN2, dict(sp=True, lp=True, loss="ctx", packed=True, recompute="selective")),
-    "llama_gqa_sp_sgd_params": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=True, opt="sgd")),
-    "gpt2_tied_no_sp_sgd_params": (GPT2, dict(sp=False, lp=True, loss="tp", packed=True, opt="sgd")),
     "llama_uneven_vocab_trainer_loss_ctx": (dict(LLAMA, vocab_size=63),
                                             dict(sp=True, lp=True, loss="ctx", packed=False)),
 }
+# AdamW after its first step. Its update lr * g / (|g| + eps) changes by up to lr * dg / eps for a
+# gradient element near zero, so the ~1e-10 absolute round-off by which TP's gradients differ on
+# such elements (eps = 1e-8) becomes a parameter difference of ~1e-4 (measured: one element of
+# layers.0.attention.wo after step 1), which later losses and gradient norms show: measured 8.0e-6
+# (loss, step 3) and 3.3e-4 (gradient norm, step 3). Plain SGD on the same layouts stays at ~1e-7
+# every step, and every variant's first step is compared strictly, so later AdamW steps are compared
+# within ~10x of what they reach.
+ADAMW_LATER_RTOL = {"loss": 1e-4, "grad norm": 3e-3}
 CHECKS = ["pipeline_stages_sp", "pipeline_stages_no_sp", "loss_functions_match_unsharded", "dropout_sp",
           "dropout_no_sp", "dropout_sp_recompute_replays_masks", "refusals", "eval_with_dropout_config_matches"]
 
@@ -95,12 +112,13 @@ def _named(model: torch.nn.Module) -> list:
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max())
+def _close(got: float, want: float, what: str, rtol: float = SCALAR_RTOL) -> None:
+    """One scalar (a loss) within `rtol` relative error of the unsharded one."""
+    assert_values_close([float(got)], [float(want)], rtol=rtol, what=what)
 
 
-def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, opt: str = "adamw",
-            recompute: str = "none") -> None:
+def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, opt: str = "sgd",
+            recompute: str = "none", label: str = "") -> None:
     from torch.distributed.tensor import DTensor
 
     from shardwise.memory.recompute import canonical_name
@@ -121,9 +139,14 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
     assert all(isinstance(p, DTensor) for p in tp_model.parameters())
     if cfg.tie_embeddings:
         assert tp_model.output.weight is tp_model.tok_embeddings.weight
-    lr = 1e-2 if opt == "adamw" else 1e-1
-    opts = [build_optimizer(_named(m), opt, lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    lr = 1e-2 if opt == "adamw" else 3e-1
+    # SGD: plain (no momentum, no decay), so a gradient error is a parameter error of the same size.
+    opts = [build_optimizer(_named(m), opt, lr=lr, weight_decay=0.1 if opt == "adamw" else 0.0,
+                            betas=(0.9 if opt == "adamw" else 0.0, 0.95), eps=1e-8)
             for m in (ref, tp_model)]
+    initial = {n: p.detach().clone() for n, p in _named(ref)}
+    losses: list[list[float]] = [[], []]
+    norms_by_step: list[list[float]] = [[], []]
     for step in range(STEPS):
         ids, labels, extras = _batch(cfg, packed, seed=100 + step)
         n_tokens = count_target_tokens([{"labels": labels}])
@@ -142,33 +165,30 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
             tp_loss = token_loss_sum_tp(tp_model(ids, **extras), labels) / n_tokens
             assert not isinstance(tp_loss, DTensor)
             tp_loss.backward()
-        d = abs(float(ref_loss) - float(tp_loss))
-        assert d <= TOL, f"step {step + 1}: loss {float(tp_loss):.6f} vs one process {float(ref_loss):.6f}"
+        losses[0].append(float(ref_loss))
+        losses[1].append(float(tp_loss))
         if step == 0:
             ref_grads = {n: p.grad for n, p in _named(ref)}
             tp_grads = {canonical_name(n): g for n, g in full_grads(tp_model)}
-            assert ref_grads.keys() == tp_grads.keys(), set(ref_grads) ^ set(tp_grads)
-            for name, g in ref_grads.items():
-                assert tp_grads[name] is not None, f"{name}: no gradient under TP"
-                assert tp_grads[name].shape == g.shape, f"{name}: {tp_grads[name].shape} vs {g.shape}"
-                gd = _max_diff(tp_grads[name], g)
-                assert gd <= TOL, f"{name}: gradient differs by {gd:.2e}"
+            assert all(g is not None for g in ref_grads.values())
+            assert_tensors_close(tp_grads, ref_grads, rtol=GRAD_RTOL, label=label)  # names, shapes, values
         norms = []
         for m, optimizer in zip((ref, tp_model), opts):
             norm = torch.nn.utils.clip_grad_norm_(list(m.parameters()), 0.5, foreach=True)
             norms.append(float(full_value(norm)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        # AdamW turns ~1e-8 summation-order differences in near-zero gradients into ~1e-4 parameter
-        # differences (its first updates are about lr * sign(g)); the loss stays within 1e-4, but
-        # the gradient norm is compared exactly only where parameters are still equal.
-        if step == 0 or opt == "sgd":
-            assert abs(norms[0] - norms[1]) <= TOL * max(1.0, norms[0]), f"step {step + 1}: grad norm {norms}"
+        for i, n in enumerate(norms):
+            norms_by_step[i].append(n)
         assert norms[0] > 0.5, "clipping is not exercised"
+    for i, what in enumerate(("loss", "grad norm")):
+        got, want = (losses, norms_by_step)[i]
+        assert_values_close(got[:1], want[:1], what=what, label=label)  # the first step: strict
+        assert_values_close(got[1:], want[1:], rtol=SCALAR_RTOL if opt == "sgd" else ADAMW_LATER_RTOL[what],
+                            what=f"{what} after step 1", label=label)
     if opt == "sgd":
-        for (name, p), q in zip(_named(ref), tp_model.parameters()):
-            pd = _max_diff(full_value(q.data), p.data)
-            assert pd <= 1e-6, f"{name}: parameter differs by {pd:.2e} after {STEPS} SGD steps"
+        got = {canonical_name(n): full_value(q.data) for n, q in tp_model.named_parameters()}
+        assert_params_close(got, {n: p.detach() for n, p in _named(ref)}, initial, STEPS, label=label)
 
 
 def _pipeline_stages(mesh, sp: bool) -> None:
@@ -197,20 +217,18 @@ def _pipeline_stages(mesh, sp: bool) -> None:
         assert h.shape[1] == (SEQ // 2 if sp else SEQ)
         b = token_loss_sum_tp(second(h, **extras), labels)  # extras may hold position_ids or not
         b.backward()
-        assert abs(float(a) - float(b)) <= TOL, (float(a), float(b))
+        _close(b, a, "loss of the chained stages")
         grads = dict(full_grads(first))
         for name, g in full_grads(second):
             # tied: each stage holds its own copy of the shared matrix; their gradients add up
             tied_name = "tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name
             grads[tied_name] = grads[tied_name] + g if tied_name in grads else g
-        assert grads.keys() == {n for n, _ in ref.named_parameters()}
-        for name, p in ref.named_parameters():
-            assert _max_diff(grads[name], p.grad) <= TOL, name
+        assert_tensors_close(grads, {n: p.grad for n, p in ref.named_parameters()}, label="chained stages")
         # no extras: the later stage must rebuild the full sequence's positions itself
         ref.zero_grad()
         a = token_loss_sum(ref(ids), labels)
         b = token_loss_sum_tp(second(first(ids)), labels)
-        assert abs(float(a) - float(b)) <= TOL, ("default positions", float(a), float(b))
+        _close(b, a, "loss of the chained stages with default positions")
 
 
 def _loss_functions(mesh) -> None:
@@ -246,8 +264,8 @@ def _loss_functions(mesh) -> None:
                 assert not isinstance(out, DTensor)
                 out.backward()
             grad = full_value(x.grad)
-            assert abs(float(full_value(out)) - float(ref)) <= TOL, (vocab, kind, float(full_value(out)), float(ref))
-            assert _max_diff(grad, ref_in.grad) <= TOL, (vocab, kind, _max_diff(grad, ref_in.grad))
+            _close(full_value(out), ref, f"loss, vocab {vocab}, {kind}")
+            assert_tensors_close({"logits": grad}, {"logits": ref_in.grad}, label=f"vocab {vocab}, {kind}")
 
 
 def _dropout(mesh, sp: bool) -> None:
@@ -319,9 +337,8 @@ def _dropout_recompute(mesh) -> None:
         loss = token_loss_sum_tp(model(ids, **extras), labels)
         loss.backward()
         results.append((float(loss), {canonical_name(n): g for n, g in full_grads(model)}))
-    assert abs(results[0][0] - results[1][0]) <= 1e-6
-    for name, g in results[0][1].items():
-        assert _max_diff(g, results[1][1][name]) <= 1e-6, name
+    _close(results[1][0], results[0][0], "loss with recompute")
+    assert_tensors_close(results[1][1], results[0][1], label="TP + SP with dropout, recompute vs not")
 
 
 def _eval_with_dropout(mesh) -> None:
@@ -339,7 +356,7 @@ def _eval_with_dropout(mesh) -> None:
     with torch.no_grad():
         a = token_loss_sum(ref(ids, **extras), labels)
         b = token_loss_sum_tp(tp_model(ids, **extras), labels)
-    assert abs(float(a) - float(b)) <= TOL
+    _close(b, a, "eval loss with a dropout config")
 
 
 def _refusals(mesh) -> None:
@@ -383,7 +400,7 @@ def _worker(rank: int, port: int, world: int, out_path: str) -> None:
             results[name] = traceback.format_exc()
 
     for name, (cfg, opts) in VARIANTS.items():
-        run(name, _parity, mesh, cfg, **opts)
+        run(name, _parity, mesh, cfg, **opts, label=name)
     run("pipeline_stages_sp", _pipeline_stages, mesh, True)
     run("pipeline_stages_no_sp", _pipeline_stages, mesh, False)
     run("loss_functions_match_unsharded", _loss_functions, mesh)

@@ -1,9 +1,10 @@
 """Fine-tuning through the Trainer: `model.init_from` (a Hugging Face directory or a shardwise
 checkpoint), LoRA and layer freezing, in one process and under DP (ZeRO 1-3), TP and PP.
 
-Every layout must give one process's losses. A run from init_from never builds the whole model on a
-rank: the workers make `build_model` fail, so the only way to get weights is the meta-device build
-that each rank fills with its own slices.
+Every layout must train like one process, checked strictly with plain SGD (test_trainer_parity.py's
+checks: first-step gradients, parameters after the steps, losses and gradient norms). A run from
+init_from never builds the whole model on a rank: the workers make `build_model` fail, so the only way
+to get weights is the meta-device build that each rank fills with its own slices.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from shardwise.models.hf import from_hf, save_hf
 from shardwise.train import checkpoint as ckpt
 from shardwise.train.trainer import Trainer
 
-from ..train.conftest import SEQ, make_tokens
-from .harness import run_distributed
+from ..train.conftest import SEQ, PaddedDataset, make_tokens
+from .harness import ParityError, run_distributed
+from .test_trainer_parity import assert_run_matches, reference_run, train_once
 
 STEPS = 3
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
@@ -56,6 +58,15 @@ def _config(run_dir: Path, init_from: Path | None, dp: int = 1, zero: int = 0, t
     if freeze:
         raw["freeze"] = freeze
     return validate(raw)
+
+
+# Plain SGD for the layout parity (see test_trainer_parity.py): a gradient error shows in the weights.
+SGD = {"optimizer": "sgd", "beta1": 0.0, "lr": 0.3, "max_grad_norm": None, "peak_tflops": 1.0}
+
+
+def _padded(cfg) -> PaddedDataset:  # noqa: ANN001
+    """Uneven target counts per rank and micro-batch (ignored prompts, padding)."""
+    return PaddedDataset(make_tokens(vocab=cfg.model.vocab_size), SEQ)
 
 
 def _train(cfg, model=None) -> dict[int, float]:  # noqa: ANN001
@@ -145,7 +156,17 @@ def test_finetuning_config_errors(tmp_path: Path) -> None:
     assert cfg.train.lr == 2e-4
 
 
-def _layouts(rank: int, world: int, root: Path, hf: Path, odd: Path) -> dict[str, dict[int, float]]:
+LAYOUTS = {"full_zero3": dict(dp=2, zero=3), "full_tp2": dict(tp=2), "full_pp2": dict(pp=2),
+           "lora_zero2": dict(dp=2, zero=2, lora=LORA), "lora_zero1": dict(dp=2, zero=1, lora=LORA),
+           "lora_tp2": dict(tp=2, lora=LORA), "lora_pp2": dict(pp=2, lora=LORA),
+           "freeze_tp2": dict(tp=2, freeze={"embeddings": True, "layers": 1}),
+           # Uneven shards: ZeRO-3 splits a 509-row embedding into 255 + 254 rows; each rank reads its own.
+           "odd_zero3": dict(dp=2, zero=3)}
+SINGLE = {"full": {}, "lora": dict(lora=LORA), "freeze": dict(freeze={"embeddings": True, "layers": 1}),
+          "odd": {}}
+
+
+def _layouts(rank: int, world: int, root: Path, hf: Path, odd: Path) -> dict[str, dict]:
     import shardwise.train.trainer as trainer_module
 
     def no_full_build(*_a: object, **_k: object) -> None:
@@ -153,27 +174,30 @@ def _layouts(rank: int, world: int, root: Path, hf: Path, odd: Path) -> dict[str
 
     trainer_module.build_model = no_full_build
     out = {}
-    for name, kw in {"full_zero3": dict(dp=2, zero=3), "full_tp2": dict(tp=2), "full_pp2": dict(pp=2),
-                     "lora_zero2": dict(dp=2, zero=2, lora=LORA), "lora_zero1": dict(dp=2, zero=1, lora=LORA),
-                     "lora_tp2": dict(tp=2, lora=LORA), "lora_pp2": dict(pp=2, lora=LORA),
-                     "freeze_tp2": dict(tp=2, freeze={"embeddings": True, "layers": 1})}.items():
-        out[name] = _train(_config(root / name, hf, **kw))
-    # Uneven shards: ZeRO-3 splits a 509-row embedding into 255 + 254 rows; each rank reads its own.
-    out["odd_zero3"] = _train(_config(root / "odd_zero3", odd, dp=2, zero=3))
+    for name, kw in LAYOUTS.items():
+        cfg = _config(root / name, odd if name.startswith("odd") else hf, **kw, **SGD)
+        out[name] = train_once(cfg, data=_padded(cfg))
+        out[name].pop("result")
     return out
 
 
 @pytest.mark.timeout(600)
 def test_finetuning_layouts_match_one_process(tmp_path: Path) -> None:
     hf, odd = _hf_dir(tmp_path), _hf_dir(tmp_path, vocab_size=509)
-    single = {"full": _train(_config(tmp_path / "full", hf)), "odd": _train(_config(tmp_path / "odd", odd)),
-              "lora": _train(_config(tmp_path / "lora", hf, lora=LORA)),
-              "freeze": _train(_config(tmp_path / "freeze", hf, freeze={"embeddings": True, "layers": 1}))}
-    for name, losses in single.items():  # the parity below is a real check: training moves the loss
-        assert abs(losses[STEPS] - losses[1]) > 0.02, name
-    for rank_result in run_distributed(_layouts, 2, tmp_path / "dist", hf, odd, timeout=540):
-        for name, losses in rank_result.items():
-            _assert_close(losses, single[name.split("_")[0]], name)
+    single = {}
+    for kind, kw in SINGLE.items():
+        cfg = _config(tmp_path / kind, odd if kind == "odd" else hf, **kw, **SGD)
+        single[kind] = reference_run(cfg, _padded(cfg))
+    for name, ref in single.items():  # training moves the loss far beyond the parity tolerance
+        assert abs(ref.losses[-1] - ref.losses[0]) > 1e-3, (name, ref.losses)
+    results = run_distributed(_layouts, 2, tmp_path / "dist", hf, odd, timeout=540)
+    failures = []
+    for name in LAYOUTS:
+        try:
+            assert_run_matches(name, [r[name] for r in results], tmp_path / "dist" / name, single[name.split("_")[0]])
+        except ParityError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n\n".join(failures)
 
 
 def test_bad_weights_fail_before_the_data_is_read(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
-"""The Trainer under pipeline parallelism: every schedule gives one process's losses, alone and with
-data parallel (ZeRO 3) or tensor parallel, evaluation matches, and checkpoints move between PP2 and
-one process in both directions (also with tied embeddings, whose two pipeline copies are stored as
-the one matrix of one process).
+"""The Trainer under pipeline parallelism: evaluation through the pipeline matches one process (alone
+and with tensor parallel), and checkpoints move between PP2 (alone and with DP2 ZeRO-3) and one
+process in both directions (also with tied embeddings, whose two pipeline copies are stored as the
+one matrix of one process). Whether every schedule and product layout trains like one process is
+test_trainer_parity.py's matrix (plain SGD, strict per-tensor checks); the AdamW losses here are
+compared with harness.assert_values_close (relative error <= 5e-6; measured <= 1.7e-7).
 
 Under pipeline parallelism the micro-batches of a step are the pipeline's: a pipeline step runs
 parallel.micro_batch_num of them, and the gradient accumulation (micro-batches per optimizer step)
@@ -21,7 +23,7 @@ from shardwise.errors import ConfigError
 from shardwise.train.trainer import Trainer, layout_for
 
 from ..train.conftest import SEQ, make_tokens, tiny_config, with_changes
-from .harness import run_distributed
+from .harness import assert_values_close, run_distributed
 
 STEPS = 5
 MICRO = 2  # micro-batches per step: the pipeline's micro_batch_num, the reference's accumulation
@@ -33,8 +35,9 @@ def _config(run_dir: Path, pp: int = 1, dp: int = 1, tp: int = 1, zero: int = 0,
             virtual_stages: int = 1, stage_layers: list[int] | None = None, tied: bool = False,
             **train: object):  # noqa: ANN202
     # A constant LR, so that a run cut short has the weights of the longer run at the same step.
+    # (a given peak skips measuring the CPU's for MFU, most of such a short run's time)
     fields = {"output_dir": str(run_dir), "max_steps": STEPS, "decay_style": "constant",
-              "micro_batch_size": ROWS // (MICRO * dp), **train}
+              "micro_batch_size": ROWS // (MICRO * dp), "peak_tflops": 1.0, **train}
     base = with_changes(tiny_config(run_dir.parent, **fields), model={"num_layers": 4, "tie_embeddings": tied})
     if pp == 1:
         return with_changes(base, parallel={"data_parallel": dp, "tensor_parallel": tp, "zero_stage": zero},
@@ -51,27 +54,10 @@ def _train(cfg, resume: str | None = None, evaluate: bool = False):  # noqa: ANN
     return Trainer(cfg, train_dataset=PackedDataset(make_tokens(), SEQ), eval_dataset=eval_ds).train(resume=resume)
 
 
-# name -> schedule settings of the PP2 variants (2 ranks)
-PP2 = {
-    "gpipe": {"schedule": "gpipe"},
-    "1f1b": {"schedule": "1f1b"},
-    "interleaved_1f1b": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
-    "zb1p": {"schedule": "zero_bubble"},
-    "zbv": {"schedule": "zero_bubble", "virtual_stages": 2},
-    "uneven_1_3": {"schedule": "1f1b", "stage_layers": [1, 3]},
-}
-
-
 def _pp2_runs(rank: int, world: int, root: Path) -> dict[str, object]:
     out: dict[str, object] = {}
-    for name, kw in PP2.items():
-        result = _train(_config(root / name, pp=2, **kw), evaluate=name == "1f1b")
-        out[name] = result.losses
-        if result.eval is not None:
-            out["eval"] = result.eval
-    # Accumulation 4 = two pipeline steps of micro_batch_num 2 per optimizer step.
-    out["two_pipeline_steps"] = _train(with_changes(_config(root / "accum", pp=2, micro_batch_size=1),
-                                                    optimize={"gradient_accumulation_steps": 4})).losses
+    result = _train(_config(root / "1f1b", pp=2), evaluate=True)
+    out["1f1b"], out["eval"] = result.losses, result.eval
     # PP2 -> 1 process: steps 1-3 here, continued by the parent.
     _train(_config(root / "pp_to_single", pp=2, max_steps=3))
     # 1 process -> PP2 (the parent wrote steps 1-2): steps 3-5 under 1F1B and under ZB-V.
@@ -87,16 +73,10 @@ def _pp2_runs(rank: int, world: int, root: Path) -> dict[str, object]:
 
 
 def _4d_runs(rank: int, world: int, root: Path) -> dict[str, object]:
-    accum = with_changes(_config(root / "pp2_dp2_accum", pp=2, dp=2, zero=3, micro_batch_size=1),
-                         optimize={"gradient_accumulation_steps": 4})  # 8 samples per step
     tp = _train(_config(root / "pp2_tp2", pp=2, tp=2), evaluate=True)
     return {
-        "accum_pp2_dp2_zero3_two_pipeline_steps": _train(accum).losses,
-        "pp2_dp2_zero3_1f1b": _train(_config(root / "pp2_dp2_1f1b", pp=2, dp=2, zero=3)).losses,
         "pp2_dp2_zero3_zbv": _train(_config(root / "pp2_dp2_zbv", pp=2, dp=2, zero=3, schedule="zero_bubble",
                                             virtual_stages=2)).losses,
-        "pp2_dp2_zero1_replicas_checked": _train(_config(root / "pp2_dp2_zero1", pp=2, dp=2, zero=1,
-                                                         check_replicas_steps=2)).losses,
         "pp2_tp2_1f1b": tp.losses,
         "eval": tp.eval,
     }
@@ -104,11 +84,16 @@ def _4d_runs(rank: int, world: int, root: Path) -> dict[str, object]:
 
 def _assert_matches(got: dict[int, float], want: dict[int, float], steps: list[int], name: str) -> None:
     assert sorted(got) == steps, name
-    assert [got[s] for s in steps] == pytest.approx([want[s] for s in steps], abs=1e-4), name
+    assert_values_close([got[s] for s in steps], [want[s] for s in steps], what="loss", label=name)
+
+
+def _assert_eval_matches(got: dict, want: dict, name: str) -> None:
+    assert got["tokens"] == want["tokens"], name
+    assert_values_close([got["loss"]], [want["loss"]], what="eval loss", label=name)
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_trainer_matches_one_process_and_checkpoints_reshard(tmp_path: Path) -> None:
+def test_pipeline_trainer_evaluates_and_checkpoints_reshard(tmp_path: Path) -> None:
     single = _train(_config(tmp_path / "single"), evaluate=True)
     reference = single.losses
     tied_reference = _train(_config(tmp_path / "tied_single", tied=True)).losses
@@ -116,16 +101,14 @@ def test_pipeline_trainer_matches_one_process_and_checkpoints_reshard(tmp_path: 
         _train(_config(tmp_path / name, max_steps=2))
     _train(_config(tmp_path / "tied_from_single_zbv", max_steps=2, tied=True))
     results = run_distributed(_pp2_runs, 2, tmp_path, timeout=540)
-    for rank_result in results:  # every pipeline rank reports the same, global loss
-        for name in (*PP2, "two_pipeline_steps"):
-            _assert_matches(rank_result[name], reference, list(range(1, STEPS + 1)), name)
+    for rank, rank_result in enumerate(results):  # every pipeline rank reports the same, global loss
+        _assert_matches(rank_result["1f1b"], reference, list(range(1, STEPS + 1)), f"1f1b rank {rank}")
         for name in ("from_single", "from_single_zbv"):
-            _assert_matches(rank_result[name], reference, [3, 4, 5], name)
+            _assert_matches(rank_result[name], reference, [3, 4, 5], f"{name} rank {rank}")
         _assert_matches(rank_result["tied_from_single_zbv"], tied_reference, [3, 4, 5], "tied_from_single_zbv")
         _assert_matches(rank_result["tied_pp_to_single"], tied_reference, [1, 2, 3], "tied_pp_to_single")
         # Evaluation runs through the pipeline on every rank and agrees with one process's.
-        assert rank_result["eval"]["tokens"] == single.eval["tokens"]
-        assert rank_result["eval"]["loss"] == pytest.approx(single.eval["loss"], abs=1e-4)
+        _assert_eval_matches(rank_result["eval"], single.eval, f"1f1b eval rank {rank}")
     # The PP2 checkpoints of step 3 continue in one process.
     continued = _train(_config(tmp_path / "pp_to_single"), resume="auto").losses
     _assert_matches(continued, reference, [4, 5], "pp_to_single")
@@ -134,18 +117,14 @@ def test_pipeline_trainer_matches_one_process_and_checkpoints_reshard(tmp_path: 
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_with_data_and_tensor_parallel_matches_one_process(tmp_path: Path) -> None:
+def test_pipeline_with_data_and_tensor_parallel_evaluates_and_checkpoints(tmp_path: Path) -> None:
     reference = _train(_config(tmp_path / "single", max_steps=STEPS + 1)).losses
-    reference8 = _train(with_changes(_config(tmp_path / "single8", micro_batch_size=2),
-                                     optimize={"gradient_accumulation_steps": 4})).losses
     single_eval = _train(_config(tmp_path / "single_eval"), evaluate=True).eval
     results = run_distributed(_4d_runs, 4, tmp_path, timeout=540)
-    for rank_result in results:
-        evaluation = rank_result.pop("eval")
-        assert evaluation["loss"] == pytest.approx(single_eval["loss"], abs=1e-4)
+    for rank, rank_result in enumerate(results):
+        _assert_eval_matches(rank_result.pop("eval"), single_eval, f"pp2_tp2 eval rank {rank}")
         for name, got in rank_result.items():
-            want = reference8 if name.startswith("accum") else reference
-            _assert_matches(got, want, list(range(1, STEPS + 1)), name)
+            _assert_matches(got, reference, list(range(1, STEPS + 1)), f"{name} rank {rank}")
     # The PP2 x DP2 ZeRO-3 (zero-bubble) checkpoint continues in one process.
     continued = _train(_config(tmp_path / "pp2_dp2_zbv", max_steps=STEPS + 1), resume="auto").losses
     _assert_matches(continued, reference, [STEPS + 1], "pp2_dp2_zbv -> single")

@@ -1,6 +1,7 @@
 """Checkpoints resumed under another layout through the Trainer (issue 4, item 5): 1 process ->
 DP2 x TP2 (ZeRO 3), TP2 -> PP2, PP2 -> DP2 (ZeRO 3). Every layout computes one process's losses, so the
-resumed curve must equal the uninterrupted one-process curve, which is the target layout's too."""
+resumed curve must equal the uninterrupted one-process curve, which is the target layout's too
+(relative error <= harness.SCALAR_RTOL, 5e-6; measured <= 1.7e-7)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import run_distributed
+from .harness import assert_values_close, run_distributed
 from .test_trainer_pipeline import STEPS, _config, _train
 
 
@@ -37,7 +38,8 @@ def test_checkpoints_resume_under_another_layout(tmp_path: Path) -> None:
     _train(_config(tmp_path / "single", max_steps=2))
     results = run_distributed(_two_ranks, 2, tmp_path, timeout=300)
     results += run_distributed(_four_ranks, 4, tmp_path, timeout=300)
-    for rank_result in results:
+    for rank, rank_result in enumerate(results):
         for name, got in rank_result.items():
             assert sorted(got) == list(range(3, STEPS + 1)), name
-            assert [got[s] for s in got] == pytest.approx([reference[s] for s in got], abs=1e-4), name
+            assert_values_close([got[s] for s in sorted(got)], [reference[s] for s in sorted(got)], what="loss",
+                                label=f"{name} (worker result {rank})")

@@ -35,10 +35,45 @@ class MaskedDataset(PackedDataset):
         return {"input_ids": batch["input_ids"], "labels": labels}
 
 
+class PaddedDataset(PackedDataset):
+    """Packed samples with very uneven target-token counts: a sample-dependent prefix of labels is
+    ignored (-100, a prompt), a sample-dependent tail is padding (input `pad_id`, label -100), and
+    every 11th sample has no target at all. Over a step the counts then differ between the
+    data-parallel ranks and between the micro-batches of a rank, so a layout that normalises by a
+    local (per-rank or per-micro-batch) count, or drops a rank's share, shows in the gradients.
+
+    `target_counts` records the target tokens of every micro-batch this process read, in order.
+    """
+
+    def __init__(self, tokens, seq_length: int, pad_id: int = 0, **kw) -> None:  # noqa: ANN001
+        super().__init__(tokens, seq_length, **kw)
+        self.pad_id = pad_id
+        self.target_counts: list[int] = []
+
+    def get_batch(self, indices):  # noqa: ANN001, ANN201
+        batch = super().get_batch(indices)
+        ids, labels = batch["input_ids"].clone(), batch["labels"].clone()
+        T = ids.shape[1]
+        for row, index in enumerate(indices):
+            i = int(index)
+            if i % 11 == 3:
+                labels[row] = -100
+                continue
+            labels[row, : (i * 7) % (T // 2)] = -100
+            pad = (i * 5) % (T // 2)
+            if pad:
+                ids[row, T - pad:] = self.pad_id
+                labels[row, T - pad:] = -100
+        self.target_counts.append(int((labels != -100).sum()))
+        return {"input_ids": ids, "labels": labels}
+
+
 def tiny_config(tmp_path: Path, **train) -> "RunConfig":  # noqa: F821
     """A tiny LLaMA run config writing into tmp_path/run."""
     section = {"output_dir": str(tmp_path / "run"), "max_steps": 4, "micro_batch_size": 4, "lr": 3e-3,
-               "warmup_steps": 1, "log_steps": 1, "progress_bar": False, "tensorboard": False, "seed": 7}
+               "warmup_steps": 1, "log_steps": 1, "progress_bar": False, "tensorboard": False, "seed": 7,
+               # a fixed MFU denominator: measuring this CPU's peak costs ~0.6 s per run start
+               "peak_tflops": 1.0}
     section.update(train)
     return validate({"model": {"preset": "tiny_llama"}, "data": {"seq_length": SEQ}, "train": section,
                      "run": {"num_threads": 1}})

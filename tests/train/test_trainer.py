@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from shardwise.errors import CheckpointError, TrainingError
+from shardwise.errors import CheckpointError, ConfigError, ShardwiseError, TrainingError
+from shardwise.train import trainer as trainer_module
 from shardwise.train.trainer import Trainer
 
 from .conftest import SEQ, MaskedDataset, make_tokens, read_metrics, tiny_config, with_changes
@@ -20,9 +21,13 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, dataset):
     assert result.losses[12] < result.losses[1] - 0.5
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 13))
-    for key in ("lr", "grad_norm", "loss_scale", "tokens_per_s", "mfu", "peak_memory_gb"):
+    for key in ("lr", "grad_norm", "loss_scale", "tokens_per_s", "target_tokens_per_s", "tokens_per_s_per_device",
+                "mfu", "peak_in_doubt", "peak_memory_gb"):
         assert all(key in r for r in records)
-    assert records[-1]["tokens_per_s"] > 0 and 0 < records[-1]["mfu"] < 5
+    assert records[-1]["tokens_per_s"] > 0 and records[-1]["mfu"] > 0
+    # Packed pre-training: every token is real and a target. An MFU above 1 always says so.
+    assert all(r["target_tokens_per_s"] == pytest.approx(r["tokens_per_s"]) for r in records)
+    assert all(r["peak_in_doubt"] == (r["mfu"] > 1) for r in records)
     assert records[0]["lr"] == pytest.approx(3e-3)  # warmup 1 step reaches the peak
 
 
@@ -193,3 +198,29 @@ def test_resume_is_exact_with_dropout(tmp_path, dataset):
     shutil.rmtree(tmp_path / "part" / "run" / "checkpoints" / "step_00000004")
     resumed = Trainer(cfg, train_dataset=dataset).train(resume="auto")
     assert resumed.losses == {3: full.losses[3], 4: full.losses[4]}
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_data_is_bad(tmp_path, dataset):
+    """--overwrite removes the previous run only once the new run's data has been read: a broken line
+    deep in a file must not cost the user the run they had."""
+    cfg = tiny_config(tmp_path, max_steps=2)
+    _run(cfg, dataset)
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(f'{{"text": "document {i} of the corpus"}}\n' for i in range(300)) + "{broken\n")
+    bad = with_changes(cfg, data={"train_files": [str(corpus)], "cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(ShardwiseError, match="corpus.jsonl:301"):
+        Trainer(bad).train(overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == kept
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_run_larger_than_the_free_memory_is_refused_before_the_data(tmp_path, monkeypatch):
+    """On the CPU, a model the machine cannot hold (say a forgotten preset: 7B) fails at once with the
+    estimate, instead of preparing the data and then being killed."""
+    monkeypatch.setattr(trainer_module, "available_host_memory", lambda: 2**20)  # 1 MiB free
+    cfg = with_changes(tiny_config(tmp_path), data={"train_files": [str(tmp_path / "never-read.jsonl")]})
+    with pytest.raises(ConfigError, match=r"needs about .* GiB of memory \(estimate.*0.0 GiB free") as info:
+        Trainer(cfg).train()
+    assert "model.preset" in str(info.value) and "shardwise estimate" in str(info.value)
+    assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ lowers the scale.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -63,23 +64,48 @@ def precision_plan(mixed_precision: str, level: str) -> PrecisionPlan:
 
 
 class MasterWeights:
-    """fp32 copies of 16-bit trainable weights (level O2); the optimizer steps these copies."""
+    """fp32 copies of 16-bit trainable weights (level O2); the optimizer steps these copies.
+
+    Gradients accumulate in fp32, as Megatron's `main_grad` does: as soon as autograd has added a
+    micro-batch's gradient to a weight's 16-bit `.grad`, a hook adds it to the master's fp32 `.grad`
+    and frees the 16-bit one. Summing many micro-batches in bf16 would round every partial sum to 8
+    bits of mantissa; this way a run's numbers do not depend on whether FSDP2 (which reduces in fp32)
+    is in the layout. Gradients written without autograd's accumulation (a zero-bubble pipeline's
+    weight pass adds them by hand) are taken over by `grads_to_masters`.
+    """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
         self.model_params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+        self._master_of = {id(p): m for p, m in zip(self.model_params, self.masters)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._absorb) for p in self.model_params]
 
     def named_masters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, fp32 master) pairs, named like the model parameters."""
         return zip(self.names, self.masters)
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """Where a model parameter's gradient accumulates: its fp32 master (the parameter itself when
+        it has none, being frozen)."""
+        return self._master_of.get(id(param), param)
+
+    @torch.no_grad()
+    def _absorb(self, p: torch.Tensor) -> None:
+        m = self._master_of[id(p)]
+        if m.grad is None:
+            m.grad = p.grad.float()
+        else:
+            m.grad.add_(p.grad)
+        p.grad = None
+
     @torch.no_grad()
     def grads_to_masters(self) -> None:
-        """Move the model's 16-bit gradients into fp32 master gradients."""
-        for p, m in zip(self.model_params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+        """Add any 16-bit gradient still on the model into the fp32 master gradients (before the
+        optimizer step, and after a pipeline's hand-written weight pass)."""
+        for p in self.model_params:
+            if p.grad is not None:
+                self._absorb(p)
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
@@ -132,7 +158,10 @@ class LossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from `state_dict()`."""
-        self.scale = float(state["scale"])
+        """Restore from `state_dict()` (a scale that is not a finite positive number is a ValueError)."""
+        scale = float(state["scale"])
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"loss scale {scale!r} is not a finite positive number")
+        self.scale = scale
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -1,8 +1,13 @@
-"""The few collectives the trainer itself needs: sums and maxima of small numbers, rank 0 first, and
-the replica check. Everything else (gradient reduction, all-gathers) happens inside FSDP2 / DTensor.
+"""The collectives shardwise itself issues: sums and maxima of small numbers, broadcasts and
+gathers, point-to-point sends, rank 0 first, and the replica check. Gradient reduction and DTensor
+redistribution happen inside FSDP2 / DTensor, which place their own tensors.
 
-Small numbers travel as CPU float64 tensors: gloo serves them on every device kind (CUDA runs use a
-"cuda:nccl,cpu:gloo" group), and reading them back costs no device sync.
+Every tensor handed to a collective goes through `to_group_device` first: a group serves only the
+devices its backends support (gloo: CPU; NCCL: CUDA; HCCL: Ascend NPU, with no CPU side), so a CPU
+counter sent over an HCCL-only group would fail at the first step. Where a group has a CPU backend
+(gloo, or CUDA's "cuda:nccl,cpu:gloo"), small numbers stay on the CPU: reading them back then
+costs no device sync. Counts travel as int64, maxima as float32, checksums as the bits of float64
+(int64): dtypes every backend reduces.
 """
 
 from __future__ import annotations
@@ -20,23 +25,93 @@ T = TypeVar("T")
 
 
 def _group(mesh: Any) -> Optional[dist.ProcessGroup]:
-    return None if mesh is None else mesh.get_group()
+    """A device mesh's process group (a process group, or None for the default one, as it is)."""
+    return mesh.get_group() if hasattr(mesh, "get_group") else mesh
 
 
-def sum_over(values: Sequence[float], mesh: Any = None) -> list[float]:
-    """Element-wise sums of `values` over the ranks of `mesh` (all ranks when None)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, group=_group(mesh))
-    return t.tolist()
+def distributed() -> bool:
+    """Whether a process group exists (without one every collective here is the identity)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_device_types(group: Any = None) -> tuple[str, ...]:
+    """The device kinds `group`'s backends serve, e.g. ("cpu",) for gloo, ("cuda", "cpu") for
+    "cuda:nccl,cpu:gloo", ("npu",) for HCCL."""
+    pg = _group(group) or dist.group.WORLD
+    kinds = tuple(d.type for d in getattr(pg, "_device_types", ()))
+    if kinds:
+        return kinds
+    backend = str(dist.get_backend(pg)).lower()  # older torch: infer from the backend's name
+    return tuple(part.split(":")[0] for part in backend.split(",")) if ":" in backend else \
+        {"nccl": ("cuda",), "hccl": ("npu",)}.get(backend, ("cpu",))
+
+
+def _move(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """`t` on this process's current device of `kind` (the accelerator it was bound to)."""
+    if kind == "cpu":
+        return t.cpu()
+    return t.to(torch.device(kind, torch.get_device_module(kind).current_device()))
+
+
+def to_group_device(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """`t` itself when `group` serves its device, else a copy on a device it serves (CPU first)."""
+    kinds = group_device_types(group)
+    if t.device.type in kinds:
+        return t
+    return _move(t, "cpu" if "cpu" in kinds else kinds[0])
+
+
+def all_reduce(t: torch.Tensor, group: Any = None, op: Any = None) -> torch.Tensor:
+    """The reduction (SUM unless `op`) of `t` over `group`, on a device the group serves (`t`
+    itself, reduced in place, when it already is)."""
+    if not distributed():
+        return t
+    t = to_group_device(t, group)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=_group(group))
+    return t
+
+
+def broadcast_(t: torch.Tensor, src: int, group: Any = None) -> None:
+    """`t` := rank `src`'s `t` (`src` a global rank), in place wherever `t` lives."""
+    if not distributed():
+        return
+    moved = to_group_device(t, group)
+    dist.broadcast(moved, src=src, group=_group(group))
+    if moved is not t:
+        t.copy_(moved)
+
+
+def all_gather(t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape and dtype on all), in rank order."""
+    if not distributed():
+        return [t]
+    t = to_group_device(t, group)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(_group(group)))]
+    dist.all_gather(out, t, group=_group(group))
+    return out
+
+
+def send(t: torch.Tensor, dst: int, group: Any = None) -> None:
+    """Send `t` to global rank `dst`."""
+    dist.send(to_group_device(t.contiguous(), group), dst=dst, group=_group(group))
+
+
+def recv_(t: torch.Tensor, src: int, group: Any = None) -> None:
+    """Receive into `t` from global rank `src`, in place wherever `t` lives."""
+    moved = to_group_device(t, group)
+    dist.recv(moved, src=src, group=_group(group))
+    if moved is not t:
+        t.copy_(moved)
+
+
+def sum_over(values: Sequence[int], mesh: Any = None) -> list[int]:
+    """Element-wise sums of integer counts over the ranks of `mesh` (all ranks when None)."""
+    return all_reduce(torch.tensor(list(values), dtype=torch.int64), mesh).tolist()
 
 
 def max_over(value: float, mesh: Any = None) -> float:
-    """The largest `value` over the ranks of `mesh` (all ranks when None)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(mesh))
-    return float(t.item())
+    """The largest `value` over the ranks of `mesh` (all ranks when None), to float32 precision."""
+    return float(all_reduce(torch.tensor([value], dtype=torch.float32), mesh, dist.ReduceOp.MAX).item())
 
 
 def rank0_first(fn: Callable[[], T], rank: int) -> Optional[T]:
@@ -46,7 +121,7 @@ def rank0_first(fn: Callable[[], T], rank: int) -> Optional[T]:
     before the other ranks go on; without it a failure on rank 0 would leave the others waiting for
     the whole distributed timeout.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return fn()
     result, error = None, None
     if rank == 0:
@@ -71,7 +146,7 @@ def parameter_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
             local = p.to_local() if hasattr(p, "to_local") else p
             x = local.detach().double()
             names.append(name)
-            sums.append(torch.stack([x.sum(), (x * x).sum()]).cpu())
+            sums.append(torch.stack([x.sum(), (x * x).sum()]))
     return names, torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -81,8 +156,8 @@ def replica_mismatch(model: nn.Module, mesh: Any) -> Optional[str]:
     if mesh is None or mesh.size() == 1:
         return None
     names, local = parameter_checksums(model)
-    gathered = [torch.empty_like(local) for _ in range(mesh.size())]
-    dist.all_gather(gathered, local, group=mesh.get_group())
+    # The float64 checksums travel as their bits: exact, and a dtype every backend gathers.
+    gathered = [g.cpu().view(torch.float64) for g in all_gather(local.view(torch.int64), mesh)]
     for i, name in enumerate(names):
         values = [g[i].tolist() for g in gathered]
         if any(v != values[0] for v in values[1:]):

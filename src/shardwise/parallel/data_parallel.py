@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from .collectives import all_reduce, broadcast_
 from .dims import ParallelDims
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -292,7 +293,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     flat = _flatten_dense_tensors(tensors)
                 else:
                     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-                dist.broadcast(flat, src=src, group=self.group)
+                broadcast_(flat, src, self.group)
                 if r != self.rank:
                     for t, u in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                         t.copy_(u)
@@ -325,7 +326,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                         buf = _local(value).contiguous()
                     else:
                         buf = torch.empty(shape, dtype=dtype, device=_local(p).device)
-                    dist.broadcast(buf, src=src, group=self.group)
+                    broadcast_(buf, src, self.group)
                     if r != self.rank:
                         state[key] = (DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False,
                                                          shape=p.shape, stride=p.stride())
@@ -402,8 +403,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
     else:
         total = torch.stack([n.float() ** norm_type for n in norms]).sum()
     if reduce_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
-                        group=reduce_group)
+        total = all_reduce(total, reduce_group, dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     if max_norm:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, DeviceError
+from .collectives import all_reduce
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +283,7 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 600.0) -> Dis
         # Each node's agent counts its own restarts, and an agent whose ranks did not fail restarts
         # them without counting: the group's count is the largest, so that every rank agrees on
         # "this is a restart, resume from the newest checkpoint".
-        count = torch.tensor([restarts], dtype=torch.int64, device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = all_reduce(torch.tensor([restarts], dtype=torch.int64), op=dist.ReduceOp.MAX)
         ctx = dataclasses.replace(ctx, restart_count=int(count.item()))
     _GROUP_RESTARTS = ctx.restart_count
     return ctx

@@ -63,8 +63,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from ..errors import ConfigError
+from .collectives import all_reduce, broadcast_, recv_, send
 
 IGNORE_INDEX = -100
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -301,6 +303,23 @@ class _StepLoss:
         return self.loss_sum(output, target) / self.global_tokens
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage, reporting each weight pass: a zero-bubble schedule's weight pass adds the
+    micro-batch's weight gradients to `.grad` by hand, past autograd's post-accumulate hooks (which
+    move 16-bit gradients into fp32 masters), so `on_weight_grads` does that job there."""
+
+    on_weight_grads: Optional[Callable[[], None]] = None
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:  # noqa: D102
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        if self.on_weight_grads is not None:
+            self.on_weight_grads()
+
+
+def _own_grad(param: torch.Tensor) -> torch.Tensor:
+    return param
+
+
 @dataclass
 class Pipeline:
     """A built schedule and what a step needs to know about this rank's part of the pipeline."""
@@ -323,14 +342,18 @@ class Pipeline:
     tied: bool = False  # the first and last stage hold copies of one tied embedding matrix
     step_kwargs: dict = field(default_factory=dict)  # extra arguments of schedule.step this torch accepts
     batch_shape: Optional[tuple] = None  # the input shape the stages were set up for
+    # Where a parameter's gradient accumulates (at precision O2 without FSDP: its fp32 master), and
+    # what moves gradients there after a hand-written weight pass; set by the trainer.
+    grad_holder: Callable[[torch.Tensor], torch.Tensor] = _own_grad
+    on_weight_grads: Optional[Callable[[], None]] = None
 
     def rebuild(self) -> None:
         """(Re)create the PipelineStages and the schedule. The stages learn the activation shapes from
         the first step and keep them, so `pipeline_step` calls this when the batch shape changes."""
-        from torch.distributed.pipelining import PipelineStage
-
-        self.stages = [PipelineStage(c, c.pp_stage_index, self.num_stages, self.device, group=self.group)
+        self.stages = [_Stage(c, c.pp_stage_index, self.num_stages, self.device, group=self.group)
                        for c in self.chunks]
+        for stage in self.stages:
+            stage.on_weight_grads = self.on_weight_grads
         cls = schedule_class(self.schedule_name, self.num_stages // self.pp_size)
         single = len(self.stages) == 1 and self.schedule_name in ("gpipe", "1f1b")
         # scale_grads=False: the loss already carries the step's normalisation, micro-batch count included.
@@ -388,11 +411,11 @@ class Pipeline:
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
         """Give both copies of a tied matrix the sum of their gradients (after backward)."""
-        params = self._tied_params()
-        for p in params:
-            if p is not None and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._combine(*(p.grad if p is not None else None for p in params), add=True)
+        holders = [self.grad_holder(p) if p is not None else None for p in self._tied_params()]
+        for h in holders:
+            if h is not None and h.grad is None:
+                h.grad = torch.zeros_like(h)
+        self._combine(*(h.grad if h is not None else None for h in holders), add=True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -402,12 +425,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def build_schedule(chunks: list[nn.Module], pp_mesh: Any, device: torch.device | str, micro_batch_num: int,
                    schedule_name: str,
-                   loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> Pipeline:
+                   loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                   grad_holder: Callable[[torch.Tensor], torch.Tensor] = _own_grad,
+                   on_weight_grads: Optional[Callable[[], None]] = None) -> Pipeline:
     """Wrap this rank's (parallelised) chunks in PipelineStages and build the schedule.
 
     `pp_mesh` is the 1-D "pp" DeviceMesh (or a ProcessGroup). `loss_fn(logits, labels)` returns the
     SUM of token losses of a micro-batch (default: `token_loss_sum`); the schedule divides it by the
-    step's global target-token count that `pipeline_step` passes.
+    step's global target-token count that `pipeline_step` passes. `grad_holder(param)`: the tensor
+    whose `.grad` accumulates `param`'s gradient (its fp32 master at precision O2), and
+    `on_weight_grads()`: called after each zero-bubble weight pass (see `_Stage`).
     """
     if not chunks:
         raise ValueError("build_schedule needs this rank's model chunks (from split_model)")
@@ -433,7 +460,8 @@ def build_schedule(chunks: list[nn.Module], pp_mesh: Any, device: torch.device |
         num_stages=num_stages, micro_batch_num=micro_batch_num, schedule_name=schedule_name,
         first_rank=stage_rank(0, pp_size, num_stages, style),
         last_rank=stage_rank(num_stages - 1, pp_size, num_stages, style), device=torch.device(device),
-        step_loss=step_loss, tied=any(getattr(c, "pp_tied", False) for c in chunks))
+        step_loss=step_loss, tied=any(getattr(c, "pp_tied", False) for c in chunks), grad_holder=grad_holder,
+        on_weight_grads=on_weight_grads)
     pipe.rebuild()
     pipe.sync_tied_weights()
     return pipe
@@ -460,7 +488,7 @@ def _broadcast_loss(pipe: Pipeline, local: Optional[torch.Tensor]) -> torch.Tens
     value = local.detach().float().reshape(()) if local is not None else torch.zeros((), device=pipe.device)
     value = value.to(pipe.device).clone()
     if pipe.pp_size > 1:
-        dist.broadcast(value, src=dist.get_global_rank(pipe.group, pipe.last_rank), group=pipe.group)
+        broadcast_(value, dist.get_global_rank(pipe.group, pipe.last_rank), pipe.group)
     return value
 
 
@@ -508,16 +536,16 @@ def _send_activation(t: torch.Tensor, dst: int, group: Any) -> None:
     header = torch.zeros(8, dtype=torch.long, device=t.device)
     header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
     header[2:2 + t.dim()] = torch.tensor(t.shape)
-    dist.send(header, dst=dist.get_global_rank(group, dst), group=group)
-    dist.send(t.contiguous(), dst=dist.get_global_rank(group, dst), group=group)
+    send(header, dist.get_global_rank(group, dst), group)
+    send(t, dist.get_global_rank(group, dst), group)
 
 
 def _recv_activation(src: int, group: Any, device: torch.device) -> torch.Tensor:
     header = torch.zeros(8, dtype=torch.long, device=device)
-    dist.recv(header, src=dist.get_global_rank(group, src), group=group)
+    recv_(header, dist.get_global_rank(group, src), group)
     shape = header[2:2 + int(header[1])].tolist()
     t = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-    dist.recv(t, src=dist.get_global_rank(group, src), group=group)
+    recv_(t, dist.get_global_rank(group, src), group)
     return t
 
 
@@ -584,24 +612,15 @@ def clip_grad_norm_pp(params: Iterable[torch.Tensor], max_norm: Optional[float],
         local = _local_tensor(torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)).float()
     else:
         ref = params[0].grad if params else None
-        device = _local_tensor(ref).device if ref is not None else _group_device(group)
-        local = torch.zeros((), device=device)
+        local = torch.zeros((), device=_local_tensor(ref).device if ref is not None else None)
+    several = group is not None and dist.get_world_size(group) > 1
     if math.isinf(norm_type):
-        total = local.clone()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        total = all_reduce(local.clone(), group, dist.ReduceOp.MAX) if several else local.clone()
     else:
         total = local ** norm_type
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        if several:
+            total = all_reduce(total, group)
         total = total ** (1.0 / norm_type)
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
-
-
-def _group_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group) if group is not None else "gloo"
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

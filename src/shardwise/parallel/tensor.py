@@ -317,42 +317,66 @@ def _has_dropout(model: nn.Module) -> bool:
     return cfg_p > 0 or any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
-def _install_rank_rng(model: nn.Module, tp_mesh: Any) -> None:
-    """Run the training forward on an RNG stream of this TP rank, so sharded activations get
-    independent dropout masks (with one shared stream rank r's shard would get rank 0's mask).
-    Backward needs no hook: dropout saves its mask, and recompute restores the RNG state it saved."""
-    device_type = tp_mesh.device_type
-    dev = torch.get_device_module(device_type) if device_type != "cpu" else None
+class RankRNG:
+    """The random stream of one tensor-parallel rank, for the model's training forward: sharded
+    activations (sequence parallel) get independent dropout masks; with the shared stream rank r's
+    shard would get rank 0's mask. Every rank derives its stream from a base both draw alike, offset
+    by its TP coordinate. Backward needs nothing: dropout saves its mask, and recompute restores the
+    RNG state it saved. `state()` / `set_state()` / `reseed()` let checkpoints carry it."""
 
-    def get_state() -> torch.Tensor:
-        return dev.get_rng_state() if dev is not None else torch.get_rng_state()
+    def __init__(self, device_type: str, tp_rank: int, base: int) -> None:
+        self.device_type, self.tp_rank = device_type, tp_rank
+        self._device = torch.get_device_module(device_type) if device_type != "cpu" else None
+        self._shared: Optional[torch.Tensor] = None
+        self.reseed(base)
 
-    def set_state(state: torch.Tensor) -> None:
-        if dev is not None:
-            dev.set_rng_state(state)
+    def reseed(self, base: int) -> None:
+        """Start this rank's stream from `base` (the same on every rank of the group)."""
+        self._own = torch.Generator(device=self.device_type).manual_seed(base + 7919 * (self.tp_rank + 1)).get_state()
+
+    def state(self) -> torch.Tensor:
+        """The stream's state (a uint8 tensor)."""
+        return self._own.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Continue the stream from a saved `state()`."""
+        self._own = state.clone()
+
+    def _get(self) -> torch.Tensor:
+        return self._device.get_rng_state() if self._device is not None else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self._device is not None:
+            self._device.set_rng_state(state)
         else:
             torch.set_rng_state(state)
 
-    # Derive each rank's stream from the shared one: every rank draws the same base seed (keeping
-    # the shared streams in step), then offsets it by its TP coordinate.
-    base = int(torch.randint(0, 2**62, (1,)).item())
-    rank = tp_mesh.get_local_rank()
-    gen_state: dict[str, Optional[torch.Tensor]] = {"shared": None}
-    gen_state["rank"] = torch.Generator(device=device_type).manual_seed(base + 7919 * (rank + 1)).get_state()
-
-    def pre(mod: nn.Module, _args: tuple) -> None:
+    def enter(self, mod: nn.Module, _args: tuple) -> None:
+        """Forward pre-hook: switch the global generator to this rank's stream while training."""
         if mod.training:
-            gen_state["shared"] = get_state()
-            set_state(gen_state["rank"])
+            self._shared = self._get()
+            self._set(self._own)
 
-    def post(mod: nn.Module, _args: tuple, _out: Any) -> None:
-        if mod.training and gen_state["shared"] is not None:
-            gen_state["rank"] = get_state()
-            set_state(gen_state["shared"])
-            gen_state["shared"] = None
+    def leave(self, mod: nn.Module, _args: tuple, _out: Any) -> None:
+        """Forward hook: keep where this rank's stream got to and give the shared stream back."""
+        if mod.training and self._shared is not None:
+            self._own = self._get()
+            self._set(self._shared)
+            self._shared = None
 
-    model.register_forward_pre_hook(pre)
-    model.register_forward_hook(post)
+
+def _install_rank_rng(model: nn.Module, tp_mesh: Any) -> None:
+    """Run the training forward on `RankRNG` of this TP rank (see `rank_rng`)."""
+    base = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every rank keeps the shared streams in step
+    rng = RankRNG(tp_mesh.device_type, tp_mesh.get_local_rank(), base)
+    model.register_forward_pre_hook(rng.enter)
+    model.register_forward_hook(rng.leave)
+    model._shardwise_rank_rng = rng
+
+
+def rank_rng(model: nn.Module) -> Optional[RankRNG]:
+    """The tensor-parallel random stream installed on a model part (sequence parallel with dropout)."""
+    return getattr(model, "_shardwise_rank_rng", None)
 
 
 # --- loss ------------------------------------------------------------------------------------------

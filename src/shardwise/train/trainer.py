@@ -37,17 +37,22 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from ..config import RunConfig, to_yaml, tokens_per_step
+from ..data.build import build_data
 from ..data.loader import StatefulLoader, sequential_batches, unwrap_loader
-from ..errors import ConfigError, TrainingError
+from ..errors import CheckpointError, ConfigError, TrainingError
+from ..memory.estimate import estimate_memory, run_flops
 from ..memory.precision import LossScaler, MasterWeights, precision_plan
-from ..models import Transformer, build_model, flops_per_token, materialize
-from ..parallel.collectives import max_over, rank0_first, replica_mismatch, sum_over
+from ..models import Transformer, build_model, count_parameters, materialize
+from ..parallel.collectives import all_reduce, rank0_first, replica_mismatch, sum_over
 from ..parallel.data_parallel import clip_grad_norm, grad_sync
 from ..parallel.dims import ParallelDims, dims_from_config
 from ..parallel.launch import DistContext, init_distributed
 from ..parallel.parallelize import parallelize_parts
+from ..parallel.tensor import RankRNG, rank_rng, token_loss_sum_tp
 from . import checkpoint as ckpt
-from .metrics import MetricsWriter, peak_flops, peak_memory_gb, reset_peak_memory
+from . import rng
+from .metrics import (MetricsWriter, MfuMeter, StepTokens, Window, count_real_tokens, device_peak, format_record,
+                      reset_peak_memory)
 from .optim import LRSchedule, build_optimizer
 
 log = logging.getLogger(__name__)
@@ -74,8 +79,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     computed shard-wise (`token_loss_sum_tp`), never gathering the full logits.
     """
     if isinstance(logits, DTensor):
-        from ..parallel.tensor import token_loss_sum_tp
-
         return token_loss_sum_tp(logits, labels)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
@@ -131,16 +134,21 @@ class Trainer:
             if ctx.is_main:
                 log.warning("restart %d of the process group: resuming from the newest checkpoint",
                             ctx.restart_count)
-        rank0_first(lambda: prepare_run_dir(run_dir, resume, overwrite), ctx.rank)
+        rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank)  # before any work
+        check_host_memory(cfg, ctx)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         meshes = dims.build_meshes(device.type) if dims.distributed else None
 
         # Rank 0 prepares the data (and the shared cache) first; the others then find it ready.
-        rank0_first(lambda: self._prepare_data(run_dir, save_tokenizer=True), ctx.rank)
+        rank0_first(self._prepare_data, ctx.rank)
         if not ctx.is_main:
-            self._prepare_data(run_dir, save_tokenizer=False)
+            self._prepare_data()
+        # Only now, with the data read, may --overwrite remove the old run.
+        rank0_first(lambda: prepare_run_dir(run_dir, resume, overwrite), ctx.rank)
+        if ctx.is_main:
+            self._save_tokenizer(run_dir)
         plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
         # Under data parallelism, O2's fp32 master weights are FSDP2's sharded fp32 parameters, cast
         # to 16 bits for compute by its mixed-precision policy.
@@ -157,7 +165,7 @@ class Trainer:
             from ..parallel.data_parallel import shard_optimizer
 
             optimizer = shard_optimizer(optimizer, parts[0])
-        self.pipeline = self._build_pipeline(parts, meshes, device) if dims.pp > 1 else None
+        self.pipeline = self._build_pipeline(parts, meshes, device, masters) if dims.pp > 1 else None
         scaler = None
         if plan.needs_loss_scaling:
             dynamic = cfg.optimize.loss_scale == "dynamic"
@@ -184,9 +192,11 @@ class Trainer:
             (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
 
         step_tokens = tokens_per_step(cfg, ctx.world_size)
-        flops_tok = flops_per_token(cfg.model, cfg.data.seq_length)
-        peak = peak_flops(device, plan.dtype, cfg.train.peak_tflops)
-        writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard, enabled=ctx.is_main)
+        # MFU counts what a step computes (frozen weights cost less); only rank 0 logs it, so only it
+        # measures a CPU's peak (the other ranks would slow that measurement down).
+        mfu = MfuMeter(run_flops(cfg).total, device_peak(device, plan.dtype, cfg.train.peak_tflops,
+                                                         measure=ctx.is_main))
+        writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard, enabled=ctx.is_main, resume_step=start)
         log.info("training %s on %s: %d steps of %d tokens, precision %s %s, recompute %s%s",
                  cfg.model.preset or cfg.model.model_type, device, total_steps, step_tokens,
                  cfg.optimize.mixed_precision, plan.level, cfg.optimize.recompute,
@@ -197,7 +207,7 @@ class Trainer:
         result = TrainResult(run_dir=run_dir, step=start)
         bar = tqdm(total=total_steps, initial=start, disable=not (cfg.train.progress_bar and ctx.is_main), unit="step",
                    dynamic_ncols=True, desc="train")
-        window = _Window(time.perf_counter())
+        window = Window(time.perf_counter())
         reset_peak_memory(device)
         try:
             for step in range(start, total_steps):
@@ -207,16 +217,17 @@ class Trainer:
                 done = step + 1
                 result.step = done
                 result.losses[done] = loss
-                window.add(loss, tokens, skipped)
+                window.add(loss, tokens.real, tokens.target, skipped)
                 bar.update(1)
                 if cfg.train.check_replicas_steps and done % cfg.train.check_replicas_steps == 0:
                     check_replicas(state, done, cfg.parallel.zero_stage)
                 if done % cfg.train.log_steps == 0 or done == total_steps:
-                    record = window.record(done, lr, grad_norm, scaler, flops_tok, peak, device, ctx.world_size)
+                    record = window.record(done, lr, grad_norm, scaler.scale if scaler else 1.0, mfu, device,
+                                           ctx.world_size)
                     writer.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                    log.info(_format_record(record))
-                    window = _Window(time.perf_counter())
+                    log.info(format_record(record))
+                    window = Window(time.perf_counter())
                 # Save first: a failure during evaluation must not cost the step's checkpoint.
                 if (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == total_steps:
                     result.last_checkpoint = self._save(run_dir, done, state)
@@ -244,11 +255,9 @@ class Trainer:
 
     # --- pieces of the run ------------------------------------------------------------------------
 
-    def _prepare_data(self, run_dir: Path, save_tokenizer: bool = True) -> None:
+    def _prepare_data(self) -> None:
         cfg = self.config
         if self.train_dataset is None:
-            from ..data.build import build_data
-
             self.tokenizer, self.train_dataset, eval_ds = build_data(
                 cfg.data, cfg.model.vocab_size, cfg.train.micro_batch_size, cfg.train.seed)
             if self.eval_dataset is None:
@@ -265,9 +274,12 @@ class Trainer:
                     f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                     f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}"
                 )
-            tok_dir = run_dir / "tokenizer"
-            if save_tokenizer and not tok_dir.exists():
-                self.tokenizer.save(str(tok_dir))
+
+    def _save_tokenizer(self, run_dir: Path) -> None:
+        """The run's tokenizer beside its checkpoints (kept when resuming)."""
+        tok_dir = run_dir / "tokenizer"
+        if self.tokenizer is not None and not tok_dir.exists():
+            self.tokenizer.save(str(tok_dir))
 
     def _prepare_model(self, device: torch.device, dtype: torch.dtype, dims: ParallelDims, meshes: Any,
                        fsdp_param_dtype: torch.dtype | None) -> list[nn.Module]:
@@ -356,12 +368,17 @@ class Trainer:
         if s.masters is not None:
             s.masters.masters_to_model()
 
-    def _build_pipeline(self, parts: list[nn.Module], meshes: Any, device: torch.device) -> Any:
-        """The schedule over this rank's chunks; its loss is the trainer's (tensor-parallel aware)."""
+    def _build_pipeline(self, parts: list[nn.Module], meshes: Any, device: torch.device,
+                        masters: MasterWeights | None) -> Any:
+        """The schedule over this rank's chunks; its loss is the trainer's (tensor-parallel aware), and
+        at precision O2 gradients accumulate in the fp32 masters."""
         from ..parallel.pipeline import build_schedule
 
         p = self.config.parallel
-        return build_schedule(parts, meshes["pp"], device, p.micro_batch_num, p.schedule, loss_fn=token_loss_sum)
+        if masters is None:
+            return build_schedule(parts, meshes["pp"], device, p.micro_batch_num, p.schedule, loss_fn=token_loss_sum)
+        return build_schedule(parts, meshes["pp"], device, p.micro_batch_num, p.schedule, loss_fn=token_loss_sum,
+                              grad_holder=masters.master_of, on_weight_grads=masters.grads_to_masters)
 
     def _total_steps(self, loader: StatefulLoader) -> int:
         train = self.config.train
@@ -370,15 +387,16 @@ class Trainer:
         return loader.steps_for_epochs(train.epochs)
 
     def _step(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
-              device: torch.device, step: int) -> tuple[float, float, bool, int]:
-        """One optimizer step; returns (loss, grad norm, skipped, input tokens over all ranks)."""
+              device: torch.device, step: int) -> tuple[float, float, bool, StepTokens]:
+        """One optimizer step; returns (loss, grad norm, skipped, its real and target tokens over all ranks)."""
         cfg = self.config
         optimizer = s.optimizer
         # The loss is the sum of token losses over every rank's micro-batches divided by the step's
         # global target-token count; data-parallel gradient reduction sums, so every layout gives
         # the gradient of one device.
-        local = [count_target_tokens(micro_batches), sum(mb["input_ids"].numel() for mb in micro_batches)]
+        local = [count_target_tokens(micro_batches), count_real_tokens(micro_batches)]
         n_tokens, n_inputs = sum_over(local, s.meshes["dp"]) if s.dims.dp > 1 else local
+        tokens = StepTokens(real=int(n_inputs), target=int(n_tokens))
         if n_tokens == 0:
             raise TrainingError(f"step {step + 1}: the batch has no target tokens (all labels are ignored)")
         if s.pipeline is not None:
@@ -386,7 +404,7 @@ class Trainer:
         else:
             total = self._forward_backward(s, plan, micro_batches, device, n_tokens)
         if s.dims.dp > 1:
-            torch.distributed.all_reduce(total, group=s.meshes["dp"].get_group())
+            total = all_reduce(total, s.meshes["dp"])
         self._phase = "optimizer step"  # from here: master copies, unscale, clipping, the update
         if s.masters is not None:
             s.masters.grads_to_masters()
@@ -408,7 +426,7 @@ class Trainer:
                 )
             log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale lowered to %g",
                         step + 1, s.scaler.scale)
-            return loss_value, norm_value, True, int(n_inputs)
+            return loss_value, norm_value, True, tokens
         if not finite:
             optimizer.zero_grad(set_to_none=True)
             if cfg.train.nan_policy == "stop":
@@ -419,14 +437,14 @@ class Trainer:
                 )
             log.warning("step %d: loss %s / gradient norm %s is not finite; step skipped (nan_policy: skip)",
                         step + 1, loss_value, norm_value)
-            return loss_value, norm_value, True, int(n_inputs)
+            return loss_value, norm_value, True, tokens
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if s.masters is not None:
             s.masters.masters_to_model()
         if s.scaler is not None:
             s.scaler.update(found_inf=False)
-        return loss_value, norm_value, False, int(n_inputs)
+        return loss_value, norm_value, False, tokens
 
     def _forward_backward(self, s: "_TrainState", plan: Any, micro_batches: list[dict[str, torch.Tensor]],
                           device: torch.device, n_tokens: float) -> torch.Tensor:
@@ -527,13 +545,36 @@ class Trainer:
             s.masters.model_to_masters()
         elif s.masters is None and saved_masters:
             ckpt.load_checkpoint(path, {"master": s.by_checkpoint_name(s.opt_named)})
-        s.loader.load_state_dict(state["loader"])
+        _restore_section(path, "data position", s.loader.load_state_dict, state.get("loader"))
         if s.scaler is not None and state.get("scaler"):
-            s.scaler.load_state_dict(state["scaler"])
+            _restore_section(path, "loss scaler", s.scaler.load_state_dict, state["scaler"])
         step = int(state["step"])
+        self._restore_random_state(path, state, s, step)
         rank0_first(lambda: _clear_newer_checkpoints(run_dir, step, overwrite), s.ctx.rank)
         log.info("resumed from %s at step %d", path, step)
         return step
+
+    def _restore_random_state(self, path: Path, state: dict, s: "_TrainState", step: int) -> None:
+        """Each rank continues its own random streams where the layout is the one saved; elsewhere
+        (another rank count or arrangement) every rank re-seeds from (train.seed, step) alike."""
+        device, streams = s.ctx.device, s.rank_streams()
+        own = ckpt.read_rank_state(path, s.ctx.rank)
+        same = state.get("layout", s.layout()) == s.layout() and ckpt.saved_ranks(path) == s.ctx.world_size
+        if s.dims.distributed:  # every rank must take the same branch, or TP peers' streams diverge
+            same = sum_over([int(not same or own is None)])[0] == 0
+        if same and own is not None:
+            missing = rng.restore(own, device, streams)
+            if missing and s.ctx.is_main:
+                log.warning("%s: no saved state for %s (saved on another kind of device?); it continues from "
+                            "its current state", path, ", ".join(missing))
+            return
+        rng.reseed(self.config.train.seed, step, device, streams)
+        if s.ctx.is_main:
+            saved = state.get("layout", {"world_size": ckpt.saved_ranks(path)})
+            log.warning("%s was saved by %s and this run is %s: the saved random states belong to other ranks, "
+                        "so every rank's random generators are re-seeded from train.seed and step %d. Weights, "
+                        "optimizer state and data order resume exactly; dropout masks differ from an "
+                        "uninterrupted run", path, _describe_layout(saved), _describe_layout(s.layout()), step)
 
     def _save(self, run_dir: Path, step: int, s: "_TrainState") -> Path:
         self._phase = "checkpoint save"
@@ -541,9 +582,10 @@ class Trainer:
         if (run_dir / "tokenizer").is_dir():
             extra["tokenizer"] = run_dir / "tokenizer"
         trainer_state = {"loader": s.loader.state_dict(),
-                         "scaler": s.scaler.state_dict() if s.scaler else None}
+                         "scaler": s.scaler.state_dict() if s.scaler else None, "layout": s.layout()}
         path = ckpt.save_checkpoint(run_dir, step, s.checkpoint_tensors(), trainer_state, extra,
-                                    keep=self.config.train.keep_checkpoints)
+                                    keep=self.config.train.keep_checkpoints,
+                                    rank_state=rng.capture(s.ctx.device, {n: r.state() for n, r in s.rank_streams().items()}))
         if self.config.lora is not None and s.ctx.is_main:
             self._save_adapter(path)
         return path
@@ -592,6 +634,14 @@ class _TrainState:
             excluded = {names[id(p)] for p in self.pipeline.norm_exclusions()}
         self.norm_exclude = [p for n, p in self.opt_named if n in excluded]
         self.tied_copy = _TIED_COPY in excluded
+
+    def layout(self) -> dict[str, int]:
+        """The parallel layout, as a checkpoint records it (random states are per rank of a layout)."""
+        return {"world_size": self.ctx.world_size, "dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}
+
+    def rank_streams(self) -> dict[str, RankRNG]:
+        """This rank's tensor-parallel random streams, by model part."""
+        return {f"tensor_parallel.{i}": r for i, r in enumerate(map(rank_rng, self.parts)) if r is not None}
 
     def checkpoint_name(self, name: str) -> str:
         """The name one process gives this rank's parameter `name` (see `checkpoint_named`)."""
@@ -686,42 +736,25 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
     return out
 
 
-class _Window:
-    """Accumulates the steps between two log lines."""
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.losses: list[float] = []
-        self.tokens = 0
-        self.skipped = 0
-
-    def add(self, loss: float, tokens: int, skipped: bool) -> None:
-        """Count one step."""
-        if not skipped:
-            self.losses.append(loss)
-        self.skipped += int(skipped)
-        self.tokens += tokens
-
-    def record(self, step: int, lr: float, grad_norm: float, scaler: LossScaler | None, flops_tok: float,
-               peak: float, device: torch.device, world_size: int = 1) -> dict[str, Any]:
-        """The metrics of this window as one JSON-ready record (tokens over all ranks; peak memory
-        the largest of any rank; MFU per device)."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        tps = self.tokens / elapsed
-        per_device = tps / world_size
-        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
-        memory = max_over(peak_memory_gb(device)) if world_size > 1 else peak_memory_gb(device)
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "loss_scale": scaler.scale if scaler else 1.0, "tokens_per_s": tps,
-                "tokens_per_s_per_device": per_device,
-                "mfu": per_device * flops_tok / peak if peak else float("nan"),
-                "peak_memory_gb": memory, "skipped_steps": self.skipped}
+def _restore_section(path: Path, what: str, restore: Any, saved: Any) -> None:
+    """`restore(saved)`, where `saved` comes from a checkpoint's trainer state: one that is missing or
+    does not fit is a damaged or altered checkpoint, said as such, not a traceback."""
+    try:
+        if saved is None:
+            raise KeyError("missing")
+        restore(saved)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded: {ckpt.STATE_FILE} holds no usable {what} ({type(e).__name__}: {e}); "
+            "shardwise never writes that, so the checkpoint is damaged or was altered: copy it again from the run "
+            "that saved it") from None
 
 
-def _format_record(r: dict[str, Any]) -> str:
-    return (f"step {r['step']} loss {r['loss']:.4f} lr {r['lr']:.3g} grad_norm {r['grad_norm']:.3f} "
-            f"loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f} mfu {r['mfu'] * 100:.1f}% "
-            f"peak_mem {r['peak_memory_gb']:.2f}GiB")
+def _describe_layout(layout: dict[str, int]) -> str:
+    ranks = f"{layout.get('world_size', '?')} rank(s)"
+    if "dp" not in layout:
+        return ranks
+    return f"{ranks} (dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']})"
 
 
 def _clear_newer_checkpoints(run_dir: Path, step: int, overwrite: bool) -> None:
@@ -775,6 +808,37 @@ def check_replicas(s: "_TrainState", step: int, zero_stage: int) -> None:
         )
 
 
+def available_host_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(cfg: RunConfig, ctx: DistContext) -> None:
+    """On the CPU, refuse a run whose estimated peak (for all of this machine's ranks) exceeds the memory
+    the machine has free: it would only be killed later, often a forgotten `model.preset` (7B)."""
+    available = available_host_memory()
+    if ctx.device.type != "cpu" or available is None:
+        return
+    need = estimate_memory(cfg, ctx.world_size, "cpu").peak * ctx.local_world_size
+    if need <= available:
+        return
+    m = cfg.model
+    raise ConfigError(
+        f"this run needs about {need / 2**30:.1f} GiB of memory (estimate: {ctx.local_world_size} process(es) on this "
+        f"machine, a {count_parameters(m):,}-parameter model: {m.preset or 'no model.preset'}, hidden_size "
+        f"{m.hidden_size}, {m.num_layers} layers, vocab {m.vocab_size}) but the machine has {available / 2**30:.1f} GiB "
+        "free. Choose a smaller model (model.preset), lower train.micro_batch_size or data.seq_length, or turn on "
+        "optimize.recompute; `shardwise estimate CONFIG` shows where the memory goes"
+    )
+
+
 def check_offload(cfg: RunConfig, device: torch.device, dims: ParallelDims) -> None:
     """CPU offload is FSDP2's (the multi-device engine); on one CPU everything already lives in CPU memory."""
     asked = [name for name in ("offload_optimizer", "offload_params") if getattr(cfg.optimize, name)]
@@ -792,16 +856,25 @@ def check_offload(cfg: RunConfig, device: torch.device, dims: ParallelDims) -> N
     )
 
 
-def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
-    """Refuse to write into a directory that holds another run, unless resuming or overwriting."""
+def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> list[str]:
+    """Refuse to write into a directory that holds another run, unless resuming or overwriting; return
+    what of a previous run `--overwrite` would replace."""
     existing = [name for name in _RUN_FILES if (run_dir / name).exists()]
-    if existing and resume is None:
-        if not overwrite:
-            raise ConfigError(
-                f"{run_dir} already holds a run ({', '.join(existing)}); continue it with --resume auto "
-                "(Python: trainer.train(resume='auto')), replace it with --overwrite (Python: "
-                "TrainingArguments(overwrite_output_dir=True)), or choose another train.output_dir"
-            )
+    if not existing or resume is not None:
+        return []
+    if not overwrite:
+        raise ConfigError(
+            f"{run_dir} already holds a run ({', '.join(existing)}); continue it with --resume auto "
+            "(Python: trainer.train(resume='auto')), replace it with --overwrite (Python: "
+            "TrainingArguments(overwrite_output_dir=True)), or choose another train.output_dir"
+        )
+    return existing
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Make the run directory, replacing a previous run's files when overwriting (see `check_run_dir`)."""
+    existing = check_run_dir(run_dir, resume, overwrite)
+    if existing:
         for name in existing:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
