@@ -34,7 +34,8 @@ from shardwise.models.flops import flops_per_token  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def packed_documents(batch: int, seq_length: int, mean_len: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_documents(batch: int, seq_length: int, mean_len: int,
+                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """document_ids and restarting position_ids for `batch` samples of random-length documents."""
     docs, positions = [], []
     for _ in range(batch):

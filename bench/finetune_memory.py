@@ -34,7 +34,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from shardwise.config import load_config
+from shardwise.resolve import load_run_config as load_config
 
 BENCH = Path(__file__).resolve().parent / "train_throughput.py"
 ATTENTION = "[q_proj, k_proj, v_proj, o_proj]"

@@ -35,10 +35,10 @@ try:
 except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT / "src"))
 
-from shardwise.config import validate  # noqa: E402
-from shardwise.data.pretrain import ArrayTokens, PackedDataset  # noqa: E402
+from shardwise.data.packing import ArrayTokens, PackedDataset  # noqa: E402
 from shardwise.memory.estimate import estimate_all_ranks  # noqa: E402
-from shardwise.memory.measure import measure_training  # noqa: E402
+from shardwise.resolve import resolve_config as validate  # noqa: E402
+from shardwise.train.probe import measure_training  # noqa: E402
 
 TINY = {"preset": "tiny_llama"}
 DEMO = {"preset": "demo_llama"}
@@ -71,7 +71,8 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "small-vocab recompute selective": (1, _run(SMALL_VOCAB, 8, optimize={"recompute": "selective"})),
     "small-vocab bf16 O2 selective": (1, _run(SMALL_VOCAB, 8, optimize={**BF16, "recompute": "selective"})),
     "small-vocab accumulation 2": (1, _run(SMALL_VOCAB, 4, optimize={"gradient_accumulation_steps": 2})),
-    "small-vocab bf16 O2 accumulation 4": (1, _run(SMALL_VOCAB, 2, optimize={**BF16, "gradient_accumulation_steps": 4})),
+    "small-vocab bf16 O2 accumulation 4": (1, _run(SMALL_VOCAB, 2,
+                                                   optimize={**BF16, "gradient_accumulation_steps": 4})),
     "small-vocab LoRA": (1, _run(SMALL_VOCAB, 8, lora={"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
                                                                                     "o_proj"]})),
     "small-vocab frozen 2 layers + embeddings": (1, _run(SMALL_VOCAB, 8, freeze={"layers": 2, "embeddings": True})),

@@ -34,10 +34,11 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from shardwise.config import validate
+from shardwise.hardware import get_hardware
+from shardwise.plan.calibrate import measure_cpu
 from shardwise.plan.cost import predict_step
-from shardwise.plan.hardware import get_hardware, measure_cpu
 from shardwise.plan.profile import Run, calibrate, measure_layout
+from shardwise.resolve import resolve_config as validate
 
 # name -> (processes, parallel section, micro-batch size)
 LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {
@@ -95,7 +96,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     hw = get_hardware("cpu")
-    cfgs = {n: layout_config(args.model, args.seq_length, args.global_batch, LAYOUTS[n][1], LAYOUTS[n][2]) for n in names}
+    cfgs = {n: layout_config(args.model, args.seq_length, args.global_batch, LAYOUTS[n][1], LAYOUTS[n][2])
+            for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     started = time.time()
     if args.refit:
@@ -124,8 +126,8 @@ def main() -> int:
         fitted = calibrate(hw, others).hardware if others else hw
         loo.append(predict_step(run.cfg, run.devices, fitted).total)
 
-    print(f"| layout | processes | predicted (catalogue) s | measured s (median, min) | calibrated s | error | "
-          f"leave-one-out s | error |")
+    print("| layout | processes | predicted (catalogue) s | measured s (median, min) | calibrated s | error | "
+          "leave-one-out s | error |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for run, before, after, out in zip(runs, cal.before, cal.after, loo):

@@ -43,8 +43,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from shardwise.data import load_tokenizer, train_bpe_tokenizer  # noqa: E402
+from shardwise.data.files import resolve_inputs  # noqa: E402
 from shardwise.data.prepare import default_workers, prepare_corpus  # noqa: E402
-from shardwise.data.sources import ReadStats, read_documents, resolve_inputs  # noqa: E402
+from shardwise.data.sources import ReadStats, read_documents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@
     python bench/train_throughput.py bench/bench_llama.yaml [--set k=v ...] [--steps N] [--warmup W]
                                      [--rounds R] [--threads T] [--data synthetic|config] [--no-memory]
 
-Both sides train the same model (`build_model(cfg.model)` after `torch.manual_seed(train.seed)`, then
+Both sides train the same model (`builder.build_run_model(cfg)` after `torch.manual_seed(train.seed)`:
 the config's `lora:` adapters or `freeze:` settings applied as the Trainer applies them), on the same
 batches (a `StatefulLoader` over the same dataset and seed), with the same AdamW
 (`build_optimizer`: foreach, the same weight-decay groups), the same LR schedule, gradient clipping,
@@ -62,17 +62,19 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from shardwise.config import RunConfig, load_config, validate
+from shardwise import builder
+from shardwise.config import RunConfig
 from shardwise.data.loader import StatefulLoader
-from shardwise.data.pretrain import PackedDataset, token_dtype
+from shardwise.data.packing import PackedDataset
+from shardwise.data.shards import token_dtype
+from shardwise.hardware import device_name, measured_cpu_flops, peak_flops
 from shardwise.memory.estimate import run_flops
 from shardwise.memory.precision import precision_plan
-from shardwise.models import Transformer, build_model, count_parameters
+from shardwise.models import count_parameters
 from shardwise.parallel.launch import resolve_device
-from shardwise.peft.freeze import freeze_parameters
-from shardwise.peft.lora import apply_lora
+from shardwise.resolve import load_run_config as load_config
+from shardwise.resolve import resolve_config as validate
 from shardwise.train import trainer as trainer_mod
-from shardwise.train.metrics import device_name, measured_cpu_flops, peak_flops
 from shardwise.train.optim import LRSchedule, build_optimizer
 
 
@@ -250,21 +252,9 @@ def round_config(base: RunConfig, output_dir: str, max_steps: int) -> RunConfig:
     return validate(raw)
 
 
-def adapt_for_finetuning(model: torch.nn.Module, cfg: RunConfig) -> None:
-    """The config's LoRA adapters or frozen parameters, applied as the Trainer applies them."""
-    if cfg.lora is not None:
-        lora = cfg.lora
-        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules, seed=cfg.train.seed)
-    elif cfg.freeze.active():
-        freeze_parameters(model, cfg.freeze.embeddings, cfg.freeze.layers)
-
-
 def trainable_parameters(cfg: RunConfig) -> int:
     """Parameters that train under the config's LoRA / freezing (counted on a meta-device model)."""
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    adapt_for_finetuning(model, cfg)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(p.numel() for p in builder.build_run_model(cfg, "meta").parameters() if p.requires_grad)
 
 
 def run_shardwise(base: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
@@ -304,8 +294,7 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, device=device, dtype=plan.param_dtype)
-    adapt_for_finetuning(model, cfg)
+    model = builder.build_run_model(cfg, device, plan.param_dtype)  # the Trainer's model, LoRA / freezing included
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -326,7 +315,8 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
         for mb in loader.next_step():
             x = mb["input_ids"].to(device, non_blocking=True)
             y = mb["labels"].to(device, non_blocking=True)
-            extras = {k: mb[k].to(device, non_blocking=True) for k in ("position_ids", "document_ids", "attention_mask") if k in mb}
+            extras = {k: mb[k].to(device, non_blocking=True)
+                      for k in ("position_ids", "document_ids", "attention_mask") if k in mb}
             with plan.autocast(device.type):
                 logits = model(x, **extras)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) / grad_accum
@@ -391,7 +381,7 @@ def run_lockstep(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_a
     # Trainer step k (k >= 1) spans its hook(k-1) .. hook(k), which includes plain step k.
     sw["step_s"] = [math.nan] + [s - p for s, p in zip(sw["step_s"][1:], plain_s[1:])]
     plain = {"step_s": plain_s, "load_s": list(plain_loader.load_s), "cuda_peak": None, "losses": plain_losses}
-    del gen, plain_opt, plain_loader
+    gen = plain_opt = plain_loader = None  # release the plain side's model and state
     return sw, plain
 
 
@@ -461,7 +451,7 @@ def probe_memory(base: RunConfig, ds: Any, device: torch.device, clock: StepCloc
                 hook.remove()
         peaks[side] = {"peak": mode.peak, **split}
         models.clear()  # release the model before the next side
-        del mode
+        mode = None  # release the counter's references
         gc.collect()
     return peaks
 

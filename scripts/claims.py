@@ -23,12 +23,14 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from shardwise.config import load_config, validate  # noqa: E402
+from shardwise.hardware import get_hardware  # noqa: E402
 from shardwise.memory.estimate import estimate_memory  # noqa: E402
 from shardwise.models import count_parameters  # noqa: E402
-from shardwise.plan import PlanRequest, get_hardware, plan, predict_step  # noqa: E402
+from shardwise.plan import PlanRequest, plan, predict_step  # noqa: E402
 from shardwise.plan.cost import physical_limit  # noqa: E402
 from shardwise.plan.search import workload_config  # noqa: E402
+from shardwise.resolve import load_run_config as load_config  # noqa: E402
+from shardwise.resolve import resolve_config as validate  # noqa: E402
 
 GB = 1e9
 NPU = get_hardware("Ascend910B3")
@@ -231,7 +233,8 @@ def row_recompute(m: Optional[dict]) -> dict[str, str]:
         speed[mode] = s.tokens_per_s_per_device
     ours = (f"7B, bf16, batch 8 x 2048, activations kept for backward: none {gb(acts['none'])}, selective "
             f"{gb(acts['selective'])}, full {gb(acts['full'])}. Throughput on 8 x 910B (ZeRO-3): selective "
-            f"{100 * (speed['selective'] / speed['none'] - 1):+.0f}%, full {100 * (speed['full'] / speed['none'] - 1):+.0f}%"
+            f"{100 * (speed['selective'] / speed['none'] - 1):+.0f}%, "
+            f"full {100 * (speed['full'] / speed['none'] - 1):+.0f}%"
             " (a forward pass again: a third of the layers' FLOPs)")
     measured = "-"
     if m:

@@ -325,9 +325,9 @@ def test_seed_002_script_runs_as_written(corpus, tmp_path, monkeypatch) -> None:
     Path("llm_pretrain.yaml").write_text(SEED_002_YAML, encoding="utf-8")
     tokenizer = shardwise.AutoTokenizer.from_pretrained(str(corpus["tokenizer"]))
 
-    from shardwise import AutoModelForCausalLM, LLMTrainer
-    from shardwise import LLMArguments
     import yaml
+
+    from shardwise import AutoModelForCausalLM, LLMArguments, LLMTrainer
 
     with open("llm_pretrain.yaml", "r") as f:
         cfg = yaml.safe_load(f)

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from shardwise.cli import main
-from shardwise.config import load_config
+from shardwise.resolve import load_run_config as load_config
 from tests.data.conftest import write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ import os
 spec = os.environ.get("SHARDWISE_TEST_KILL")
 if spec and "RANK" in os.environ:
     import signal
-    import shardwise.train.checkpoint as ckpt
+    import shardwise.checkpoint.checkpointer as ckpt
     step, rank, marker = spec.split(":", 2)
     original = ckpt.save_checkpoint
     def save_checkpoint(run_dir, at_step, *args, **kwargs):
@@ -401,9 +401,10 @@ def _expected_generation(run_dir: Path, prompt: str, max_new_tokens: int) -> str
     """What greedy generation from the run's newest checkpoint gives, computed in this process.
 
     The prompt follows EOS, as a document does in pre-training (no BOS is ever trained on)."""
+    from shardwise.checkpoint.storage import find_checkpoint
+    from shardwise.checkpoint.weights import load_model
     from shardwise.data.tokenizer import load_tokenizer
     from shardwise.models import generate
-    from shardwise.train.checkpoint import find_checkpoint, load_model
 
     path = find_checkpoint(run_dir)
     model, _ = load_model(path)

@@ -2,9 +2,10 @@ import os
 
 import pytest
 
-from shardwise.config import apply_overrides, load_config, translate_seed_keys, validate
+from shardwise.config import apply_overrides, translate_seed_keys
 from shardwise.errors import ConfigError
-
+from shardwise.resolve import load_run_config as load_config
+from shardwise.resolve import resolve_config as validate
 from tests.conftest import REPO
 
 BASE = {"model": {"preset": "tiny_llama"}, "train": {"max_steps": 5}}

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from shardwise.cli import main
-from shardwise.config import load_config
 from shardwise.data import train_bpe_tokenizer
 from shardwise.models import count_parameters
+from shardwise.resolve import load_run_config as load_config
 from tests.data.conftest import write_corpus
 from tests.test_cli import logging_restored
 

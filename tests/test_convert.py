@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.config import validate
-from shardwise.data.pretrain import PackedDataset
+from shardwise.checkpoint.storage import find_checkpoint
+from shardwise.checkpoint.weights import load_model
+from shardwise.data.packing import PackedDataset
 from shardwise.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-from shardwise.train.checkpoint import find_checkpoint, load_model
+from shardwise.resolve import resolve_config as validate
 from shardwise.train.trainer import Trainer
 from tests.data.conftest import write_corpus
 from tests.parallel.harness import run_distributed
@@ -234,7 +235,7 @@ def test_unexportable_model_fails_before_writing(capsys, single_run, tmp_path) -
 
 def test_failed_conversion_leaves_output_as_it_was(single_run, tmp_path, monkeypatch) -> None:
     """A failure while writing (even with --overwrite) keeps the old OUT and leaves no temporary behind."""
-    import shardwise.models.hf as hf
+    import shardwise.export as export
     from shardwise.export import convert_checkpoint
 
     out = tmp_path / "out"
@@ -245,7 +246,7 @@ def test_failed_conversion_leaves_output_as_it_was(single_run, tmp_path, monkeyp
         (Path(out_dir) / "config.json").write_text("{}")
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf, "save_hf", broken_save_hf)
+    monkeypatch.setattr(export, "save_hf", broken_save_hf)
     with pytest.raises(OSError, match="disk full"):
         convert_checkpoint(single_run, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import shardwise.models
+import shardwise.cli
 from shardwise.data import load_tokenizer, train_bpe_tokenizer
-from shardwise.data.sft import chat_stop_ids, encode_conversation, render_generation_prompt
+from shardwise.data.chat import chat_stop_ids, encode_conversation, render_generation_prompt
 from shardwise.errors import DataError
+from shardwise.inference import load_for_generation
 from shardwise.models import generate
-from shardwise.models.generate import load_for_generation
 from tests.data.conftest import write_corpus
 from tests.test_cli import assert_user_error, logging_restored, run_cli
 
@@ -72,7 +72,8 @@ def _hf_dir(root: Path, tok_dir: Path, family: str, chat_template: str | None = 
     ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if family == "llama":
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=48,
-                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=128,
                                        attn_implementation="eager", **ids)
         hf = transformers.LlamaForCausalLM(cfg)
     else:
@@ -172,7 +173,7 @@ def test_hf_chat_model_uses_its_template_and_stops_at_end_of_turn(capsys, chatml
     im_end = fast.convert_tokens_to_ids("<|im_end|>")
 
     seen = []
-    monkeypatch.setattr(shardwise.models, "generate", lambda model, prompts, **kw: seen.append((prompts, kw))
+    monkeypatch.setattr(shardwise.cli, "generate", lambda model, prompts, **kw: seen.append((prompts, kw))
                         or generate(model, prompts, **kw))
     code, out, err = run_cli(capsys, "generate", path, "--prompt", "Who is Jane?", "--system", "Be brief.",
                              "--max-new-tokens", "4")
@@ -250,7 +251,7 @@ def test_instruction_checkpoint_renders_prompts_as_training_did(capsys, instruct
     assert loaded.tuned_template == DICT_TEMPLATE
     tok = loaded.tokenizer
     seen = []
-    monkeypatch.setattr(shardwise.models, "generate", lambda model, prompts, **kw: seen.append(prompts)
+    monkeypatch.setattr(shardwise.cli, "generate", lambda model, prompts, **kw: seen.append(prompts)
                         or generate(model, prompts, **kw))
 
     conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Who 3?"},

@@ -17,10 +17,13 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from .config import RunConfig, translate_seed_keys, validate, zero_stage_from
+from .checkpoint.weights import load_model
+from .config import RunConfig, translate_seed_keys, zero_stage_from
 from .data.loader import unwrap_loader
 from .errors import CheckpointError, ConfigError
 from .models import build_model, resolve_model_config
+from .models.hf import from_hf
+from .resolve import resolve_config
 from .train.trainer import Trainer as _LoopTrainer
 from .train.trainer import TrainResult
 
@@ -46,13 +49,9 @@ class AutoModelForCausalLM:
                     "overrides apply to presets only; a checkpoint's model is the one it was trained as"
                 )
             if os.path.isfile(os.path.join(name_or_path, "config.json")):  # a Hugging Face model directory
-                from .models.hf import from_hf
-
                 model = from_hf(name_or_path, device=device)
                 layout = {}
             else:
-                from .train.checkpoint import load_model
-
                 model, cfg = load_model(name_or_path, device=device)
                 layout = {"parallel": cfg.parallel.model_dump(), "optimize": cfg.optimize.model_dump()}
         elif _looks_like_path(name_or_path):
@@ -246,7 +245,7 @@ def run_config_from(model: nn.Module, args: TrainingArguments, seq_length: int |
                         "training on %d", data["seq_length"], seq_length, seq_length)
         data["seq_length"] = seq_length
     data["seq_length"] = data.get("seq_length") or model.cfg.max_position_embeddings
-    return validate(raw)
+    return resolve_config(raw)
 
 
 def _fold_data_parallel_on_one_process(raw: dict) -> None:

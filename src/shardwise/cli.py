@@ -6,8 +6,34 @@ import argparse
 import logging
 import sys
 
+import torch
+from tqdm import tqdm
+
+from .checkpoint.storage import resolve_resume
 from .data.build import check_data_files
+from .data.prepare import prepare_corpus
+from .data.tokenizer import load_tokenizer, train_tokenizer
 from .errors import ConfigError, ShardwiseError
+from .export import convert_checkpoint
+from .inference import load_for_generation
+from .models import generate
+from .parallel.dims import layout_for
+from .parallel.launch import (
+    LAUNCH_FLAGS,
+    check_local_devices,
+    launch_env,
+    launch_processes,
+    record_failure,
+    resolve_device,
+    strip_launch_args,
+)
+from .plan.command import DESCRIPTION as PLAN_DESCRIPTION
+from .plan.command import EPILOG as PLAN_EPILOG
+from .plan.command import add_plan_arguments, run_plan
+from .plan.estimate_command import add_estimate_arguments, describe_memory, device_kind, run_estimate
+from .resolve import load_run_config
+from .train.dry_run import describe_run
+from .train.trainer import Trainer
 
 log = logging.getLogger("shardwise")
 
@@ -33,8 +59,6 @@ class _TqdmHandler(logging.Handler):
     """Writes log lines through tqdm so they do not break the progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
         tqdm.write(self.format(record), file=sys.stderr)
 
 
@@ -49,20 +73,13 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-
-    cfg = load_config(args.config, args.set)
+    cfg = load_run_config(args.config, args.set)
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give a device count of at least 1")
     if args.dry_run:
-        from .memory.estimate_command import describe_memory, device_kind
-        from .train.dry_run import describe_run
-
         print(describe_run(cfg, args.nproc))
         print(describe_memory(cfg, args.nproc or cfg.parallel.world_size(), device_kind(cfg, None)))
         return 0
-    from .parallel.launch import LAUNCH_FLAGS, check_local_devices, launch_env, launch_processes, strip_launch_args
-
     env = launch_env()
     given = [f for f in LAUNCH_FLAGS if any(a == f or a.startswith(f + "=") for a in args.argv)]
     if env is not None and env.world_size > 1:  # started by torchrun / mpirun: this process is one rank
@@ -70,8 +87,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(f"started by {env.launcher} (rank {env.rank} of {env.world_size}): the launcher "
                               f"already started the processes; drop {', '.join(given)}")
     elif (args.nproc or 1) > 1 or args.nnodes not in ("1", "1:1") or args.max_restarts:
-        from .train.trainer import layout_for
-
         check_local_devices(cfg.run.device, args.nproc or 1)
         if args.nnodes in ("1", "1:1"):
             layout_for(cfg, args.nproc or 1)  # a wrong layout fails before any process starts
@@ -79,8 +94,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                 node_rank=args.node_rank, master_addr=args.master_addr,
                                 master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
                                 max_restarts=args.max_restarts)
-    from .train.trainer import Trainer
-
     if args.overwrite:
         # The run replaces the previous one only once training starts; inputs that cannot be read
         # fail now, before anything of the previous run is removed.
@@ -89,8 +102,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if env is not None and env.rank != 0:
         return 0  # rank 0 reports the run
     if not result.losses:  # resumed at the last step
-        from .train.checkpoint import resolve_resume
-
         checkpoint = result.last_checkpoint or resolve_resume(args.resume or "auto", result.run_dir)
         print(f"already finished at step {result.step} (nothing to train)"
               + (f"; checkpoint {checkpoint}" if checkpoint else ""))
@@ -105,18 +116,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from .memory.estimate_command import run_estimate
-
     return run_estimate(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from .models import generate
-    from .models.generate import load_for_generation
-    from .parallel.launch import resolve_device
-
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     torch.manual_seed(args.seed)
@@ -170,8 +173,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
-    from .data.tokenizer import train_tokenizer
-
     tok = train_tokenizer(args.input, args.vocab_size, args.out, min_frequency=args.min_frequency,
                           special_tokens=args.special_tokens, text_field=args.text_field,
                           skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite)
@@ -181,8 +182,6 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .export import convert_checkpoint
-
     result = convert_checkpoint(args.checkpoint, args.out, to=args.to, merge_lora=args.merge_lora,
                                 dtype=args.dtype, overwrite=args.overwrite, tokenizer=args.tokenizer)
     print(result.summary())
@@ -190,9 +189,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from .data.prepare import prepare_corpus
-    from .data.tokenizer import load_tokenizer
-
     manifest = prepare_corpus(
         args.input, load_tokenizer(args.tokenizer), args.out, fmt=args.format, text_field=args.text_field,
         txt_documents=args.txt_documents, min_chars=args.min_chars, max_length=args.max_length,
@@ -207,8 +203,6 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .plan.command import run_plan
-
     return run_plan(args)
 
 
@@ -315,7 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Predict the memory of each device: parameters, gradients, optimizer state, "
                                     "activations, buffers and the peak, per phase (forward, backward, optimizer "
                                     "step, checkpoint save). Nothing is allocated.")
-    from .memory.estimate_command import add_estimate_arguments
 
     add_estimate_arguments(es)
     es.set_defaults(func=_cmd_estimate)
@@ -366,7 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared directory already at --out")
     pr.set_defaults(func=_cmd_prepare)
 
-    from .plan.command import DESCRIPTION as PLAN_DESCRIPTION, EPILOG as PLAN_EPILOG, add_plan_arguments
 
     pl = sub.add_parser("plan", help="rank parallel layouts that fit memory by predicted speed (and profile them)",
                         description=PLAN_DESCRIPTION, epilog=PLAN_EPILOG, allow_abbrev=False,
@@ -382,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
     # The raw arguments (with a global -v) are what `--nproc` hands to every rank.
     args.argv = list(argv if argv is not None else sys.argv[1:])
     setup_logging(args.verbose)
-    from .parallel.launch import record_failure
 
     try:
         return args.func(args)

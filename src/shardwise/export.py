@@ -1,7 +1,7 @@
 """`shardwise convert`: a shardwise checkpoint (any parallel layout) as a Hugging Face model directory or
 a peft LoRA adapter.
 
-The checkpoint is read whole into one process (`train.checkpoint.load_model`), so what any layout wrote
+The checkpoint is read whole into one process (`checkpoint.weights.load_model`), so what any layout wrote
 converts the same way. Output is written into a hidden directory next to OUT and moved into place at
 the end: a failed conversion leaves OUT as it was; a non-empty OUT is replaced only when asked
 (--overwrite), and only once the new one is complete; an empty OUT is filled in place.
@@ -19,7 +19,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .checkpoint.storage import find_checkpoint, step_of
+from .checkpoint.weights import load_model
+from .config import load_config, read_yaml
+from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
+from .files import publish_dir
+from .models.hf import model_config_to_hf, save_hf
+from .peft.lora import lora_state_dict, remove_lora, save_adapter
+from .peft.lora import merge_lora as merge_adapters
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +66,6 @@ class ConvertResult:
 
 def _run_config(path: Path) -> tuple[Any, Optional[str]]:
     """The checkpoint's RunConfig (read as load_model reads it) and its model.init_from, if any."""
-    from .config import load_config, read_yaml
-
     raw = read_yaml(path / "config.yaml")
     # init_from is where the run started; it need not exist any more, so it is kept aside, not validated.
     init_from = (raw.get("model") or {}).pop("init_from", None)
@@ -85,28 +91,6 @@ def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
                               "run from outside it or choose another directory")
 
 
-def _replace(staging: Path, out: Path) -> None:
-    """Move the finished `staging` directory to `out`, replacing what was there only once it is complete."""
-    if out.is_dir() and not any(out.iterdir()):
-        # An empty directory holds nothing to protect: fill it, keeping the directory itself (it may be
-        # the current directory, or carry permissions the user set up).
-        for entry in staging.iterdir():
-            entry.rename(out / entry.name)
-        return
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        out.rename(old)
-    try:
-        staging.rename(out)
-    except BaseException:
-        if old is not None:
-            old.rename(out)  # put the user's directory back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights once
 
@@ -122,9 +106,6 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
                        tokenizer: str | Path | None = None) -> ConvertResult:
     """Write a checkpoint (or a run directory's newest) as a Hugging Face model (to="hf": LoRA merged,
     or the base plus OUT/adapter) or as a peft adapter only (to="peft")."""
-    from .models.hf import model_config_to_hf, save_hf
-    from .train.checkpoint import find_checkpoint, load_model, step_of
-
     if to not in TARGETS:
         raise ConfigError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     if dtype not in DTYPES:
@@ -150,8 +131,6 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
     if to == "hf":
         tok_dir = Path(tokenizer) if tokenizer is not None else path / "tokenizer"
         if tokenizer is not None or tok_dir.is_dir():
-            from .data.tokenizer import load_tokenizer
-
             tok = load_tokenizer(tok_dir)
         else:
             log.warning("checkpoint %s holds no tokenizer/: writing the model without one (pass --tokenizer "
@@ -160,17 +139,11 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
     model, _ = load_model(path)
     adapter: dict[str, torch.Tensor] = {}
     if lora is not None and not merge_lora:
-        from .peft.lora import lora_state_dict
-
         adapter = {n: t.to(DTYPES[dtype]) for n, t in lora_state_dict(model).items()}  # a shared lora_A once
     adapter_count = sum(t.numel() for t in adapter.values())
     if merge_lora:
-        from .peft.lora import merge_lora as merge
-
-        merge(model)  # in fp32 (the checkpoint's precision), before any cast
+        merge_adapters(model)  # in fp32 (the checkpoint's precision), before any cast
     elif lora is not None:
-        from .peft.lora import remove_lora
-
         remove_lora(model)  # the base the adapters were trained on
     if to == "hf":
         model.to(DTYPES[dtype])
@@ -182,8 +155,6 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
             staging.mkdir()
             save_hf(model, staging, tokenizer=tok, generation_config=_generation_config(cfg.model))
         if adapter:
-            from .peft.lora import save_adapter
-
             # Beside the base model, the adapter names it (OUT) as its base; alone, the model the run
             # started from, when that is an HF directory.
             if to == "hf":
@@ -194,7 +165,7 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
             save_adapter(adapter, cfg.model, lora.r, lora.alpha, lora.dropout, lora.target_modules, adapter_dir,
                          base_model_name_or_path=base)
         _check_out(out, path, overwrite)  # again: OUT may have appeared while the checkpoint was read
-        _replace(staging, target)
+        publish_dir(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return ConvertResult(out=out, target=to, architecture=architecture if to == "hf" else None,

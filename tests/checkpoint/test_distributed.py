@@ -20,16 +20,54 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import to_yaml, validate
+from shardwise.checkpoint import format as ckpt_format
+from shardwise.checkpoint import storage as ckpt
+from shardwise.checkpoint.checkpointer import Checkpointer
+from shardwise.checkpoint.weights import load_model
+from shardwise.config import to_yaml
 from shardwise.errors import CheckpointError
 from shardwise.models import build_model
-from shardwise.train import checkpoint as ckpt
+from shardwise.resolve import resolve_config as validate
 
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=48,
              max_position_embeddings=64)
 RUN = validate({"model": MODEL, "train": {"max_steps": 2}})
 TOL = dict(atol=1e-6, rtol=0)
 STATE = {"loader": {"consumed": 8}, "scaler": None}
+
+
+class _Loader:
+    """A data position, as the checkpointer saves and restores a loader's."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = dict(state)
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def _parts(model):  # noqa: ANN001, ANN202
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _save(run_dir: Path, step: int, model, opt, keep: int = 3) -> Path:  # noqa: ANN001
+    """A checkpoint of `model` (one module or a list of parts) and `opt` through the trainer's checkpointer."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(RUN), encoding="utf-8")
+    opt = opt[0] if isinstance(opt, list) else opt
+    return Checkpointer(run_dir, _parts(model), opt, loader=_Loader(STATE["loader"]), keep=keep).save(step)
+
+
+def _load(path: Path, model, opt) -> dict:  # noqa: ANN001
+    """Load a checkpoint into `model` and `opt`; return its step and data position."""
+    loader = _Loader({})
+    opt = opt[0] if isinstance(opt, list) else opt
+    step = Checkpointer(Path(path).parent / "loading", _parts(model), opt, loader=loader).load(str(path))
+    return {"step": step, "loader": loader.state}
 
 
 # --- Helpers shared by the workers and the test process ---------------------------------------------------
@@ -157,7 +195,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardwise.memory.recompute import apply_recompute
+    from shardwise.parallel.recompute import apply_recompute
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))
@@ -165,7 +203,6 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
     results: dict = {}
     try:
         mesh = init_device_mesh("cpu", (world,))
-        config_file = tmp / "config.yaml"
 
         # 1. DP2 FSDP2 (ZeRO-3, recompute-wrapped blocks): train 2 steps on rank-specific data, save.
         dp = _model(seed=1)
@@ -173,7 +210,7 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         _fsdp(dp, mesh)
         dp_opt = _optimizer(dp)
         _train(dp, dp_opt, steps=2, seed=10 + rank)
-        ckpt.save_sharded_checkpoint(tmp / "run_dp", 2, dp, dp_opt, STATE, {"config.yaml": config_file}, keep=2)
+        _save(tmp / "run_dp", 2, dp, dp_opt, keep=2)
         ref = _dump(dp, dp_opt)
         if rank == 0:
             _save_dump(ref, tmp / "ref_dp.pt")
@@ -182,39 +219,38 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         pp = _split(rank, seed=2)
         pp_opt = _optimizer(pp)
         _fake_steps(pp, pp_opt, seed=20 + rank)
-        ckpt.save_sharded_checkpoint(tmp / "run_pp", 2, [pp], [pp_opt], STATE if rank == 0 else {},
-                                     {"config.yaml": config_file})
+        _save(tmp / "run_pp", 2, [pp], [pp_opt])
         _save_dump(_dump(pp, pp_opt), tmp / f"ref_pp_rank{rank}.pt")
 
         # 3. Failures inside a distributed save leave the previous checkpoint the newest good one.
         crash = tmp / "run_crash"
-        ckpt.save_sharded_checkpoint(crash, 1, dp, dp_opt, STATE)
-        original_rng, original_write = ckpt.capture_rng, ckpt.JsonMetadataWriter.write_data
-        if rank == 1:  # after DCP wrote every rank's tensors, before the rename
-            def boom(device) -> dict:  # noqa: ANN001
+        _save(crash, 1, dp, dp_opt)
+        original_rng, original_write = ckpt.write_json_atomic, ckpt_format.JsonMetadataWriter.write_data
+        if rank == 1:  # after DCP wrote every rank's tensors, before the rename: the rank's own state file
+            def boom(path, obj) -> None:  # noqa: ANN001
                 raise OSError("disk full (test)")
-            ckpt.capture_rng = boom
-        _expect_error(lambda: ckpt.save_sharded_checkpoint(crash, 2, dp, dp_opt, STATE), results, "crash_rng")
-        ckpt.capture_rng = original_rng
+            ckpt.write_json_atomic = boom
+        _expect_error(lambda: _save(crash, 2, dp, dp_opt), results, "crash_rng")
+        ckpt.write_json_atomic = original_rng
         dist.barrier()
         results["after_rng_crash"] = sorted(p.name for p in (crash / "checkpoints").iterdir())
         if rank == 1:  # inside DCP's write stage
             def fail_write(self, plan, planner):  # noqa: ANN001, ANN202
                 raise OSError("write failed (test)")
-            ckpt.JsonMetadataWriter.write_data = fail_write
-        _expect_error(lambda: ckpt.save_sharded_checkpoint(crash, 3, dp, dp_opt, STATE), results, "crash_dcp")
-        ckpt.JsonMetadataWriter.write_data = original_write
+            ckpt_format.JsonMetadataWriter.write_data = fail_write
+        _expect_error(lambda: _save(crash, 3, dp, dp_opt), results, "crash_dcp")
+        ckpt_format.JsonMetadataWriter.write_data = original_write
         dist.barrier()
         results["after_dcp_crash"] = sorted(p.name for p in (crash / "checkpoints").iterdir())
         results["newest_after_crashes"] = ckpt.resolve_resume("auto", crash).name
-        ckpt.save_sharded_checkpoint(crash, 4, dp, dp_opt, STATE)
+        _save(crash, 4, dp, dp_opt)
         results["after_good_save"] = sorted(p.name for p in (crash / "checkpoints").iterdir())
 
         # 4. One process -> DP2 FSDP2 (the test process wrote run_single before the launch).
         single = ckpt.resolve_resume("auto", tmp / "run_single")
         dp2 = _fsdp(_model(seed=3), mesh)
         dp2_opt = _optimizer(dp2)
-        results["state_dp_from_single"] = ckpt.load_sharded_checkpoint(single, dp2, dp2_opt)
+        results["state_dp_from_single"] = _load(single, dp2, dp2_opt)
         d = _dump(dp2, dp2_opt)
         if rank == 0:
             _save_dump(d, tmp / "got_single_to_dp.pt")
@@ -223,41 +259,41 @@ def _worker(rank: int, world: int, port: int, tmp: str) -> None:
         # 5. DP2 FSDP2 -> TP2 (DTensor shards of another kind).
         tp = _tp(_model(seed=4), mesh)
         tp_opt = _optimizer(tp, foreach=False)  # plain TP leaves norms plain: no foreach on mixed lists
-        ckpt.load_sharded_checkpoint(ckpt.resolve_resume("auto", tmp / "run_dp"), tp, tp_opt)
+        _load(ckpt.resolve_resume("auto", tmp / "run_dp"), tp, tp_opt)
         d = _dump(tp, tp_opt)
         if rank == 0:
             _save_dump(d, tmp / "got_dp_to_tp.pt")
-        ckpt.save_sharded_checkpoint(tmp / "run_tp", 2, tp, tp_opt, STATE)
+        _save(tmp / "run_tp", 2, tp, tp_opt)
 
         # 6. One process -> pipeline-like split: each rank reads only its layers.
         pp2 = _split(rank, seed=5)
         pp2_opt = _optimizer(pp2)
-        ckpt.load_sharded_checkpoint(single, [pp2], pp2_opt)
+        _load(single, [pp2], pp2_opt)
         _save_dump(_dump(pp2, pp2_opt), tmp / f"got_single_to_pp_rank{rank}.pt")
         # ... TP2 -> pipeline-like split
         pp3 = _split(rank, seed=6)
         pp3_opt = _optimizer(pp3)
-        ckpt.load_sharded_checkpoint(ckpt.resolve_resume("auto", tmp / "run_tp"), [pp3], pp3_opt)
+        _load(ckpt.resolve_resume("auto", tmp / "run_tp"), [pp3], pp3_opt)
         _save_dump(_dump(pp3, pp3_opt), tmp / f"got_tp_to_pp_rank{rank}.pt")
         # ... and pipeline-like split -> DP2 FSDP2
         dp3 = _fsdp(_model(seed=7), mesh)
         dp3_opt = _optimizer(dp3)
-        ckpt.load_sharded_checkpoint(ckpt.resolve_resume("auto", tmp / "run_pp"), dp3, dp3_opt)
+        _load(ckpt.resolve_resume("auto", tmp / "run_pp"), dp3, dp3_opt)
         d = _dump(dp3, dp3_opt)
         if rank == 0:
             _save_dump(d, tmp / "got_pp_to_dp.pt")
 
         # 7. Checkpoints of another model fail on every rank, naming the tensor.
         wrong = _fsdp(_model(seed=6, intermediate_size=40), mesh)
-        _expect_error(lambda: ckpt.load_sharded_checkpoint(single, wrong, _optimizer(wrong)), results,
+        _expect_error(lambda: _load(single, wrong, _optimizer(wrong)), results,
                       "mismatch_dp")
         # ... also when only one rank holds the mismatching layers
         one_side = _split(rank, seed=7, **({"intermediate_size": 40} if rank == 1 else {}))
-        _expect_error(lambda: ckpt.load_sharded_checkpoint(single, one_side, _optimizer(one_side)), results,
+        _expect_error(lambda: _load(single, one_side, _optimizer(one_side)), results,
                       "mismatch_one_rank")
         # ... and when no rank holds some saved layers (a 3-layer run, a 4-layer checkpoint)
         short = _split(rank, seed=8, layers_per_rank=((0, 1), (2,)), num_layers=3)
-        _expect_error(lambda: ckpt.load_sharded_checkpoint(single, short, _optimizer(short)), results,
+        _expect_error(lambda: _load(single, short, _optimizer(short)), results,
                       "lacking_layers")
         dist.barrier()
     except Exception:
@@ -287,7 +323,7 @@ def launched(tmp_path_factory):  # noqa: ANN001, ANN201
     model = _model(seed=0)
     opt = _optimizer(model)
     _train(model, opt, steps=2, seed=0)
-    ckpt.save_sharded_checkpoint(tmp / "run_single", 2, model, opt, STATE, {"config.yaml": tmp / "config.yaml"})
+    _save(tmp / "run_single", 2, model, opt)
     single_ref = _dump(model, opt)
     mp.start_processes(_worker, args=(2, _free_port(), str(tmp)), nprocs=2, start_method="fork", join=True)
     results = [json.loads((tmp / f"results_rank{r}.json").read_text()) for r in range(2)]
@@ -297,7 +333,7 @@ def launched(tmp_path_factory):  # noqa: ANN001, ANN201
 def _plain_load(path: Path, seed: int = 9):  # noqa: ANN202
     model = _model(seed=seed)
     opt = _optimizer(model)
-    state = ckpt.load_sharded_checkpoint(path, model, opt)
+    state = _load(path, model, opt)
     return _dump(model, opt), state
 
 
@@ -310,7 +346,7 @@ def test_dp2_zero3_checkpoint_loads_into_one_process(launched):
     _assert_same(got, ref)
     assert state["step"] == 2 and state["loader"] == STATE["loader"]
     # `shardwise generate`'s loader reads it too, in a plain process
-    model, _ = ckpt.load_model(tmp / "run_dp")
+    model, _ = load_model(tmp / "run_dp")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), ref[f"model.{n}"], **TOL)
 
@@ -336,7 +372,7 @@ def test_pipeline_stages_save_and_one_process_loads(launched):
     got, _ = _plain_load(tmp / "run_pp" / "checkpoints" / "step_00000002")
     _assert_same(got, ref)
     assert set(got) == set(ref)  # every parameter and every state tensor of the whole model
-    model, _ = ckpt.load_model(tmp / "run_pp")
+    model, _ = load_model(tmp / "run_pp")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), ref[f"model.{n}"], **TOL)
 
@@ -422,16 +458,16 @@ def test_distributed_checkpoints_hold_no_pickle_and_canonical_names(launched):
 
 def test_single_process_sharded_api_round_trip(tmp_path):
     """Without torch.distributed the model/optimizer API is a one-process save and load."""
-    from shardwise.memory.recompute import apply_recompute
+    from shardwise.parallel.recompute import apply_recompute
 
     model = _model(seed=0)
     apply_recompute(model, "selective")
     opt = _optimizer(model)
     _train(model, opt, steps=1, seed=0)
-    path = ckpt.save_sharded_checkpoint(tmp_path, 1, [model], opt, STATE, keep=1)
+    path = _save(tmp_path, 1, [model], opt, keep=1)
     got, state = _plain_load(path)
     _assert_same(got, _dump(model, opt))
     assert state["step"] == 1
     wrong = _model(seed=0, hidden_size=48)
     with pytest.raises(CheckpointError, match="model.tok_embeddings.weight has shape"):
-        ckpt.load_sharded_checkpoint(path, wrong, _optimizer(wrong))
+        _load(path, wrong, _optimizer(wrong))

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
+from shardwise.checkpoint import rng
 from shardwise.errors import CheckpointError
 from shardwise.parallel.tensor import RankRNG
-from shardwise.train import rng
 
 
 class FakeDevice:

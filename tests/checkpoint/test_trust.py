@@ -25,12 +25,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 import shardwise
+from shardwise.checkpoint.format import METADATA_FILE, SafeCheckpointReader, TensorOnlyLoadPlanner
+from shardwise.checkpoint.storage import load_weights, read_saved_tensors, read_trainer_state
+from shardwise.checkpoint.weights import load_model
 from shardwise.cli import main
 from shardwise.data import load_tokenizer, train_bpe_tokenizer
 from shardwise.errors import CheckpointError
 from shardwise.models.hf import save_hf
-from shardwise.train.checkpoint import load_model, load_weights, read_saved_tensors, read_trainer_state
-from shardwise.train.checkpoint_storage import METADATA_FILE, SafeCheckpointReader, TensorOnlyLoadPlanner
 from tests.data.conftest import write_corpus
 from tests.parallel.harness import run_distributed
 from tests.test_cli import assert_user_error, logging_restored, run_cli

@@ -1,4 +1,5 @@
-"""The data section of a config -> tokenizer and datasets: raw files, prepared dirs, SFT, eval splits."""
+"""The data section of a config -> tokenizer and datasets: raw files, prepared dirs, SFT, eval splits;
+the seed's TextDataset."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import shardwise.data.build as build
 from shardwise.config import DataConfig
-from shardwise.data import TokenShards, Tokenizer, build_data, prepare_corpus
+from shardwise.data import TextDataset, Tokenizer, TokenShards, build_data, prepare_corpus
 from shardwise.errors import DataError
 
 
@@ -96,3 +97,30 @@ def test_instruction_data(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="data.eval_files"):
         build_data(_data(kind="instruction", train_files=[str(path)], tokenizer=str(tiny_tokenizer_dir),
                          eval_fraction=0.1), vocab_size=999)
+
+
+def expected_tokens(files: list[str], tok: Tokenizer) -> list[int]:
+    """The token stream of files prepared one document per file: each file's ids followed by EOS."""
+    out: list[int] = []
+    for f in files:
+        out += tok.encode(Path(f).read_bytes().decode("utf-8", errors="replace")) + [tok.eos_id]
+    return out
+
+
+def test_text_dataset_seed_signature(corpus_files: list[str], tiny_tokenizer: Tokenizer) -> None:
+    ds = TextDataset(
+        data_files=str(Path(corpus_files[0]).parent / "doc*.txt"),
+        tokenizer=tiny_tokenizer,
+        max_seq_len=32,
+        shuffle=False,
+    )
+    assert ds.shuffle is False and ds.files == corpus_files
+    tokens = expected_tokens(corpus_files, tiny_tokenizer)
+    assert len(ds) == (len(tokens) - 1) // 32
+    assert ds[1]["input_ids"].tolist() == tokens[32:64]
+    # Each file is one document: the second file starts a new document id and position 0.
+    second = len(tiny_tokenizer.encode(Path(corpus_files[0]).read_text())) + 1
+    sample, offset = divmod(second, 32)
+    assert offset > 0  # the boundary falls inside a sample (else the test would check nothing)
+    item = ds[sample]
+    assert item["position_ids"][offset].item() == 0 and item["document_ids"][offset].item() >= 1

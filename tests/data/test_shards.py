@@ -1,4 +1,5 @@
-"""TokenShards: reads across shard boundaries, document starts, pickling, refusing damaged directories."""
+"""TokenShards: reads across shard boundaries, document starts, pickling, refusing damaged directories;
+the token dtype."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from shardwise.data import Tokenizer, load_tokenizer, train_bpe_tokenizer
 from shardwise.data.prepare import prepare_corpus
-from shardwise.data.shards import MANIFEST_FILE, TokenShards
+from shardwise.data.shards import MANIFEST_FILE, TokenShards, token_dtype
 from shardwise.errors import DataError
 
 SHARD_TOKENS = 500
@@ -194,3 +195,9 @@ def test_tokenizer_mismatch_names_both_fingerprints(
     assert "Prepare it again with this tokenizer" in msg and "--overwrite" in msg
     assert "use the tokenizer it was prepared with" in msg
     assert s.manifest["tokenizer"]["source"] in msg  # where that tokenizer came from
+
+
+def test_token_dtype() -> None:
+    assert token_dtype(300) == np.uint16
+    assert token_dtype(65535) == np.uint16
+    assert token_dtype(65536) == np.uint32

@@ -535,3 +535,16 @@ def test_reading_streams_in_bounded_batches(tmp_path: Path) -> None:
     assert (len(first), first[0], len(second), second[-1]) == (1000, "doc 0", 1000, "doc 1999")
     with pytest.raises(DataError, match=r"big\.jsonl:2501"):
         next(batches)
+
+
+def test_training_reads_text_files_as_text_mode_lines(tmp_path: Path) -> None:
+    """The shared reader gives tokenizer training the lines a text-mode file gives: CRLF and a lone CR
+    end lines as "\n", blank lines count, invalid UTF-8 becomes U+FFFD."""
+    from shardwise.data.tokenizer import _read_texts
+
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(b"dos line\r\nold mac\rnext\n\n  indented\nbad \xff byte\nlast")
+    with open(f, encoding="utf-8", errors="replace") as fh:
+        want = fh.readlines()
+    assert [t for batch in _read_texts([str(f)]) for t in batch] == want
+    assert want[:2] == ["dos line\n", "old mac\n"] and want[-1] == "last"

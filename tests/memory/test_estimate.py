@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.config import RunConfig, validate
-from shardwise.data.pretrain import PackedDataset
+from shardwise.config import RunConfig
+from shardwise.data.packing import PackedDataset
 from shardwise.errors import ConfigError
 from shardwise.memory.estimate import PHASES, MemoryEstimate, estimate_all_ranks, estimate_memory
-from shardwise.memory.measure import MemoryTracker, measure_training, phase_of_traceback
+from shardwise.memory.measure import MemoryTracker
+from shardwise.resolve import resolve_config as validate
+from shardwise.train.probe import measure_training
 
 from ..parallel.harness import run_distributed
 
@@ -192,26 +194,6 @@ def test_tracker_counts_storages_once_follows_resize_and_names_phases() -> None:
     assert set(m.phases) >= {"forward", "backward", "optimizer", "checkpoint"}
     assert m.phases["checkpoint"] >= 40_000 and m.peak == max(m.phases.values())
     del views
-
-
-def test_phase_of_traceback_reads_the_frames() -> None:
-    model = torch.nn.Linear(4, 4)
-
-    def failing_backward() -> None:
-        def boom(_grad: torch.Tensor) -> None:
-            raise RuntimeError("out of memory")
-
-        out = model(torch.randn(2, 4))
-        out.register_hook(boom)
-        out.sum().backward()
-
-    with pytest.raises(RuntimeError) as info:
-        failing_backward()
-    assert phase_of_traceback(info.value.__traceback__) == "backward"
-    try:
-        model(torch.randn(2, 4)).sum() / 0 + 1 / 0
-    except ZeroDivisionError as e:
-        assert phase_of_traceback(e.__traceback__) == "forward"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,12 +3,11 @@ import torch
 
 from shardwise.memory.precision import LossScaler, MasterWeights, precision_plan
 from shardwise.train.trainer import Trainer
-
 from tests.train.conftest import SEQ, make_tokens, read_metrics, tiny_config, with_changes
 
 
 def _dataset():
-    from shardwise.data.pretrain import PackedDataset
+    from shardwise.data.packing import PackedDataset
 
     return PackedDataset(make_tokens(), SEQ)
 
@@ -94,7 +93,7 @@ def test_master_weights_step_in_fp32():
 
 def test_resume_across_precision_levels(tmp_path):
     """O2 -> O0 starts from the exact fp32 master weights; O0 -> O2 builds masters from fp32 weights."""
-    from shardwise.train.checkpoint import load_model
+    from shardwise.checkpoint.weights import load_model
 
     ds = _dataset()
     o2 = with_changes(tiny_config(tmp_path, max_steps=2),

@@ -53,8 +53,9 @@ def test_top_k_one_and_tiny_top_p_equal_greedy():
 
 def test_sampling_is_reproducible_with_a_generator_and_differs_from_greedy():
     model = _model("tiny_llama", initializer_range=0.02)  # flat logits: sampling wanders
-    run = lambda seed: generate(model, PROMPTS, 16, temperature=1.0, top_k=50, top_p=0.95,
-                                generator=torch.Generator().manual_seed(seed))
+    def run(seed: int) -> list[list[int]]:
+        return generate(model, PROMPTS, 16, temperature=1.0, top_k=50, top_p=0.95,
+                        generator=torch.Generator().manual_seed(seed))
     first = run(7)
     assert first == run(7)
     assert first != generate(model, PROMPTS, 16)

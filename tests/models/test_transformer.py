@@ -33,7 +33,7 @@ def _perturb(model: torch.nn.Module) -> None:
 
 # ---- Hugging Face name mappings (a later issue moves these into shardwise/models/hf.py) ----
 
-_LLAMA_NAMES = {
+LLAMA_NAMES = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
@@ -54,7 +54,7 @@ def llama_state_from_hf(hf_sd: dict) -> dict:
         else:
             _, _, idx, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
             module, kind = rest.rsplit(".", 1)
-            out[f"layers.{idx}.{_LLAMA_NAMES[module]}.{kind}"] = tensor
+            out[f"layers.{idx}.{LLAMA_NAMES[module]}.{kind}"] = tensor
     return out
 
 

@@ -38,11 +38,11 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from shardwise.memory.recompute import canonical_name
+from shardwise.loss import IGNORE_INDEX, count_target_tokens, token_loss_sum
 from shardwise.models.config import ModelConfig
 from shardwise.models.transformer import build_model
+from shardwise.parallel.recompute import canonical_name
 from shardwise.train.optim import build_optimizer
-from shardwise.train.trainer import IGNORE_INDEX, count_target_tokens, token_loss_sum
 
 
 class WorkerError(RuntimeError):
@@ -391,7 +391,8 @@ def param_slack(ref: dict[str, torch.Tensor], steps: int) -> dict[str, float]:
 
 
 def assert_params_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], initial: dict[str, torch.Tensor],
-                        steps: int, *, rtol: float = PARAM_RTOL, label: str = "", total: Optional[float] = None) -> float:
+                        steps: int, *, rtol: float = PARAM_RTOL, label: str = "",
+                        total: Optional[float] = None) -> float:
     """Parameters after `steps` optimizer steps: per tensor ||p - p_ref|| within rtol of the
     reference's update ||p_ref - p_initial|| plus `steps` fp32 roundings of p (`param_slack`): the
     update itself must match, not just the (much larger) weights. A tensor the reference did not

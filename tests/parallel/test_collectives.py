@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardwise.data.pretrain import PackedDataset
-from shardwise.train.trainer import Trainer
-
+from shardwise.data.packing import PackedDataset
 from shardwise.errors import ShardwiseError
 from shardwise.parallel import collectives
 from shardwise.parallel.collectives import max_over, rank0_first, replica_mismatch, sum_over
 from shardwise.parallel.dims import ParallelDims
+from shardwise.train.trainer import Trainer
 
 from ..train.conftest import SEQ, make_tokens, with_changes
 from ..train.conftest import tiny_config as run_config

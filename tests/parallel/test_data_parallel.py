@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from shardwise.errors import ConfigError
-from shardwise.memory.recompute import apply_recompute
 from shardwise.parallel.data_parallel import (
     ZeroOneOptimizer,
     apply_data_parallel,
@@ -26,6 +25,7 @@ from shardwise.parallel.data_parallel import (
     shard_optimizer,
 )
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.recompute import apply_recompute
 
 from .harness import (
     LoopRecord,

@@ -35,9 +35,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 import shardwise.train.trainer as trainer_module
+from shardwise.loss import IGNORE_INDEX
 from shardwise.parallel.data_parallel import apply_data_parallel, clip_grad_norm, shard_optimizer
 from shardwise.parallel.dims import ParallelDims
-from shardwise.train.trainer import IGNORE_INDEX, Trainer
+from shardwise.train.trainer import Trainer
 
 from .harness import (
     LoopRecord,

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ConfigError
-from shardwise.memory.recompute import apply_recompute, canonical_name
+from shardwise.loss import token_loss_sum
 from shardwise.models import Transformer, build_model
 from shardwise.models.config import ModelConfig
+from shardwise.parallel.data_parallel import clip_grad_norm
 from shardwise.parallel.pipeline import (
     check_pipeline,
     materialize_chunks,
@@ -34,8 +35,8 @@ from shardwise.parallel.pipeline import (
     stage_layer_counts,
     stage_rank,
 )
+from shardwise.parallel.recompute import apply_recompute, canonical_name
 from shardwise.train.optim import build_optimizer
-from shardwise.train.trainer import token_loss_sum
 
 from .harness import assert_params_close, assert_tensors_close, assert_values_close, grad_norm_of, update_norm
 
@@ -228,7 +229,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=90))
     try:
         from shardwise.parallel.dims import ParallelDims
-        from shardwise.parallel.pipeline import build_schedule, clip_grad_norm_pp, pipeline_eval, pipeline_step
+        from shardwise.parallel.pipeline import build_schedule, pipeline_eval, pipeline_step
 
         pp_mesh = ParallelDims(pp=world).build_meshes("cpu")["pp"]
         for index, (name, cfg_kw, schedule, vs, mbs, layers, docs, extra) in enumerate(VARIANTS):
@@ -252,7 +253,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     loss += pipeline_step(pipe, batch["input_ids"][rows], batch["labels"][rows],
                                           global_tokens=n_tokens, finish_step=part == accumulate - 1,
                                           **_extras(batch, rows))
-                norm = clip_grad_norm_pp([p for _, p in named], MAX_NORM, pp_mesh, exclude=pipe.norm_exclusions())
+                norm = clip_grad_norm([p for _, p in named], MAX_NORM, reduce_group=pp_mesh.get_group(),
+                                      exclude=pipe.norm_exclusions())
                 if step == 0:
                     result["grads"] = {n: p.grad.clone() for n, p in named}
                 opt.step()
@@ -397,7 +399,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         from shardwise.parallel.dims import ParallelDims
-        from shardwise.parallel.pipeline import build_schedule, clip_grad_norm_pp, pipeline_eval, pipeline_step
+        from shardwise.parallel.pipeline import build_schedule, pipeline_eval, pipeline_step
 
         meshes = ParallelDims(dp_shard=2, pp=2).build_meshes("cpu")
         pp_mesh, dp_mesh = meshes["pp"], meshes["dp"]
@@ -422,7 +424,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 loss = pipeline_step(pipe, batch["input_ids"][rows], batch["labels"][rows],
                                      global_tokens=n_tokens / 2, **_extras(batch, rows)) / 2
                 dist.all_reduce(loss, group=dp_mesh.get_group())
-                clip_grad_norm_pp([p for _, p in named], MAX_NORM, pp_mesh, exclude=pipe.norm_exclusions())
+                clip_grad_norm([p for _, p in named], MAX_NORM, reduce_group=pp_mesh.get_group(),
+                                      exclude=pipe.norm_exclusions())
                 if step == 0:
                     result["grads"] = {n: p.grad.full_tensor() for n, p in named}
                 opt.step()
@@ -450,10 +453,10 @@ TP_VARIANTS = [
 def _tp_variants(rank: int, out_dir: str) -> None:
     """Each chunk tensor-parallel (sequence parallel, vocabulary-sharded DTensor logits into the
     last stage's loss), every TP rank fed the whole batch; gradients gathered with full_tensor()."""
+    from shardwise.loss import token_loss_sum as trainer_loss_sum
     from shardwise.parallel.dims import ParallelDims
-    from shardwise.parallel.pipeline import build_schedule, clip_grad_norm_pp, pipeline_step
+    from shardwise.parallel.pipeline import build_schedule, pipeline_step
     from shardwise.parallel.tensor import apply_tensor_parallel
-    from shardwise.train.trainer import token_loss_sum as trainer_loss_sum
 
     meshes = ParallelDims(pp=2, tp=2).build_meshes("cpu")
     pp_mesh, tp_mesh = meshes["pp"], meshes["tp"]
@@ -475,7 +478,8 @@ def _tp_variants(rank: int, out_dir: str) -> None:
         for step in range(STEPS):
             batch = _batch(200 + index, step, mbs, docs)
             loss = pipeline_step(pipe, batch["input_ids"], batch["labels"], **_extras(batch))
-            norm = clip_grad_norm_pp([p for _, p in named], MAX_NORM, pp_mesh, exclude=pipe.norm_exclusions())
+            norm = clip_grad_norm([p for _, p in named], MAX_NORM, reduce_group=pp_mesh.get_group(),
+                                      exclude=pipe.norm_exclusions())
             if step == 0:
                 result["grads"] = {n: p.grad.full_tensor() for n, p in named}
             opt.step()

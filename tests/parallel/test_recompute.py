@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from shardwise.memory.recompute import apply_recompute, canonical_name
 from shardwise.models import build_model, resolve_model_config
+from shardwise.parallel.recompute import apply_recompute, canonical_name
 
 
 def _grads_and_calls(mode: str, every: int = 1):

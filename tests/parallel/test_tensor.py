@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from shardwise.errors import ConfigError
+from shardwise.loss import token_loss_sum
 from shardwise.models.config import ModelConfig
 from shardwise.parallel.tensor import check_tensor_parallel
 
@@ -44,8 +45,8 @@ QWEN2 = dict(BASE, model_type="qwen2", qkv_bias=True)
 GPT2 = dict(BASE, model_type="gpt2", num_kv_heads=4, norm="layernorm", mlp="plain", activation="gelu_tanh",
             position="learned", qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)
 
-# name -> (model config, options). loss: "tp" = token_loss_sum_tp; "ctx" = the trainer's own
-# token_loss_sum inside loss_context (backward inside too); packed: document_ids + position_ids.
+# name -> (model config, options). loss: "tp" = shardwise.loss.token_loss_sum on sharded logits; "ctx" = the
+# trainer's own token_loss_sum inside loss_context (backward inside too); packed: document_ids + position_ids.
 # opt: plain SGD by default, so that parameters after the last step are compared too (a gradient
 # error is then a parameter error of the same relative size); two variants run AdamW (foreach, on
 # DTensor state), whose later steps amplify round-off (see ADAMW_LATER_RTOL).
@@ -107,7 +108,7 @@ def _batch(cfg: ModelConfig, packed: bool, seed: int) -> tuple[torch.Tensor, tor
 
 def _named(model: torch.nn.Module) -> list:
     """named_parameters under the plain names (without recompute wrappers' prefixes)."""
-    from shardwise.memory.recompute import canonical_name
+    from shardwise.parallel.recompute import canonical_name
 
     return [(canonical_name(n), p) for n, p in model.named_parameters()]
 
@@ -121,11 +122,11 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
             recompute: str = "none", label: str = "") -> None:
     from torch.distributed.tensor import DTensor
 
-    from shardwise.memory.recompute import canonical_name
+    from shardwise.loss import count_target_tokens, token_loss_sum
     from shardwise.models import build_model
-    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads, full_value, loss_context, token_loss_sum_tp
+    from shardwise.parallel.recompute import canonical_name
+    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads, full_value, loss_context
     from shardwise.train.optim import build_optimizer
-    from shardwise.train.trainer import count_target_tokens, token_loss_sum
 
     cfg = ModelConfig(**cfg_dict)
     torch.manual_seed(0)
@@ -133,7 +134,7 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
     tp_model = copy.deepcopy(ref)
     apply_tensor_parallel(tp_model, mesh, sequence_parallel=sp, loss_parallel=lp)
     if recompute != "none":
-        from shardwise.memory.recompute import apply_recompute
+        from shardwise.parallel.recompute import apply_recompute
 
         assert apply_recompute(tp_model, recompute)
     assert all(isinstance(p, DTensor) for p in tp_model.parameters())
@@ -162,7 +163,7 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
                 tp_loss.backward()
             tp_loss = full_value(tp_loss)
         else:
-            tp_loss = token_loss_sum_tp(tp_model(ids, **extras), labels) / n_tokens
+            tp_loss = token_loss_sum(tp_model(ids, **extras), labels) / n_tokens
             assert not isinstance(tp_loss, DTensor)
             tp_loss.backward()
         losses[0].append(float(ref_loss))
@@ -195,9 +196,9 @@ def _pipeline_stages(mesh, sp: bool) -> None:
     """Two pipeline-like stages (the first without norm/output, the second without embeddings, as
     the pipeline helper cuts them), each tensor-parallel, run one after the other: same loss and
     gradients as the whole model. With SP the hidden states between them are sequence-shards."""
+    from shardwise.loss import token_loss_sum
     from shardwise.models import build_model
-    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads, token_loss_sum_tp
-    from shardwise.train.trainer import token_loss_sum
+    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads
 
     for cfg_dict, packed in ((LLAMA, False), (GPT2, True)):
         cfg = ModelConfig(**dict(cfg_dict, num_layers=2))
@@ -215,7 +216,7 @@ def _pipeline_stages(mesh, sp: bool) -> None:
         a.backward()
         h = first(ids, **extras)
         assert h.shape[1] == (SEQ // 2 if sp else SEQ)
-        b = token_loss_sum_tp(second(h, **extras), labels)  # extras may hold position_ids or not
+        b = token_loss_sum(second(h, **extras), labels)  # extras may hold position_ids or not
         b.backward()
         _close(b, a, "loss of the chained stages")
         grads = dict(full_grads(first))
@@ -227,17 +228,17 @@ def _pipeline_stages(mesh, sp: bool) -> None:
         # no extras: the later stage must rebuild the full sequence's positions itself
         ref.zero_grad()
         a = token_loss_sum(ref(ids), labels)
-        b = token_loss_sum_tp(second(first(ids)), labels)
+        b = token_loss_sum(second(first(ids)), labels)
         _close(b, a, "loss of the chained stages with default positions")
 
 
 def _loss_functions(mesh) -> None:
     """The trainer's loss (flatten, .float(), ignore_index, sum) under loss_context, and
-    token_loss_sum_tp, on vocab-sharded logits: value and gradient equal the unsharded ones."""
+    token_loss_sum, on vocab-sharded logits: value and gradient equal the unsharded ones."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from shardwise.parallel.tensor import full_value, loss_context, token_loss_sum_tp
-    from shardwise.train.trainer import token_loss_sum
+    from shardwise.loss import token_loss_sum
+    from shardwise.parallel.tensor import full_value, loss_context
 
     for vocab in (64, 63):
         g = torch.Generator().manual_seed(vocab)
@@ -260,7 +261,7 @@ def _loss_functions(mesh) -> None:
                     out.backward()
                 assert not isinstance(out, DTensor)  # the trainer's loss goes shard-wise by itself
             else:
-                out = token_loss_sum_tp(x, labels)
+                out = token_loss_sum(x, labels)
                 assert not isinstance(out, DTensor)
                 out.backward()
             grad = full_value(x.grad)
@@ -274,7 +275,7 @@ def _dropout(mesh, sp: bool) -> None:
     import torch.distributed as dist
 
     from shardwise.models import build_model
-    from shardwise.parallel.tensor import apply_tensor_parallel, token_loss_sum_tp
+    from shardwise.parallel.tensor import apply_tensor_parallel
     from shardwise.train.optim import build_optimizer
 
     cfg = ModelConfig(**dict(LLAMA, dropout=0.3))
@@ -288,7 +289,7 @@ def _dropout(mesh, sp: bool) -> None:
     shared_before = torch.get_rng_state()
     for step in range(2):
         ids, labels, _ = _batch(cfg, False, seed=step)
-        loss = token_loss_sum_tp(model(ids), labels) / 20
+        loss = token_loss_sum(model(ids), labels) / 20
         assert torch.isfinite(loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, foreach=True)
@@ -321,9 +322,9 @@ def _dropout(mesh, sp: bool) -> None:
 def _dropout_recompute(mesh) -> None:
     """Recompute replays the per-rank dropout masks: the same TP+SP model with and without full
     recompute gives the same loss and gradients."""
-    from shardwise.memory.recompute import apply_recompute, canonical_name
     from shardwise.models import build_model
-    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads, token_loss_sum_tp
+    from shardwise.parallel.recompute import apply_recompute, canonical_name
+    from shardwise.parallel.tensor import apply_tensor_parallel, full_grads
 
     cfg = ModelConfig(**dict(LLAMA, dropout=0.3))
     results = []
@@ -334,7 +335,7 @@ def _dropout_recompute(mesh) -> None:
         apply_recompute(model, mode)
         model.train()
         ids, labels, extras = _batch(cfg, True, seed=3)
-        loss = token_loss_sum_tp(model(ids, **extras), labels)
+        loss = token_loss_sum(model(ids, **extras), labels)
         loss.backward()
         results.append((float(loss), {canonical_name(n): g for n, g in full_grads(model)}))
     _close(results[1][0], results[0][0], "loss with recompute")
@@ -343,9 +344,9 @@ def _dropout_recompute(mesh) -> None:
 
 def _eval_with_dropout(mesh) -> None:
     """A model configured with dropout, in eval mode, matches one process exactly."""
+    from shardwise.loss import token_loss_sum
     from shardwise.models import build_model
-    from shardwise.parallel.tensor import apply_tensor_parallel, token_loss_sum_tp
-    from shardwise.train.trainer import token_loss_sum
+    from shardwise.parallel.tensor import apply_tensor_parallel
 
     cfg = ModelConfig(**dict(LLAMA, dropout=0.3))
     torch.manual_seed(0)
@@ -355,7 +356,7 @@ def _eval_with_dropout(mesh) -> None:
     ids, labels, extras = _batch(cfg, True, seed=5)
     with torch.no_grad():
         a = token_loss_sum(ref(ids, **extras), labels)
-        b = token_loss_sum_tp(tp_model(ids, **extras), labels)
+        b = token_loss_sum(tp_model(ids, **extras), labels)
     _close(b, a, "eval loss with a dropout config")
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.data.pretrain import PackedDataset
+from shardwise.checkpoint import storage as ckpt
+from shardwise.data.packing import PackedDataset
 from shardwise.memory import precision
 from shardwise.models import build_model
-from shardwise.train import checkpoint as ckpt
 from shardwise.train.trainer import Trainer
 
 from ..train.conftest import SEQ, make_tokens, tiny_config, with_changes
@@ -70,7 +70,8 @@ def _first_gradient(cfg) -> dict[str, torch.Tensor]:  # noqa: ANN001
 def _layouts(rank: int, world: int, root: Path) -> dict[str, dict[str, torch.Tensor]]:
     runs = {"pp2_1f1b": _config(root, "pp2_1f1b", pp=2), "pp2_zero_bubble": _config(root, "pp2_zb", pp=2,
                                                                                    schedule="zero_bubble"),
-            "dp2_zero1": _config(root, "dp2_zero1", dp=2, zero=1), "dp2_zero3": _config(root, "dp2_zero3", dp=2, zero=3),
+            "dp2_zero1": _config(root, "dp2_zero1", dp=2, zero=1),
+            "dp2_zero3": _config(root, "dp2_zero3", dp=2, zero=3),
             "tp2": _config(root, "tp2", tp=2)}
     out = {name: _first_gradient(cfg) for name, cfg in runs.items()}
     return out if rank == 0 else {}

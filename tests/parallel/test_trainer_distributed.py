@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.data.pretrain import PackedDataset
+from shardwise.data.packing import PackedDataset
 from shardwise.train.trainer import Trainer
 
 from ..train.conftest import SEQ, make_tokens, tiny_config, with_changes

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.config import validate
-from shardwise.data.pretrain import PackedDataset
+from shardwise.checkpoint import storage as ckpt
+from shardwise.checkpoint.weights import load_model
+from shardwise.data.packing import PackedDataset
 from shardwise.errors import ConfigError
 from shardwise.models import build_model, resolve_model_config
 from shardwise.models.hf import from_hf, save_hf
-from shardwise.train import checkpoint as ckpt
+from shardwise.resolve import resolve_config as validate
 from shardwise.train.trainer import Trainer
 
 from ..train.conftest import SEQ, PaddedDataset, make_tokens
@@ -89,7 +90,7 @@ def test_init_from_hf_and_checkpoint_in_one_process(tmp_path: Path) -> None:
     _assert_close(from_dir, given, "init_from vs from_hf")
     # A shardwise checkpoint (its run directory) as the starting point: the fine-tuned weights.
     again = _train(_config(tmp_path / "from_ckpt", tmp_path / "from_hf"))
-    model, _ = ckpt.load_model(tmp_path / "from_hf")
+    model, _ = load_model(tmp_path / "from_hf")
     _assert_close(again, _train(_config(tmp_path / "given2", None), model=model), "init_from checkpoint")
 
 
@@ -104,7 +105,7 @@ def test_lora_trains_only_adapters_and_saves_them(tmp_path: Path) -> None:
     lora_names = [n for n in shapes["model"] if is_lora_name(n)]
     assert len(lora_names) == 2 * 4 * 2  # A and B, 4 projections, 2 layers
     assert {n.rsplit(".", 1)[0] for n in shapes["optim"]} == set(lora_names)  # state for adapters only
-    model, _ = ckpt.load_model(result.last_checkpoint)
+    model, _ = load_model(result.last_checkpoint)
     base = from_hf(hf)
     for name, p in model.named_parameters():  # the base is untouched
         if not is_lora_name(name):
@@ -119,7 +120,7 @@ def test_freezing_keeps_layers_fixed_and_without_state(tmp_path: Path) -> None:
     hf = _hf_dir(tmp_path)
     result = Trainer(_config(tmp_path / "frozen", hf, freeze={"embeddings": True, "layers": 1}),
                      train_dataset=PackedDataset(make_tokens(), SEQ)).train()
-    model, _ = ckpt.load_model(result.last_checkpoint)
+    model, _ = load_model(result.last_checkpoint)
     base = dict(from_hf(hf).named_parameters())
     optim = ckpt.read_trainer_state(result.last_checkpoint)["shapes"]["optim"]
     for name, p in model.named_parameters():
@@ -144,9 +145,9 @@ def test_finetuning_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="target_modules"):
         _train(_config(tmp_path / "nomatch", hf, lora={"r": 2, "target_modules": ["qkv_proj"]}))
     # The demo's fine-tuning config, pointed at these weights, loads (its LoRA targets all exist).
-    from shardwise.config import load_config
+    from shardwise.resolve import load_run_config
 
-    demo = load_config(Path(__file__).parents[2] / "configs/sft_lora_demo.yaml",
+    demo = load_run_config(Path(__file__).parents[2] / "configs/sft_lora_demo.yaml",
                        [f"model.init_from={hf}", "data.tokenizer=tok"])
     assert demo.lora.r == 16 and demo.data.kind == "instruction" and demo.model.num_layers == 2
     # Fine-tuning defaults: a smaller learning rate and no weight decay, unless given.
@@ -167,12 +168,12 @@ SINGLE = {"full": {}, "lora": dict(lora=LORA), "freeze": dict(freeze={"embedding
 
 
 def _layouts(rank: int, world: int, root: Path, hf: Path, odd: Path) -> dict[str, dict]:
-    import shardwise.train.trainer as trainer_module
+    import shardwise.builder as builder
 
     def no_full_build(*_a: object, **_k: object) -> None:
         raise AssertionError("init_from must not build the whole model on a rank")
 
-    trainer_module.build_model = no_full_build
+    builder.materialize = no_full_build
     out = {}
     for name, kw in LAYOUTS.items():
         cfg = _config(root / name, odd if name.startswith("odd") else hf, **kw, **SGD)

@@ -31,9 +31,10 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from shardwise.config import RunConfig, validate
+from shardwise.checkpoint.checkpointer import canonical_param_names
+from shardwise.config import RunConfig
 from shardwise.parallel.data_parallel import ZeroOneOptimizer
-from shardwise.train.checkpoint import canonical_param_names
+from shardwise.resolve import resolve_config as validate
 from shardwise.train.trainer import Trainer
 
 from ..train.conftest import PaddedDataset, make_tokens, read_metrics
@@ -196,7 +197,8 @@ def first_step_grads(trainer: Trainer, out: dict) -> contextlib.AbstractContextM
     optimizer step (gathering DTensors: a collective, in the same order on every rank of a mesh)."""
     def capture(_optimizer: torch.optim.Optimizer) -> None:
         if not out:
-            out.update({n: None if p.grad is None else full_tensor(p.grad) for n, p in named_params(trainer.model_parts)})
+            out.update({n: None if p.grad is None else full_tensor(p.grad)
+                        for n, p in named_params(trainer.model_parts)})
 
     return step_pre_hook(outer_optimizer_hook(capture))
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.data.pretrain import PackedDataset
+from shardwise.data.packing import PackedDataset
 from shardwise.errors import ConfigError
-from shardwise.train.trainer import Trainer, layout_for
+from shardwise.parallel.dims import layout_for
+from shardwise.train.trainer import Trainer
 
 from ..train.conftest import SEQ, make_tokens, tiny_config, with_changes
 from .harness import assert_values_close, run_distributed
@@ -140,9 +141,11 @@ def test_pipeline_settings_fail_before_training(tmp_path: Path) -> None:
     assert layout_for(cfg, 2).pp == 2
     with pytest.raises(ConfigError, match="interleaved_1f1b needs virtual_stages >= 2"):
         with_changes(cfg, parallel={"schedule": "interleaved_1f1b"})
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 is not a multiple of parallel.micro_batch_num 2"):
+    with pytest.raises(ConfigError,
+                       match="gradient_accumulation_steps 3 is not a multiple of parallel.micro_batch_num 2"):
         with_changes(cfg, optimize={"gradient_accumulation_steps": 3})
-    with pytest.raises(ConfigError, match="x 3 micro-batches per step, which is not a multiple of parallel.micro_batch_num"):
+    with pytest.raises(ConfigError,
+                       match="x 3 micro-batches per step, which is not a multiple of parallel.micro_batch_num"):
         with_changes(cfg, train={"global_batch_size": 6}).gradient_accumulation()
     with pytest.raises((ConfigError, ValueError), match="stage_layers"):
         with_changes(cfg, parallel={"stage_layers": [1, 1]})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.data.pretrain import PackedDataset
+from shardwise.data.packing import PackedDataset
 from shardwise.train import trainer as trainer_module
 from shardwise.train.trainer import Trainer
 
@@ -40,13 +40,13 @@ def _runs(rank: int, world: int, root: Path) -> dict:
     _train(_config(root / "resumed", 2, tp=2))
     out["resumed"] = _train(_config(root / "resumed", 4, tp=2), resume="auto")
     # The same resume with the tensor-parallel streams left out of the checkpoint: the test bites.
-    original = trainer_module._TrainState.rank_streams
-    trainer_module._TrainState.rank_streams = lambda self: {}
+    original = trainer_module.rank_rng
+    trainer_module.rank_rng = lambda part: None
     try:
         _train(_config(root / "forgotten", 2, tp=2))
         out["forgotten"] = _train(_config(root / "forgotten", 4, tp=2), resume="auto")
     finally:
-        trainer_module._TrainState.rank_streams = original
+        trainer_module.rank_rng = original
     # A one-process checkpoint (written by the parent) resumed on two ranks.
     handler = _Messages()
     logging.getLogger("shardwise").addHandler(handler)

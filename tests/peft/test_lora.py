@@ -12,7 +12,6 @@ from torch import nn
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models import ModelConfig, Transformer, build_model
 from shardwise.models.hf import from_hf
-from shardwise.peft.lora import ARCH_METADATA_KEY
 from shardwise.peft import (
     LoRALinear,
     apply_lora,
@@ -27,6 +26,7 @@ from shardwise.peft import (
     save_adapter,
     to_peft_state,
 )
+from shardwise.peft.lora import ARCH_METADATA_KEY
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.config import validate
-from shardwise.models import flops_per_token
+from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import run_flops
+from shardwise.models import flops_per_token
 from shardwise.plan.cost import (
     all_reduce_time,
     gather_time,
@@ -16,7 +16,7 @@ from shardwise.plan.cost import (
     predict_step,
     rank_loads,
 )
-from shardwise.plan.hardware import get_hardware
+from shardwise.resolve import resolve_config as validate
 
 
 def config(preset: str = "llama_7b", seq: int = 2048, gbs: int = 64, mbs: int = 1, lora: bool = False,

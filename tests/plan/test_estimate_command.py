@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from shardwise.cli import main
-from shardwise.config import validate
 from shardwise.memory.estimate import estimate_memory
+from shardwise.resolve import resolve_config as validate
 
 
 def test_estimate_from_flags_matches_the_library(capsys) -> None:  # noqa: ANN001

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.config import validate
+from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import estimate_memory
 from shardwise.plan.cost import predict_step
-from shardwise.plan.hardware import get_hardware
 from shardwise.plan.profile import Run, calibrate, measure_layout
+from shardwise.resolve import resolve_config as validate
 
 
 def config(**parallel: int):  # noqa: ANN201

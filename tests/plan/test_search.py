@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.plan import PlanRequest, get_hardware, plan, workload_config
+from shardwise.hardware import get_hardware
+from shardwise.plan import PlanRequest, format_plan, plan, workload_config
 from shardwise.plan.search import enumerate_layouts
 
 GIB = 2**30
@@ -60,7 +61,7 @@ def test_the_fastest_layouts_that_fit_are_ranked() -> None:
     assert result.faster_not_fitting and all(c.layout.tp * c.layout.pp == 1 for c in result.faster_not_fitting)
     assert all(c.step.total <= times[0] for c in result.faster_not_fitting)
     assert result.best_data_parallel is None
-    text = result.report()
+    text = format_plan(result)
     assert "why #1" in text and "No pure data-parallel layout fits" in text
     assert "23,073 tokens/s per device at 100% MFU" in text  # 989e12 / 4.286e10
 
@@ -80,7 +81,7 @@ def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
     req = request(devices=1, hardware="A100-40GB", gbs=8)
     result = plan(req)
     assert not result.ranked and result.smallest is not None
-    text = result.report()
+    text = format_plan(result)
     assert "No layout fits" in text and "GiB" in text and "over the 35.0 GiB usable" in text
     assert any("devices of this kind fit it" in a for a in result.advice)
     assert any("LoRA" in a for a in result.advice)
@@ -89,7 +90,7 @@ def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
 def test_a_target_beyond_the_physical_limit_is_impossible() -> None:
     req = request("llm_100b", devices=32, hardware="Ascend910B3", seq=4096, gbs=32, target_tokens_per_s=15000,
                   pins={"tp": [8], "pp": [2], "zero": [3], "recompute": ["full"], "micro_batch": [1]})
-    text = " ".join(plan(req).report().split())  # unwrapped
+    text = " ".join(format_plan(plan(req)).split())  # unwrapped
     assert "IMPOSSIBLE" in text
     assert "15,000 tokens/s x 4.22e+11 FLOPs per token = 6,335 TFLOP/s per device, 20.2 x the device's peak" in text
 

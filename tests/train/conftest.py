@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardwise.config import validate
-from shardwise.data.pretrain import PackedDataset
+from shardwise.data.packing import PackedDataset
+from shardwise.resolve import resolve_config as validate
 
 SEQ = 32
 

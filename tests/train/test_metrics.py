@@ -14,20 +14,17 @@ import torch
 
 import shardwise.train.metrics as metrics
 from shardwise.data import train_bpe_tokenizer
-from shardwise.data.pretrain import ArrayTokens, PackedDataset
-from shardwise.data.sft import InstructionDataset
+from shardwise.data.instruction import InstructionDataset
+from shardwise.data.packing import ArrayTokens, PackedDataset
 from shardwise.data.tokenizer import load_tokenizer
+from shardwise.hardware import Peak
 from shardwise.memory.estimate import run_flops
 from shardwise.train.metrics import (
     MetricsWriter,
     MfuMeter,
-    Peak,
     Window,
     count_real_tokens,
-    device_peak,
     format_record,
-    keep_best,
-    measured_cpu_flops,
     padding_mask,
     read_metrics,
 )
@@ -144,43 +141,6 @@ def test_the_trainer_divides_by_the_frozen_aware_flops(tmp_path, dataset) -> Non
     for r in read_jsonl(tmp_path / "run"):
         assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * run_flops(cfg).total / 1e9, rel=1e-9)
         assert r["target_tokens_per_s"] == pytest.approx(r["tokens_per_s"])  # packed: every position a target
-
-
-# --- the peak ------------------------------------------------------------------------------------------------
-
-
-def _no_measurement(*args, **kwargs) -> float:
-    raise AssertionError("the CPU peak was measured")
-
-
-def test_a_configured_peak_wins_and_nothing_is_measured(monkeypatch) -> None:
-    monkeypatch.setattr(metrics, "matmul_flops", _no_measurement)
-    assert device_peak(torch.device("cpu"), torch.float32, 2.5) == Peak(2.5e12, "train.peak_tflops")
-    assert math.isnan(device_peak(torch.device("cpu"), torch.float32, measure=False).flops)
-
-
-def test_the_cpu_peak_is_the_best_measured_and_the_cache_changes_only_when_beaten(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
-    rates = iter([5e10, 3e10, 8e10])
-    monkeypatch.setattr(metrics, "matmul_flops", lambda dtype, seconds=0.5: next(rates))
-    cache = tmp_path / "cpu_peak.json"
-    cache.write_text(json.dumps({"another cpu|4|torch.float32|2.0": 9e11}))
-    assert measured_cpu_flops() == 5e10
-    written = cache.read_bytes()
-    stamp = cache.stat().st_mtime_ns
-    assert measured_cpu_flops() == 5e10  # a busy measurement: the best so far is used, the file untouched
-    assert cache.read_bytes() == written and cache.stat().st_mtime_ns == stamp
-    peak = device_peak(torch.device("cpu"), torch.float32)
-    assert peak == Peak(8e10, "measured on this CPU")
-    known = json.loads(cache.read_text())
-    assert sorted(known.values()) == [8e10, 9e11]  # other keys are kept
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-
-
-def test_a_torn_cache_file_is_replaced(tmp_path) -> None:
-    cache = tmp_path / "cpu_peak.json"
-    cache.write_text('{"key": 1e1')
-    assert keep_best(cache, "key", 4.0) == 4.0 and json.loads(cache.read_text()) == {"key": 4.0}
 
 
 # --- metrics.jsonl -------------------------------------------------------------------------------------------

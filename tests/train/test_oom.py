@@ -38,7 +38,7 @@ class _RunsOutInBackward(torch.nn.Module):
 
 
 def test_out_of_memory_says_where_and_what_would_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardwise.data.pretrain import PackedDataset
+    from shardwise.data.packing import PackedDataset
 
     cfg = with_changes(tiny_config(tmp_path), train={"micro_batch_size": 8})
     peak = estimate_memory(cfg, 1, "cpu").peak

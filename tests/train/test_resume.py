@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.train.checkpoint import METADATA_FILE, list_checkpoints
+from shardwise.checkpoint.storage import METADATA_FILE, list_checkpoints
 from shardwise.train.trainer import Trainer
 
 from .conftest import SEQ, make_tokens, read_metrics, tiny_config
@@ -21,9 +21,10 @@ CHILD = r"""
 import json, sys, time
 from pathlib import Path
 import numpy as np
-from shardwise.config import validate
-from shardwise.data.pretrain import PackedDataset
-from shardwise.train import checkpoint as ckpt
+from shardwise.resolve import resolve_config as validate
+from shardwise.data.packing import PackedDataset
+from shardwise.checkpoint import checkpointer as ckpt
+from shardwise.checkpoint.format import JsonMetadataWriter
 from shardwise.train.trainer import Trainer
 
 raw, tokens_file, mode = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -41,13 +42,13 @@ if mode == "after_save":
         return path
     ckpt.save_checkpoint = save_then_wait
 else:  # "during_save": hang inside the write of the step-4 checkpoint, before it is renamed into place
-    original_finish = ckpt.JsonMetadataWriter.finish
+    original_finish = JsonMetadataWriter.finish
     def finish_then_wait(self, metadata, results):
         original_finish(self, metadata, results)
         if "step_00000004" in str(self.path):
             marker.touch()
             time.sleep(600)
-    ckpt.JsonMetadataWriter.finish = finish_then_wait
+    JsonMetadataWriter.finish = finish_then_wait
 Trainer(cfg, train_dataset=ds).train(overwrite=True)
 """
 
@@ -74,7 +75,7 @@ def _start_and_kill(tmp_path: Path, cfg, mode: str) -> None:
 
 
 def test_killed_run_resumes_with_identical_losses(tmp_path):
-    from shardwise.data.pretrain import PackedDataset
+    from shardwise.data.packing import PackedDataset
 
     ds = PackedDataset(make_tokens(), SEQ)
     full = Trainer(tiny_config(tmp_path / "full", max_steps=6), train_dataset=ds).train().losses
@@ -91,7 +92,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
-    from shardwise.data.pretrain import PackedDataset
+    from shardwise.data.packing import PackedDataset
 
     cfg = tiny_config(tmp_path / "run", max_steps=6, save_steps=2)
     _start_and_kill(tmp_path, cfg, "during_save")
@@ -109,7 +110,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_checkpoints_hold_no_pickle(tmp_path):
-    from shardwise.data.pretrain import PackedDataset
+    from shardwise.data.packing import PackedDataset
 
     cfg = tiny_config(tmp_path, max_steps=2)
     result = Trainer(cfg, train_dataset=PackedDataset(make_tokens(), SEQ)).train()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shardwise.errors import CheckpointError, ConfigError, ShardwiseError, TrainingError
+from shardwise.train import run_dir as run_dir_module
 from shardwise.train import trainer as trainer_module
 from shardwise.train.trainer import Trainer
 
@@ -91,7 +92,7 @@ def test_checkpoint_of_another_shape_names_the_tensor(tmp_path, dataset):
 
 
 def test_keeps_the_newest_k_checkpoints(tmp_path, dataset):
-    from shardwise.train.checkpoint import list_checkpoints
+    from shardwise.checkpoint.storage import list_checkpoints
 
     cfg = tiny_config(tmp_path, max_steps=5, save_steps=1, keep_checkpoints=2)
     _run(cfg, dataset)
@@ -152,8 +153,8 @@ def test_fp16_nan_loss_stops_instead_of_skipping_forever(tmp_path, dataset):
 
 
 def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_path, dataset):
+    from shardwise.checkpoint.storage import list_checkpoints
     from shardwise.errors import ConfigError
-    from shardwise.train.checkpoint import list_checkpoints
 
     cfg = tiny_config(tmp_path, max_steps=4, save_steps=2)
     _run(cfg, dataset)
@@ -178,7 +179,7 @@ def test_eval_steps_without_eval_data_is_refused_and_small_eval_sets_work(tmp_pa
 
 
 def test_resume_into_a_new_directory_writes_complete_checkpoints(tmp_path, dataset):
-    from shardwise.train.checkpoint import load_model
+    from shardwise.checkpoint.weights import load_model
 
     _run(tiny_config(tmp_path / "a", max_steps=2), dataset)
     cfg = tiny_config(tmp_path / "b", max_steps=3)
@@ -218,9 +219,23 @@ def test_overwrite_keeps_the_old_run_when_the_new_data_is_bad(tmp_path, dataset)
 def test_a_run_larger_than_the_free_memory_is_refused_before_the_data(tmp_path, monkeypatch):
     """On the CPU, a model the machine cannot hold (say a forgotten preset: 7B) fails at once with the
     estimate, instead of preparing the data and then being killed."""
-    monkeypatch.setattr(trainer_module, "available_host_memory", lambda: 2**20)  # 1 MiB free
+    monkeypatch.setattr(run_dir_module, "available_host_memory", lambda: 2**20)  # 1 MiB free
     cfg = with_changes(tiny_config(tmp_path), data={"train_files": [str(tmp_path / "never-read.jsonl")]})
     with pytest.raises(ConfigError, match=r"needs about .* GiB of memory \(estimate.*0.0 GiB free") as info:
         Trainer(cfg).train()
     assert "model.preset" in str(info.value) and "shardwise estimate" in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_phase_hook_follows_a_step(tmp_path, dataset):
+    """Tools follow a step through the phase hook (the memory measurement, the out-of-memory report):
+    forward and backward per micro-batch, then the optimizer step; a save at the end; eval after it."""
+    cfg = with_changes(tiny_config(tmp_path, max_steps=2, save_steps=2),
+                       optimize={"gradient_accumulation_steps": 2})
+    trainer = Trainer(cfg, train_dataset=dataset, eval_dataset=dataset)
+    seen = []
+    trainer.add_phase_hook(seen.append)
+    trainer.train()
+    step = ["forward", "backward", "forward", "backward", "optimizer step"]
+    assert seen == step + step + ["checkpoint save", "evaluation"]
+    assert set(seen) <= set(trainer_module.PHASES) and trainer.phase == "evaluation"

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError
+from ..files import plain_file_name, write_json_atomic
 
 METADATA_FILE = ".metadata.json"
 
@@ -86,16 +87,6 @@ def _json_kind(value: Any) -> str:
 
 
 # --- JSON files -----------------------------------------------------------------------------------------
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename, so a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json_object(file: Path, checkpoint: Path) -> dict:
@@ -167,12 +158,6 @@ def _counts(value: Any, what: str, checkpoint: Path, length: int | None = None) 
     if length is not None and len(value) != length:
         raise _bad(checkpoint, f"gives {what} {len(value)} dimensions, but the tensor has {length}")
     return value
-
-
-def plain_file_name(name: Any) -> bool:
-    """Whether `name` can only mean a file directly inside a directory (no path, no `..`, no NUL)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and not os.path.isabs(name)
-            and not any(c in name for c in "/\\\0"))
 
 
 def chunks_tile(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> bool:

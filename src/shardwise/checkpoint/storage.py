@@ -20,7 +20,7 @@ by rank 0 only when every rank's files are on disk; a failure on any rank stops 
 rename, so the previous checkpoints stay the newest good ones.
 
 A checkpoint may come from anywhere: every load goes through `_dcp_load`, which reads it with
-`checkpoint_storage` (metadata as validated JSON, tensors with `torch.load(weights_only=True)`, checked
+`checkpoint.format` (metadata as validated JSON, tensors with `torch.load(weights_only=True)`, checked
 against the metadata; nothing is unpickled), and the JSON files beside the tensors are checked as they
 are read. (DCP exchanges its save and load plans between the processes of a job with pickled objects
 in memory; nothing pickled is written to disk or read from it.)
@@ -43,8 +43,9 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
-from ..parallel.collectives import all_reduce
-from .checkpoint_storage import (
+from ..files import fsync_dir, fsync_tree, write_json_atomic
+from ..parallel.collectives import all_reduce, attempt, fail_together
+from .format import (
     METADATA_FILE,
     JsonMetadataWriter,
     SafeCheckpointReader,
@@ -53,7 +54,6 @@ from .checkpoint_storage import (
     read_json_object,
     refused,
 )
-from .checkpoint_storage import write_json_atomic as _write_json_atomic
 from .rng import capture as capture_rng
 
 log = logging.getLogger(__name__)
@@ -64,78 +64,12 @@ STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-# --- Small file helpers ----------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-# --- Ranks: who does what, and failing together ---------------------------------------------------------
-#
-# Every rank of the group takes part in a save and a load. A failure on one rank must stop all of
-# them at the same point (never leave the others waiting in a collective until the timeout), and the
-# user, who sees rank 0's log, must see the failing rank's message. `_agree` does that without pickle:
-# a flag per rank, then the first failing rank's message as a tensor of character codes.
-
-_MESSAGE_CHARS = 2048
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank(group: Any = None) -> int:
     return dist.get_rank(group) if _distributed() else 0
-
-
-def _agree(error: Exception | None, group: Any = None, what: str = "the checkpoint",
-           verbatim: bool = False) -> None:
-    """Raise on every rank if any rank failed: its own error where it failed, the first failing rank's
-    message elsewhere (`verbatim`: the message as it is, else prefixed with the rank and `what`)."""
-    if not _distributed():
-        if error is not None:
-            raise error
-        return
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.zeros(world, dtype=torch.int32)
-    if error is not None:
-        flags[rank] = 1
-    failed = [r for r, f in enumerate(all_reduce(flags, group).tolist()) if f]
-    if not failed:
-        return
-    first = failed[0]
-    text = torch.zeros(_MESSAGE_CHARS, dtype=torch.int32)
-    if rank == first:
-        message = str(error) if verbatim else f"{type(error).__name__}: {error}"
-        codes = list(message.encode("utf-8", "replace"))[:_MESSAGE_CHARS]
-        text[: len(codes)] = torch.tensor(codes, dtype=torch.int32)
-    text = all_reduce(text, group, dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    message = bytes(c for c in text.tolist() if c).decode("utf-8", "replace")
-    if verbatim:
-        raise CheckpointError(message)
-    raise CheckpointError(f"{what} failed on rank {first} (ranks failing: {failed}): {message}")
-
-
-def _attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Exception | None]:
-    try:
-        return fn(*args, **kwargs), None
-    except Exception as e:  # noqa: BLE001 - handed to `_agree`, which raises it again
-        return None, e
 
 
 # --- Per-rank state ------------------------------------------------------------------------------------------
@@ -265,16 +199,16 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale_temporaries(root)
             tmp.mkdir()
-    _, error = _attempt(prepare)
-    _agree(error, group, f"preparing {tmp}")
+    _, error = attempt(prepare)
+    fail_together(error, group, f"preparing {tmp}", error_class=CheckpointError)
     # DCP stops every rank with a CheckpointException when any rank fails inside it.
     with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         metadata = dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True),
                             process_group=group, no_dist=not _distributed())
-    _, error = _attempt(lambda: _write_json_atomic(rank_state_file(tmp, rank),
+    _, error = attempt(lambda: write_json_atomic(rank_state_file(tmp, rank),
                                                    rank_state if rank_state is not None else capture_rng(CPU)))
-    _agree(error, group, f"writing {tmp}")
+    fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
 
     def finish() -> None:  # rank 0, once every rank's files are on disk
         for name, src in (extra_files or {}).items():
@@ -284,13 +218,14 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
             elif src.is_file():
                 shutil.copy2(src, tmp / name)
         state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, tensors))
-        _write_json_atomic(tmp / STATE_FILE, state)
-        _fsync_tree(tmp)
+        write_json_atomic(tmp / STATE_FILE, state)
+        fsync_tree(tmp)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         _prune(run_dir, keep)
-    _, error = _attempt(finish) if rank == 0 else (None, None)
-    _agree(error, group, f"finishing {final}")  # the other ranks wait here for the rename
+    _, error = attempt(finish) if rank == 0 else (None, None)
+    # The other ranks wait here for the rename.
+    fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     if rank == 0:
         log.info("saved checkpoint %s", final)
     return final
@@ -400,8 +335,8 @@ def check_all_shapes(path: str | Path, tensors: dict[str, dict[str, torch.Tensor
         for g, t in tensors.items():
             _check_held(path, g, t, saved.get(g, {}))
         return saved
-    shapes, error = _attempt(check_held)
-    _agree(error, process_group, verbatim=True)
+    shapes, error = attempt(check_held)
+    fail_together(error, process_group, verbatim=True, error_class=CheckpointError)
     # Which saved names does any rank hold? One flag per group ("this rank loads the group"), then one
     # per saved name, in an order every rank derives from the same file.
     groups = sorted(shapes)
@@ -448,9 +383,9 @@ def _dcp_load(tensors: dict, path: Path, process_group: Any = None, no_dist: boo
     and a planner that never unpickles. `no_dist`: this process reads alone inside a distributed job."""
     alone = not _distributed() if no_dist is None else no_dist
     reader = SafeCheckpointReader(path)
-    _, error = _attempt(lambda: _check_against_metadata(reader.read_metadata(), tensors, path))
+    _, error = attempt(lambda: _check_against_metadata(reader.read_metadata(), tensors, path))
     if not alone:
-        _agree(error, process_group, verbatim=True)
+        fail_together(error, process_group, verbatim=True, error_class=CheckpointError)
     elif error is not None:
         raise error
     try:
@@ -498,151 +433,13 @@ def read_saved_tensors(path: str | Path, group: str, names: list[str]) -> dict[s
     return tensors
 
 
-# --- Save and load: models and optimizers in any layout -------------------------------------------------
-#
-# A run's model may be split into parts (pipeline stages; several per rank with interleaved
-# schedules), each wrapped for recompute, compile, FSDP2 or DDP and sharded as DTensors. These
-# functions take the parts as they are and name everything canonically.
+def read_saved_group(path: str | Path, group: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill whole tensors in place from one group of a checkpoint, in this process alone (whatever
+    layout wrote it); shapes are the caller's to have checked (`check_shapes`)."""
+    _dcp_load({group: tensors}, Path(path), no_dist=True)
 
 
-def _as_list(x: Any) -> list:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def canonical_param_names(model_parts: Any) -> dict[int, str]:
-    """id(parameter) -> its canonical name (no `_checkpoint_wrapped_module.`, `_orig_mod.`, DDP's
-    `module.`), the name `get_model_state_dict` gives it."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
-    names: dict[int, str] = {}
-    for part in _as_list(model_parts):
-        for name, p in part.named_parameters():
-            fqns = _get_fqns(part, name)
-            if len(fqns) != 1:
-                raise CheckpointError(f"parameter {name} maps to several names {sorted(fqns)}: flat-parameter "
-                                      "FSDP (version 1) is not supported; use fully_shard (FSDP2)")
-            names.setdefault(id(p), next(iter(fqns)))
-    return names
-
-
-def model_state(model_parts: Any) -> list[dict[str, torch.Tensor]]:
-    """Each part's state dict by canonical name; FSDP2 / tensor-parallel shards stay DTensors."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return [dict(get_model_state_dict(part)) for part in _as_list(model_parts)]
-
-
-def optimizer_state(model_parts: Any, optimizers: Any) -> dict[str, torch.Tensor]:
-    """Optimizer state as `param_name.key` -> tensor (as `optimizer_state_by_name` in the trainer).
-
-    One optimizer over all parts or one per part both work; a parameter without state (frozen, or
-    owned by another rank's ZeRO-1 shard) has no entry. Non-tensor state is left out (no pickle).
-    """
-    names = canonical_param_names(model_parts)
-    out: dict[str, torch.Tensor] = {}
-    for opt in _as_list(optimizers):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                state = opt.state.get(p)
-                if not state:
-                    continue
-                if id(p) not in names:
-                    raise CheckpointError("the optimizer steps a parameter that none of the model parts "
-                                          "holds; pass every model part the optimizer covers")
-                for key, value in state.items():
-                    if torch.is_tensor(value):
-                        out[f"{names[id(p)]}.{key}"] = value
-    return out
-
-
-@torch.no_grad()
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create an optimizer's lazy state (one step with zero gradients and lr 0) so a load fills it.
-
-    Existing gradients are kept; parameters and an existing state are left as they are.
-    """
-    if optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    try:
-        optimizer.step()
-    finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
-        for p, grad in zip(params, grads):
-            p.grad = grad
-
-
-def sharded_tensors(model_parts: Any, optimizers: Any = None,
-                    extra_groups: dict[str, dict[str, torch.Tensor]] | None = None
-                    ) -> dict[str, dict[str, torch.Tensor]]:
-    """The groups a checkpoint holds: "model" (all parts merged), "optim" (when optimizers are given)
-    and any `extra_groups` (e.g. "master": fp32 master weights by name)."""
-    model: dict[str, torch.Tensor] = {}
-    for sd in model_state(model_parts):
-        model.update(sd)
-    groups = {"model": model}
-    if optimizers is not None:
-        groups["optim"] = optimizer_state(model_parts, optimizers)
-    groups.update(extra_groups or {})
-    return groups
-
-
-def save_sharded_checkpoint(run_dir: str | Path, step: int, model_parts: Any, optimizers: Any,
-                            trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
-                            keep: int = 3, *, extra_groups: dict[str, dict[str, torch.Tensor]] | None = None,
-                            process_group: Any = None) -> Path:
-    """Save a model (one module or a list of parts) and its optimizer(s) from every rank.
-
-    Call it on every rank with that rank's parts and optimizers, in any layout; see `save_checkpoint`
-    for the rest. Without torch.distributed it is a one-process save.
-    """
-    tensors, error = _attempt(sharded_tensors, model_parts, optimizers, extra_groups)
-    _agree(error, process_group, "collecting the tensors to save")
-    return save_checkpoint(run_dir, step, tensors, trainer_state, extra_files, keep,
-                           process_group=process_group)
-
-
-def load_sharded_checkpoint(path: str | Path, model_parts: Any, optimizers: Any = None, *,
-                            extra_groups: dict[str, dict[str, torch.Tensor]] | None = None,
-                            process_group: Any = None) -> dict:
-    """Load a checkpoint of any layout into this run's parts and optimizer(s); return the trainer state.
-
-    Every rank calls it with what it holds. Optimizer state is created first when it does not exist
-    yet, then filled in place; the model is loaded through DCP and set with `set_model_state_dict`.
-    """
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    parts = _as_list(model_parts)
-
-    def collect() -> tuple[list[dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
-        for opt in _as_list(optimizers):
-            ensure_optimizer_state(opt)
-        per_part = model_state(parts)
-        groups = {"model": {k: v for sd in per_part for k, v in sd.items()}}
-        if optimizers is not None:
-            groups["optim"] = optimizer_state(parts, optimizers)
-        groups.update(extra_groups or {})
-        return per_part, groups
-
-    collected, error = _attempt(collect)
-    _agree(error, process_group, "preparing the load")
-    per_part, tensors = collected
-    state = load_checkpoint(path, tensors, process_group=process_group)
-    for part, sd in zip(parts, per_part):
-        set_model_state_dict(part, sd)
-    return state
-
-
-# --- Using a checkpoint on its own (generation, from_pretrained) ------------------------------------------
+# --- A checkpoint given by the user ------------------------------------------------------------------------
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -660,31 +457,3 @@ def find_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Any]:
-    """Build the checkpoint's model from its config.yaml (with its LoRA adapters, when the run had them)
-    and load its weights (fp32 masters if any); returns (model, the run's config)."""
-    from ..config import load_config, read_yaml
-    from ..models import build_model
-
-    path = find_checkpoint(path)
-    raw = read_yaml(path / "config.yaml")
-    # The checkpoint holds the weights and its config the whole architecture: where the run started
-    # from (model.init_from) is history, and need not exist any more.
-    (raw.get("model") or {}).pop("init_from", None)
-    cfg = load_config(raw=raw)
-    model = build_model(cfg.model, device=device, dtype=dtype)
-    if cfg.lora is not None:  # a LoRA run's checkpoint holds the adapters beside the frozen base
-        from ..peft.lora import apply_lora
-
-        apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-    weights = dict(model.state_dict())
-    groups = read_trainer_state(path).get("shapes", {})
-    check_shapes(path, "model", weights)
-    # Each process reads the whole model on its own, whatever layout wrote it.
-    _dcp_load({"model": weights}, path, no_dist=True)
-    if "master" in groups:  # level O2: the fp32 master copies are the exact weights
-        masters = {n: weights[n] for n in groups["master"] if n in weights}
-        _dcp_load({"master": masters}, path, no_dist=True)
-    model.eval()
-    return model, cfg

@@ -1,12 +1,17 @@
 """Data: tokenizers, corpus preparation into token shards, packed pre-training samples, instruction
-(SFT) samples, and the exact, resumable data-parallel loader."""
+(SFT) samples, and the exact, resumable data-parallel loader.
 
-from .build import build_data
+One concept per module, imported bottom-up: files (finding, inspecting, cache keys) <- sources (reading
+documents) <- tokenizer <- prepare; shards <- packing; tokenizer <- chat <- instruction; build ties
+them to a config's data section; loader stands alone."""
+
+from .build import TextDataset, build_data
+from .files import default_cache_dir, expand_files
+from .instruction import InstructionDataset
 from .loader import StatefulLoader, create_dataset
+from .packing import ArrayTokens, PackedDataset
 from .prepare import prepare_cached, prepare_corpus
-from .pretrain import ArrayTokens, PackedDataset, TextDataset, default_cache_dir, expand_files, token_dtype
-from .sft import InstructionDataset
-from .shards import TokenShards
+from .shards import TokenShards, token_dtype
 from .tokenizer import (
     AutoTokenizer,
     SentencePieceTokenizer,

@@ -3,7 +3,8 @@
 Pre-training: raw files are prepared into token shards once (cached by input, tokenizer and options;
 `shardwise prepare` does the same ahead of time into a directory you name, which `train_files` may
 point at), then packed into `seq_length` samples with document masks. Instruction tuning: `.jsonl`
-conversations become `InstructionDataset` samples with loss on the assistant turns only.
+conversations become `InstructionDataset` samples with loss on the assistant turns only. The seed
+documents' `TextDataset` is the same "prepare if needed, then pack" step as a dataset class.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import DataError
+from ..config import DataConfig, RunConfig
+from ..errors import ConfigError, DataError
+from .files import default_cache_dir, expand_files, files_key, resolve_inputs
+from .instruction import InstructionDataset, inspect_instruction_file
+from .loader import unwrap_loader
+from .packing import PackedDataset
 from .prepare import prepare_cached
-from .pretrain import PackedDataset, default_cache_dir, expand_files, files_key
-from .sft import InstructionDataset, inspect_instruction_file
 from .shards import MANIFEST_FILE, TokenShards
-from .sources import resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
-
-if TYPE_CHECKING:
-    from ..config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,14 @@ def prepared_dir(globs: list[str]) -> Path | None:
     return dirs[0]
 
 
-def _prepare_options(data: "DataConfig") -> dict[str, Any]:
+def _prepare_options(data: DataConfig) -> dict[str, Any]:
     return {
         "fmt": data.format, "text_field": data.text_field, "txt_documents": data.txt_documents,
         "min_chars": data.min_chars, "max_length": data.max_length, "on_bad_line": data.on_bad_line,
     }
 
 
-def _token_stream(globs: list[str], tokenizer: Tokenizer, data: "DataConfig", cache_dir: str) -> TokenShards:
+def _token_stream(globs: list[str], tokenizer: Tokenizer, data: DataConfig, cache_dir: str) -> TokenShards:
     """Token shards of `globs`: a prepared directory as is, raw files prepared (or found) in the cache."""
     directory = prepared_dir(globs)
     if directory is None:
@@ -58,7 +58,7 @@ def _token_stream(globs: list[str], tokenizer: Tokenizer, data: "DataConfig", ca
     return TokenShards(directory, tokenizer)
 
 
-def _train_tokenizer(globs: list[str], data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer:
+def _train_tokenizer(globs: list[str], data: DataConfig, vocab_size: int, cache_dir: str) -> Tokenizer:
     """A byte-level BPE tokenizer trained on the training files, kept in the cache for the next run."""
     files = resolve_inputs(globs, data.format)
     key = files_key([f.path for f in files], "bpe", vocab_size, data.text_field)
@@ -85,7 +85,7 @@ def _train_tokenizer(globs: list[str], data: "DataConfig", vocab_size: int, cach
     return load_tokenizer(out)
 
 
-def _tokenizer(data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer:
+def _tokenizer(data: DataConfig, vocab_size: int, cache_dir: str) -> Tokenizer:
     if data.tokenizer is not None:
         return load_tokenizer(data.tokenizer)
     if data.kind == "instruction":
@@ -102,7 +102,7 @@ def _tokenizer(data: "DataConfig", vocab_size: int, cache_dir: str) -> Tokenizer
     return _train_tokenizer(data.train_files, data, vocab_size, cache_dir)
 
 
-def _pretrain_datasets(data: "DataConfig", tokenizer: Tokenizer, cache_dir: str) -> tuple[Any, Any]:
+def _pretrain_datasets(data: DataConfig, tokenizer: Tokenizer, cache_dir: str) -> tuple[Any, Any]:
     seq = data.seq_length
     flags = {"reset_attention_mask": data.reset_attention_mask, "reset_position_ids": data.reset_position_ids}
     stream = _token_stream(data.train_files, tokenizer, data, cache_dir)
@@ -124,7 +124,7 @@ def _pretrain_datasets(data: "DataConfig", tokenizer: Tokenizer, cache_dir: str)
 
 
 def _instruction_datasets(
-    data: "DataConfig", tokenizer: Tokenizer, cache_dir: str, micro_batch_size: int, seed: int
+    data: DataConfig, tokenizer: Tokenizer, cache_dir: str, micro_batch_size: int, seed: int
 ) -> tuple[Any, Any]:
     if data.eval_fraction:
         raise DataError(
@@ -146,7 +146,31 @@ def _instruction_datasets(
     return train, dataset(data.eval_files, False) if data.eval_files else None
 
 
-def check_data_files(data: "DataConfig") -> None:
+class TextDataset(PackedDataset):
+    """The seed documents' pretraining dataset: text files packed into `max_seq_len` samples.
+
+    The files are prepared into token shards once (cached by input, tokenizer and options, see
+    `prepare_cached`); samples carry document masks and restarting positions.
+    """
+
+    def __init__(
+        self,
+        data_files: str | list[str],
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        shuffle: bool = True,
+        cache_dir: str | None = None,
+        **prepare_options: Any,
+    ) -> None:
+        """Prepare the files matching `data_files` (options as `prepare_corpus`); `shuffle` is for the loader."""
+        self.files = expand_files(data_files)
+        self.tokenizer = tokenizer
+        self.shuffle = shuffle
+        directory = prepare_cached(self.files, tokenizer, cache_dir, **prepare_options)
+        super().__init__(TokenShards(directory, tokenizer), max_seq_len)
+
+
+def check_data_files(data: DataConfig) -> None:
     """Fail now, naming the file, on inputs that cannot be read: an empty glob, a directory, a binary
     or empty-of-JSON file, broken gzip, a .parquet that is not parquet, a mix of prepared and raw
     entries. Only each file's first bytes are read (a bad line deeper in is found when the data is
@@ -164,7 +188,7 @@ def check_data_files(data: "DataConfig") -> None:
 
 
 def build_data(
-    data: "DataConfig", vocab_size: int, micro_batch_size: int = 1, seed: int = 0
+    data: DataConfig, vocab_size: int, micro_batch_size: int = 1, seed: int = 0
 ) -> tuple[Tokenizer, Any, Any]:
     """(tokenizer, train dataset, eval dataset or None) as the `data` section describes.
 
@@ -185,4 +209,27 @@ def build_data(
     return tokenizer, train, evaluation
 
 
-__all__ = ["build_data", "check_data_files", "expand_files", "prepared_dir"]
+def run_data(cfg: RunConfig, train_dataset: Any = None, eval_dataset: Any = None,
+             tokenizer: Any = None) -> tuple[Any, Any, Any]:
+    """(tokenizer, train dataset, eval dataset) of a run: the datasets given (the Python API's), else
+    built from its data section; checked against the run (held-out data for train.eval_steps, a
+    vocabulary the model can take)."""
+    if train_dataset is None:
+        tokenizer, train_dataset, built_eval = build_data(cfg.data, cfg.model.vocab_size, cfg.train.micro_batch_size,
+                                                          cfg.train.seed)
+        eval_dataset = eval_dataset if eval_dataset is not None else built_eval
+    train_dataset = unwrap_loader(train_dataset)
+    if cfg.train.eval_steps and eval_dataset is None:
+        raise ConfigError(
+            "train.eval_steps is set but there is no held-out data; set data.eval_fraction or "
+            "data.eval_files (or pass eval_dataset=), or remove train.eval_steps"
+        )
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; raise model.vocab_size to at least {tokenizer.vocab_size}"
+        )
+    return tokenizer, train_dataset, eval_dataset
+
+
+__all__ = ["TextDataset", "build_data", "check_data_files", "prepared_dir", "run_data"]

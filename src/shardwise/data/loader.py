@@ -333,6 +333,14 @@ class StatefulLoader:
         return {"version": STATE_VERSION, "consumed": self.consumed, "seed": self.seed,
                 "num_samples": self.num_samples}
 
+    @classmethod
+    def for_run(cls, dataset: Any, cfg: Any, dp_rank: int, dp_size: int, world_size: int) -> "StatefulLoader":
+        """The loader of a run (a RunConfig) on data-parallel rank `dp_rank` of `dp_size`."""
+        # Dynamically batched data holds whole micro-batches per item (sized by micro_batch_size rows).
+        per_item = 1 if getattr(dataset, "items_are_batches", False) else cfg.train.micro_batch_size
+        return cls(dataset, per_item, cfg.gradient_accumulation(world_size), cfg.train.seed, dp_rank=dp_rank,
+                   dp_size=dp_size, shuffle=getattr(dataset, "shuffle", True), num_workers=cfg.data.num_workers)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, also with a different dp_size or batch shape.
 

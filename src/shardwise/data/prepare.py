@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from importlib.metadata import version
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -43,17 +44,19 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import DataError
-from .shards import FORMAT_NAME, FORMAT_VERSION, INDEX_DTYPE, MANIFEST_FILE, TokenShards, shard_names
-from .sources import (
-    FORMATS,
-    ON_BAD_LINE,
-    TXT_DOCUMENTS,
-    InputFile,
-    ReadStats,
-    check_choice,
-    read_documents,
-    resolve_inputs,
+from ..files import fsync_dir, write_json_atomic
+from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
+from .shards import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    MANIFEST_FILE,
+    TokenShards,
+    shard_dtype,
+    shard_names,
+    token_dtype,
 )
+from .sources import ON_BAD_LINE, TXT_DOCUMENTS, ReadStats, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -412,18 +415,9 @@ def _tokenizer_info(tokenizer: Any) -> dict[str, Any]:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("shardwise")
     except Exception:  # not installed (running from a checkout)
         return "unknown"
-
-
-def _token_dtype(vocab_size: int) -> tuple[str, np.dtype]:
-    # Shards are little-endian on every machine, so they can be copied between them.
-    if vocab_size <= 65535:
-        return "uint16", np.dtype("<u2")
-    return "uint32", np.dtype("<u4")
 
 
 def _no_documents(
@@ -451,7 +445,8 @@ def _write_corpus(
 ) -> dict[str, Any]:
     """Write shards into `directory` and return the manifest (not yet written)."""
     started = time.perf_counter()
-    dtype_name, dtype = _token_dtype(tokenizer.vocab_size)
+    dtype_name = token_dtype(tokenizer.vocab_size).name
+    dtype = shard_dtype(dtype_name)  # little-endian on every machine, so shards can be copied between them
     stats = ReadStats()
     counts = {"dropped_short": 0, "duplicates": 0, "truncated": 0}
     docs = read_documents(
@@ -543,29 +538,6 @@ def _log_summary(out: Path, manifest: dict[str, Any]) -> None:
         logger.warning("%d bad lines were skipped", c["bad_lines"])
     if c["empty_files"]:
         logger.warning("%d empty files were skipped", c["empty_files"])
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # directories cannot be opened on some systems; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- publishing: temp directory -> out ------------------------------------------------------------
@@ -701,10 +673,10 @@ def _prepare(
     try:
         manifest = _write_corpus(files, tokenizer, tmp, options, workers)
         # The manifest last: a directory without one is never read as prepared data.
-        _write_json_atomic(tmp / MANIFEST_FILE, manifest)
-        _fsync_dir(tmp)
+        write_json_atomic(tmp / MANIFEST_FILE, manifest)
+        fsync_dir(tmp)
         if _publish(tmp, out, existing, tokenizer):
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
             _log_summary(out, manifest)
         else:
             logger.info("%s was prepared by another process meanwhile; using it", out)
@@ -753,11 +725,9 @@ def prepare_corpus(
 
 def cache_key(files: Sequence[InputFile], tokenizer: Any, options: dict[str, Any]) -> str:
     """Hash of the input paths, sizes and modification times, the tokenizer and the output options."""
-    parts = []
-    for f in files:
-        st = os.stat(f.path)
-        parts.append([f.path, st.st_size, st.st_mtime_ns])
-    blob = json.dumps([FORMAT_VERSION, parts, tokenizer.fingerprint, sorted(options.items())])
+    # The paths are absolute already (resolve_inputs), so the stamps are what they always were.
+    blob = json.dumps([FORMAT_VERSION, file_stamps([f.path for f in files]), tokenizer.fingerprint,
+                       sorted(options.items())])
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:20]
 
 
@@ -775,8 +745,6 @@ def prepare_cached(
     `prepare_corpus`, less `out`, `workers` and `overwrite`). Concurrent or interrupted runs are safe:
     each prepares into its own temp directory and the first to finish is kept.
     """
-    from .pretrain import default_cache_dir
-
     opts = _check_options(**options)
     n_workers = _check_workers(workers)
     files = resolve_inputs(inputs, opts["format"])

@@ -43,6 +43,11 @@ def shard_dtype(name: str) -> np.dtype:
         raise DataError(f"unknown token dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every id of a vocabulary (its name is the manifest's dtype)."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
 def shard_names(i: int) -> tuple[str, str]:
     """File names (tokens, index) of shard `i`."""
     return f"shard-{i:05d}.bin", f"shard-{i:05d}.idx"

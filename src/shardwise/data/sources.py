@@ -1,7 +1,10 @@
-"""Reading raw inputs into documents: `.txt`, `.jsonl` and `.parquet` files, streamed.
+"""Reading inspected input files (files.py) into text documents, streamed: the one reader that corpus
+preparation and tokenizer training share.
 
 - `.txt` (also `.text`, `.md` and any unknown extension): a document per file, or (option
-  `txt_documents="paragraph"`) documents separated by blank lines.
+  `txt_documents="paragraph"`) documents separated by blank lines, or (`"line"`, what tokenizer
+  training reads) every line with its newline, as a text-mode file gives it ("\\r\\n" and a lone
+  "\\r" read as "\\n").
 - `.jsonl` / `.ndjson`: one JSON object per line, the document in a text field (default "text").
   A line that is not JSON, not an object, or lacks the field (or whose field is not a string) is a
   bad line: reported with file and line number, and by option either fatal (`on_bad_line="stop"`)
@@ -10,56 +13,33 @@
   a time; a null value is a bad line like those of JSON Lines.
 - Text and JSON Lines may be gzip-compressed (`.gz`, recognised by its magic bytes).
 
-Rules for bad files, checked for every file before any work starts (`inspect_input`): an empty
-file is skipped and counted (it holds no document, so nothing is lost); a binary file (a NUL byte,
-or mostly undecodable bytes, in its first 8 KiB) stops with a DataError, since it is almost always a
-glob that caught the wrong file or a text in another encoding (UTF-16), which must be converted.
-
 Invalid UTF-8 is repaired (each bad byte sequence becomes U+FFFD) and counted: documents affected
-and characters replaced, in `ReadStats`.
+and characters replaced, in `ReadStats`. A UTF-8 byte order mark at the start of a file is dropped.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
-import os
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import DataError
+from .files import InputFile, check_choice, import_pyarrow_parquet, open_input
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("auto", "txt", "jsonl", "parquet")
 TXT_DOCUMENTS = ("file", "paragraph")
+# Not a preparation option: tokenizer training reads text files line by line.
+TXT_LINES = "line"
 ON_BAD_LINE = ("stop", "skip")
 
-_GZIP_MAGIC = b"\x1f\x8b"
-_PARQUET_MAGIC = b"PAR1"
 _UTF8_BOM = b"\xef\xbb\xbf"
 _REPLACEMENT = "\ufffd"
-_SNIFF_BYTES = 8192
-# More than this share of undecodable characters in the first 8 KiB: not UTF-8 text at all.
-_BINARY_SHARE = 0.3
 _WARN_BAD_LINES = 5
 _PARQUET_BATCH_ROWS = 1024
-_EXTENSIONS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
-               ".parquet": "parquet"}
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file: its path, format ("txt", "jsonl", "parquet"), compression and size."""
-
-    path: str
-    format: str
-    gzip: bool
-    bytes: int
-    empty: bool
 
 
 @dataclass
@@ -75,102 +55,29 @@ class ReadStats:
     per_file: dict[str, int] = field(default_factory=dict)
 
 
-def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    """`value` if it is one of `choices`, else a DataError naming the option and the choices."""
-    if value not in choices:
-        raise DataError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class BadLineWording:
+    """How a bad line is put to the user: the reader finds it, its caller names the option that skips it.
+
+    `fix` ends the error when reading stops. `no_field` and `not_a_string` are format strings over
+    `field`, `fields` (the line's first `fields_shown` keys), `kind` (JSON's name of the value's type)
+    and `type` (Python's). `show_line` quotes the start of an unparsable line; `more_skipped` is logged
+    once when skipped lines stop being warned about one by one.
+    """
+
+    fix: str
+    no_field: str = "no field {field!r} (fields: {fields}); set text_field (--text-field)"
+    not_a_string: str = "field {field!r} is {kind}, not a string"
+    fields_shown: int = 10
+    show_line: bool = True
+    more_skipped: str | None = "more bad lines are skipped without a warning; the manifest counts them all"
 
 
-def import_pyarrow_parquet() -> Any:
-    """`pyarrow.parquet`, or a DataError saying how to install it."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise DataError(
-            f"reading .parquet files needs pyarrow, which is not installed ({e}); "
-            f"install it with `pip install pyarrow` (or `pip install shardwise[parquet]`)"
-        ) from e
-    return pq
-
-
-def _format_of(path: str, fmt: str) -> str:
-    if fmt != "auto":
-        return fmt
-    name = path.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    ext = os.path.splitext(name)[1]
-    if ext == ".json":
-        raise DataError(
-            f"{path}: .json files are not read, only JSON Lines (one object per line, .jsonl); convert "
-            f"it, or pass format 'jsonl' (--format jsonl) if it already has one object per line"
-        )
-    if ext not in _EXTENSIONS:
-        logger.info("%s: unknown extension, read as plain text", path)
-    return _EXTENSIONS.get(ext, "txt")
-
-
-def _open_binary(path: str, gz: bool) -> BinaryIO:
-    return gzip.open(path, "rb") if gz else open(path, "rb")  # type: ignore[return-value]
-
-
-def open_input(f: InputFile) -> BinaryIO:
-    """The bytes of an inspected input file, decompressed when it is gzip."""
-    return _open_binary(f.path, f.gzip)
-
-
-def inspect_input(path: str, fmt: str = "auto") -> InputFile:
-    """Format, compression and size of `path`; DataError for a binary or unreadable file."""
-    check_choice("format", fmt, FORMATS)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise DataError(f"cannot read input file {path}: {e}") from e
-    kind = _format_of(path, fmt)
-    if size == 0:
-        return InputFile(path, kind, False, 0, True)
-    if kind == "parquet":
-        if magic != _PARQUET_MAGIC:
-            raise DataError(
-                f"{path} is not a parquet file (it does not start with {_PARQUET_MAGIC!r}); "
-                f"rename it or pass the right format"
-            )
-        return InputFile(path, kind, False, size, False)
-    gz = magic[:2] == _GZIP_MAGIC
-    try:
-        with _open_binary(path, gz) as f:
-            head = f.read(_SNIFF_BYTES)
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"cannot read {path}: it looks gzip-compressed but is not valid gzip ({e})") from e
-    if not head:
-        return InputFile(path, kind, gz, size, True)
-    reason = _binary_reason(head)
-    if reason:
-        utf16 = head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[1::2].count(0) > len(head) // 4
-        hint = (
-            " It looks like UTF-16 text: convert it to UTF-8 (e.g. `iconv -f UTF-16 -t UTF-8`)." if utf16 else ""
-        )
-        raise DataError(
-            f"{path} looks like a binary file, not {kind} text ({reason} in its first "
-            f"{len(head)} bytes); binary files are not skipped, so remove it from the inputs "
-            f"(narrow the glob).{hint}"
-        )
-    return InputFile(path, kind, gz, size, False)
-
-
-def _binary_reason(head: bytes) -> str | None:
-    nul = head.find(b"\x00")
-    if nul >= 0:
-        return f"a NUL byte at offset {nul}"
-    text = head.decode("utf-8", errors="replace")
-    # The last character may be a multi-byte sequence cut by the sniff window; it does not count.
-    bad = text[:-1].count(_REPLACEMENT) - head.count(_REPLACEMENT.encode())
-    if text and bad > _BINARY_SHARE * len(text):
-        return f"{bad} of {len(text)} characters are not valid UTF-8"
-    return None
+# Read by `shardwise prepare` and by a run preparing its own data: both spellings.
+PREPARE_WORDING = BadLineWording(
+    fix="fix it, or skip such lines with on_bad_line='skip' (--on-bad-line skip; in a run's config "
+    "data.on_bad_line: skip), which counts them in the manifest"
+)
 
 
 class _Decoder:
@@ -209,33 +116,30 @@ def _fix_surrogates(text: str) -> tuple[str, int]:
 class _BadLines:
     """Reports bad lines: raise (stop) or count and warn about the first few (skip)."""
 
-    def __init__(self, stats: ReadStats, on_bad_line: str) -> None:
+    def __init__(self, stats: ReadStats, on_bad_line: str, wording: BadLineWording) -> None:
         self.stats = stats
         self.skip = on_bad_line == "skip"
+        self.wording = wording
 
     def __call__(self, where: str, why: str, line: bytes | None = None) -> None:
         shown = ""
-        if line is not None:
+        if line is not None and self.wording.show_line:
             snippet = line[:80].decode("utf-8", errors="replace").rstrip("\r\n")
             shown = f" (line starts {snippet!r})"
         message = f"{where}: {why}{shown}"
         if not self.skip:
-            # Read by `shardwise prepare` and by a run preparing its own data: both spellings.
-            raise DataError(
-                f"{message}; fix it, or skip such lines with on_bad_line='skip' (--on-bad-line skip; in a "
-                f"run's config data.on_bad_line: skip), which counts them in the manifest"
-            )
+            raise DataError(f"{message}; {self.wording.fix}")
         self.stats.bad_lines += 1
         if self.stats.first_bad_line is None:
             self.stats.first_bad_line = message
         if self.stats.bad_lines <= _WARN_BAD_LINES:
             logger.warning("skipping %s", message)
-        elif self.stats.bad_lines == _WARN_BAD_LINES + 1:
-            logger.warning("more bad lines are skipped without a warning; the manifest counts them all")
+        elif self.stats.bad_lines == _WARN_BAD_LINES + 1 and self.wording.more_skipped:
+            logger.warning(self.wording.more_skipped)
 
 
 def _read_txt(f: InputFile, mode: str, decode: _Decoder) -> Iterator[str]:
-    with _open_binary(f.path, f.gzip) as fh:
+    with open_input(f) as fh:
         if mode == "file":
             raw = fh.read()
             if raw.startswith(_UTF8_BOM):
@@ -251,13 +155,29 @@ def _read_txt(f: InputFile, mode: str, decode: _Decoder) -> Iterator[str]:
                 first = False
                 if line.startswith(_UTF8_BOM):
                     line = line[len(_UTF8_BOM):]
-            if line.strip():
+            if mode == TXT_LINES:
+                yield from _text_lines(line, decode)
+            elif line.strip():
                 lines.append(line)
             elif lines:
                 yield _paragraph(lines, decode)
                 lines = []
         if lines:
             yield _paragraph(lines, decode)
+
+
+def _text_lines(raw: bytes, decode: _Decoder) -> Iterator[str]:
+    """The lines of one b"\\n"-ended line as a text-mode file reads them: "\\r\\n" and "\\r" end lines too."""
+    text, replaced = decode(raw)
+    decode.count(replaced)
+    if "\r" not in text:
+        yield text
+        return
+    parts = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    for part in parts[:-1]:
+        yield part + "\n"
+    if parts[-1]:
+        yield parts[-1]
 
 
 def _paragraph(lines: list[bytes], decode: _Decoder) -> str:
@@ -267,7 +187,8 @@ def _paragraph(lines: list[bytes], decode: _Decoder) -> str:
 
 
 def _read_jsonl(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines) -> Iterator[str]:
-    with _open_binary(f.path, f.gzip) as fh:
+    wording = bad.wording
+    with open_input(f) as fh:
         for lineno, line in enumerate(fh, 1):
             if lineno == 1 and line.startswith(_UTF8_BOM):
                 line = line[len(_UTF8_BOM):]
@@ -284,12 +205,13 @@ def _read_jsonl(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines)
                 bad(where, f"a JSON {type(obj).__name__}, not an object with a {text_field!r} field", line)
                 continue
             if text_field not in obj:
-                fields = ", ".join(map(repr, list(obj)[:10])) or "none"
-                bad(where, f"no field {text_field!r} (fields: {fields}); set text_field (--text-field)")
+                fields = ", ".join(map(repr, list(obj)[: wording.fields_shown])) or "none"
+                bad(where, wording.no_field.format(field=text_field, fields=fields))
                 continue
             value = obj[text_field]
             if not isinstance(value, str):
-                bad(where, f"field {text_field!r} is {_json_kind(value)}, not a string")
+                why = wording.not_a_string.format(field=text_field, kind=_json_kind(value), type=type(value).__name__)
+                bad(where, why)
                 continue
             value, more = _fix_surrogates(value)
             # Repairs of the raw line land in this document's text (JSON strings hold most of a line).
@@ -360,13 +282,17 @@ def read_documents(
     txt_documents: str = "file",
     on_bad_line: str = "stop",
     stats: ReadStats | None = None,
+    wording: BadLineWording = PREPARE_WORDING,
 ) -> Iterator[str]:
-    """Documents of the files, in order, one at a time; `stats` collects what reading found."""
-    check_choice("txt_documents", txt_documents, TXT_DOCUMENTS)
+    """Documents of the files, in order, one at a time; `stats` collects what reading found.
+
+    `txt_documents` is one of TXT_DOCUMENTS or TXT_LINES; `wording` says how bad lines are reported.
+    """
+    check_choice("txt_documents", txt_documents, (*TXT_DOCUMENTS, TXT_LINES))
     check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
     stats = stats if stats is not None else ReadStats()
     decode = _Decoder(stats)
-    bad = _BadLines(stats, on_bad_line)
+    bad = _BadLines(stats, on_bad_line, wording)
     for f in files:
         if f.empty:
             stats.empty_files += 1
@@ -392,25 +318,12 @@ def read_documents(
         stats.per_file[f.path] = n
 
 
-def resolve_inputs(inputs: Sequence[str] | str, fmt: str = "auto") -> list[InputFile]:
-    """The files matching `inputs` (globs or paths), inspected; DataError for an empty glob or a bad file."""
-    from .pretrain import expand_files
-
-    files = [inspect_input(p, fmt) for p in expand_files(inputs)]
-    if any(f.format == "parquet" for f in files):
-        import_pyarrow_parquet()  # fail before any work when pyarrow is missing
-    return files
-
-
 __all__ = [
-    "FORMATS",
-    "InputFile",
+    "BadLineWording",
     "ON_BAD_LINE",
+    "PREPARE_WORDING",
     "ReadStats",
     "TXT_DOCUMENTS",
-    "import_pyarrow_parquet",
-    "inspect_input",
-    "open_input",
+    "TXT_LINES",
     "read_documents",
-    "resolve_inputs",
 ]

@@ -30,6 +30,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from ..errors import DataError
+from ..files import publish_dir, write_bytes_atomic, write_text_atomic
+from .files import InputFile, expand_files
+from .sources import TXT_LINES, BadLineWording, ReadStats, read_documents
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +253,7 @@ class Tokenizer:
         return self._fingerprint
 
     def _write_model(self, out: Path) -> None:
-        _write_atomic(out / TOKENIZER_FILE, self.backend.to_str(pretty=True))
+        write_text_atomic(out / TOKENIZER_FILE, self.backend.to_str(pretty=True))
 
     def _base_config(self) -> dict[str, Any]:
         return {"tokenizer_class": "PreTrainedTokenizerFast"}
@@ -269,8 +272,8 @@ class Tokenizer:
         elif templates:
             config["chat_template"] = [{"name": n, "template": t} for n, t in templates.items()]
         self._write_model(out)
-        _write_atomic(out / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-        _write_atomic(out / SPECIAL_MAP_FILE, json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomic(out / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomic(out / SPECIAL_MAP_FILE, json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
         # A chat_template.jinja overrides the config's template when loading (here and in transformers),
         # so one left in the directory must say the same or go.
         jinja = out / CHAT_TEMPLATE_FILE
@@ -278,7 +281,7 @@ class Tokenizer:
             if self.chat_template is None:
                 jinja.unlink()
             else:
-                _write_atomic(jinja, self.chat_template)
+                write_text_atomic(jinja, self.chat_template)
         return out
 
     def __repr__(self) -> str:
@@ -384,7 +387,7 @@ class SentencePieceTokenizer(Tokenizer):
             # It would be loaded instead of the tokenizer.model being saved.
             logger.warning("removing %s: it would shadow the SentencePiece model saved there", stale)
             stale.unlink()
-        _write_atomic(out / SENTENCEPIECE_FILE, self.backend.serialized_model_proto())
+        write_bytes_atomic(out / SENTENCEPIECE_FILE, self.backend.serialized_model_proto())
 
     def _base_config(self) -> dict[str, Any]:
         # The source config's other keys (tokenizer_class, add_bos_token, ...) describe this model for
@@ -409,21 +412,6 @@ def _chat_templates(value: Any, source: str) -> dict[str, str]:
         f"chat_template of {source} must be a Jinja string or a list of "
         f'{{"name": ..., "template": ...}} entries, got {type(value).__name__}; fix or remove it'
     )
-
-
-def _write_atomic(path: Path, content: str | bytes) -> None:
-    """Write `content` to `path` so that a crash never leaves a half-written file under that name."""
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    data = content.encode("utf-8") if isinstance(content, str) else content
-    # os.open with 0o666 (not mkstemp's 0o600) so the file gets the user's usual permissions (umask).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _token_content(value: Any) -> str | None:
@@ -610,25 +598,24 @@ def _check_text_file(path: str) -> None:
         )
 
 
-def _jsonl_text(line: str, where: str, text_field: str) -> str:
-    """The text field of one JSON line; ValueError (with a message) when the line has none."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        kind = type(record).__name__
-        raise ValueError(f"{where}: a JSON {kind}, not an object with a {text_field!r} field")
-    if text_field not in record:
-        keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
-        raise ValueError(
-            f"{where}: no {text_field!r} field (its fields: {keys}); name the text field with "
-            f"text_field (--text-field)"
-        )
-    text = record[text_field]
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_field!r} is a {type(text).__name__}, not a string")
-    return text
+# Bad lines as `shardwise tokenizer train` has always worded them (prepare words them its own way).
+_TRAINING_WORDING = BadLineWording(
+    # This runs for `shardwise tokenizer train` and for a run's own tokenizer.
+    fix="fix the line, or skip such lines with skip_bad_lines=True (--skip-bad-lines; in a run's config: "
+    "data.on_bad_line: skip)",
+    no_field="no {field!r} field (its fields: {fields}); name the text field with text_field (--text-field)",
+    not_a_string="field {field!r} is a {type}, not a string",
+    fields_shown=8,
+    show_line=False,
+    more_skipped=None,
+)
+
+
+def _training_input(path: str) -> InputFile:
+    """A checked training file as the reader takes it: JSON lines by name, any other name text lines."""
+    fmt = "jsonl" if path.lower().endswith(_JSONL_SUFFIXES) else "txt"
+    # An empty file is read as holding nothing; the "hold no text" error covers inputs that are all empty.
+    return InputFile(path, fmt, gzip=False, bytes=os.path.getsize(path), empty=False)
 
 
 def _read_texts(
@@ -645,35 +632,22 @@ def _read_texts(
     stats = stats if stats is not None else {}
     for key in ("texts", "chars", "bad_lines"):
         stats.setdefault(key, 0)
+    read = ReadStats()
+    texts = read_documents(
+        [_training_input(f) for f in files], text_field=text_field, txt_documents=TXT_LINES,
+        on_bad_line="skip" if skip_bad_lines else "stop", stats=read, wording=_TRAINING_WORDING,
+    )
     batch: list[str] = []
     chars = 0
-    for f in files:
-        is_jsonl = f.lower().endswith(_JSONL_SUFFIXES)
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if is_jsonl:
-                    if not line.strip():
-                        continue
-                    try:
-                        line = _jsonl_text(line, f"{f}:{lineno}", text_field)
-                    except ValueError as e:
-                        if not skip_bad_lines:
-                            # This runs for `shardwise tokenizer train` and for a run's own tokenizer.
-                            raise DataError(
-                                f"{e}; fix the line, or skip such lines with skip_bad_lines=True "
-                                f"(--skip-bad-lines; in a run's config: data.on_bad_line: skip)"
-                            ) from None
-                        stats["bad_lines"] += 1
-                        if stats["bad_lines"] <= 5:
-                            logger.warning("skipping %s", e)
-                        continue
-                batch.append(line)
-                chars += len(line)
-                stats["texts"] += 1
-                stats["chars"] += len(line)
-                if len(batch) >= _BATCH_TEXTS or chars >= _BATCH_CHARS:
-                    yield batch
-                    batch, chars = [], 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        stats["texts"] += 1
+        stats["chars"] += len(text)
+        if len(batch) >= _BATCH_TEXTS or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    stats["bad_lines"] += read.bad_lines
     if batch:
         yield batch
 
@@ -757,8 +731,6 @@ def train_tokenizer(
     into a temporary directory beside `out` and renamed into place, so an interrupted run leaves `out`
     as it was.
     """
-    from .pretrain import expand_files  # imported here: pretrain imports this module
-
     # Resolved, so that "." or a symlink still has a parent to hold the temporary directory.
     out = Path(out).expanduser().resolve()
     if out.exists() and not out.is_dir():
@@ -787,23 +759,14 @@ def train_tokenizer(
 
 def _install_directory(new: Path, out: Path) -> None:
     """Move the finished tokenizer directory `new` to `out`, replacing only tokenizer files there."""
-    if not out.exists():
-        os.replace(new, out)
-        return
-    entries = list(out.iterdir())
+    entries = list(out.iterdir()) if out.exists() else []
     # Renaming the working directory away would leave this process (and the user's shell) in a
     # deleted one, so that directory is filled file by file instead.
-    is_cwd = out == Path.cwd().resolve()
-    if not entries and not is_cwd:
-        os.replace(new, out)  # POSIX rename also replaces an empty directory
-        return
-    if entries and not is_cwd and all(p.name in TOKENIZER_FILES for p in entries):
-        # Only an old tokenizer there: swap whole directories, so no mix of old and new files is ever
-        # visible; a crash between the renames leaves the old one intact under the backup name.
-        backup = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
-        os.rename(out, backup)
-        os.replace(new, out)
-        shutil.rmtree(backup, ignore_errors=True)
+    is_cwd = out.exists() and out == Path.cwd().resolve()
+    if not is_cwd and all(p.name in TOKENIZER_FILES for p in entries):
+        # Nothing there, or only an old tokenizer: whole directories, so no mix of old and new files is
+        # ever visible (the old one is put back if the move fails).
+        publish_dir(new, out)
         return
     # Other files share the directory: leave them, replace the tokenizer's files one by one, and drop
     # old ones the new tokenizer does not write (they would change what loads).

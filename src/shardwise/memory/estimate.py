@@ -45,11 +45,16 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from ..builder import build_adapted_model
+from ..config import FreezeConfig, LoraConfig
 from ..errors import ConfigError
+from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
+from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
+from ..parallel.tensor import check_tensor_parallel
+from ..units import gib
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
-GIB = 2**30
 # Caching-allocator reserve above the tensor bytes on CUDA/NPU (block rounding, fragmentation): a
 # documented allowance, as a fraction of the tensor peak. 0 on CPU, where tensors are counted exactly.
 ALLOCATOR_OVERHEAD = 0.10
@@ -88,17 +93,17 @@ class MemoryEstimate:
         width = max(len(r[0]) for r in rows) + 2
         where = d.get("rank_role", "")
         lines = [f"memory per device{f' ({where})' if where else ''}, at the {self.peak_phase} peak:"]
-        lines += [f"  {name:<{width}}{_gib(n):>10}" for name, n in rows]
-        lines.append(f"  {'peak':<{width}}{_gib(self.peak):>10}")
-        lines.append("  by phase: " + ", ".join(f"{p} {_gib(self.phases[p]).strip()}" for p in PHASES))
+        lines += [f"  {name:<{width}}{gib(n, 3):>10}" for name, n in rows]
+        lines.append(f"  {'peak':<{width}}{gib(self.peak, 3):>10}")
+        lines.append("  by phase: " + ", ".join(f"{p} {gib(self.phases[p], 3)}" for p in PHASES))
         per_layer = d.get("layer_activation_bytes")
         if per_layer:
-            lines.append(f"  activations per layer and micro-batch: {_gib(per_layer).strip()} "
-                         f"(no recompute: {_gib(d['layer_activation_bytes_no_recompute']).strip()}, "
-                         f"full recompute: {_gib(d['layer_activation_bytes_full_recompute']).strip()}); "
+            lines.append(f"  activations per layer and micro-batch: {gib(per_layer, 3)} "
+                         f"(no recompute: {gib(d['layer_activation_bytes_no_recompute'], 3)}, "
+                         f"full recompute: {gib(d['layer_activation_bytes_full_recompute'], 3)}); "
                          f"{d.get('layers_on_rank')} layers on this device")
         if self.host:
-            lines.append(f"  in host memory (CPU offload): {_gib(self.host).strip()}")
+            lines.append(f"  in host memory (CPU offload): {gib(self.host, 3)}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,10 +112,6 @@ class MemoryEstimate:
                 "activations": self.activations, "buffers": self.buffers, "overhead": self.overhead,
                 "peak": self.peak, "peak_phase": self.peak_phase, "phases": dict(self.phases), "host": self.host,
                 "detail": self.detail}
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.3f} GiB"
 
 
 # --- the layout --------------------------------------------------------------------------------------
@@ -138,9 +139,6 @@ class _Layout:
 
 def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
     """Resolve and check the parallel layout the way the trainer will."""
-    from ..parallel.pipeline import check_pipeline
-    from ..parallel.tensor import check_tensor_parallel
-
     p, m = cfg.parallel, cfg.model
     world = p.world_size(devices)
     if devices is not None and world != devices:
@@ -239,24 +237,9 @@ def _tp_dim(name: str) -> Optional[int]:
 @functools.lru_cache(maxsize=16)
 def _param_table(key: str) -> tuple[_Param, ...]:
     """Every parameter of the model with LoRA / freezing applied (built on the meta device, cached)."""
-    import torch
-
-    from ..models import Transformer
-    from ..models.config import ModelConfig
-
     spec = json.loads(key)
-    mcfg = ModelConfig(**spec["model"])
-    with torch.device("meta"):
-        model = Transformer(mcfg)
-    if spec["lora"] is not None:
-        from ..peft.lora import apply_lora
-
-        lora = spec["lora"]
-        apply_lora(model, lora["r"], lora["alpha"], lora["dropout"], lora["target_modules"])
-    elif spec["freeze"]["embeddings"] or spec["freeze"]["layers"]:
-        from ..peft.freeze import freeze_parameters
-
-        freeze_parameters(model, spec["freeze"]["embeddings"], spec["freeze"]["layers"])
+    lora = LoraConfig(**spec["lora"]) if spec["lora"] is not None else None
+    model = build_adapted_model(ModelConfig(**spec["model"]), lora, FreezeConfig(**spec["freeze"]), "meta")
     out = []
     for name, p in model.named_parameters():
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
@@ -424,7 +407,7 @@ def _recompute_bytes(cfg: Any, sh: _Shape, mode: str, full: int) -> int:
     inputs = sh.b * sh.tn * sh.h * s  # the block's input, kept to run it again
     if mode == "full":
         return inputs
-    # Selective: every matmul and attention output is kept (ours/_SAVE_OPS in memory/recompute.py).
+    # Selective: every matmul and attention output is kept (ours/_SAVE_OPS in parallel/recompute.py).
     m = cfg.model
     mm = bt * sh.q + 2 * bt * sh.kv + bt * sh.h  # q, k, v, o
     mm += bt * sh.f * (2 if m.mlp == "gated" else 1) + bt * sh.h  # w1 (w3), w2
@@ -466,8 +449,6 @@ def _rank_ops(lay: _Layout, pp_rank: int, stages: list[int]) -> list[tuple[int, 
 
 def _torch_rank_ops(lay: _Layout, pp_rank: int) -> list[tuple[int, str, int]]:
     """The multi-stage schedules' action order, from torch itself (its pipeline_order of one rank)."""
-    from ..parallel.pipeline import schedule_class
-
     cls = schedule_class(lay.schedule, lay.virtual_stages)
     rounds = max(1, lay.micro_batch_num // lay.pp)
     fake = SimpleNamespace(pp_group_size=lay.pp, n_local_stages=lay.virtual_stages, _n_microbatches=lay.micro_batch_num,
@@ -508,8 +489,6 @@ def estimate_all_ranks(cfg: Any, devices: Optional[int] = None, device: str = "c
 
 
 def _rank_stages(lay: _Layout, pp_rank: int) -> list[int]:
-    from ..parallel.pipeline import schedule_style, stage_indices
-
     if lay.pp == 1:
         return [0]
     return stage_indices(pp_rank, lay.pp, lay.virtual_stages, schedule_style(lay.schedule, lay.virtual_stages))
@@ -521,8 +500,6 @@ def _stage_layers(lay: _Layout, stage: int) -> list[int]:
 
 
 def _stage_owner(lay: _Layout, stage: int) -> int:
-    from ..parallel.pipeline import schedule_style, stage_rank
-
     return stage_rank(stage, lay.pp, lay.pp * lay.virtual_stages, schedule_style(lay.schedule, lay.virtual_stages))
 
 

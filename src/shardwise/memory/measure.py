@@ -12,27 +12,23 @@ inside this mode's own dispatch, so they are not seen one by one: the op's resul
 temporary inside the op is not.
 
 Phases: "forward" from a module's forward pre-hook, "backward" while autograd runs a backward pass
-(recomputed forwards included), "optimizer" inside `optimizer.step` and, with the trainer
-instrumented, from the end of a step's forward/backward to its update (unscale, clipping, fp32
-master copies), "checkpoint" inside `tracker.phase("checkpoint")`. `measure_training` runs the
-Trainer for a few steps under a tracker and reports the peak of each phase.
-
-For out-of-memory reports without a tracker, `phase_of_traceback` names the phase from the frames of
-the exception.
+(recomputed forwards included), "optimizer" inside `optimizer.step` and wherever `mark` says so (the
+trainer's phase hook marks the end of a step's forward/backward: unscale, clipping, fp32 master
+copies), "checkpoint" likewise. `shardwise.train.probe.measure_training` runs the Trainer for a few
+steps under a tracker and reports the peak of each phase.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import traceback
 import weakref
 from dataclasses import dataclass, field
 from functools import wraps
-from types import TracebackType
 from typing import Any, Iterator, Optional
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -215,8 +211,6 @@ class MemoryTracker(TorchDispatchMode):
     # --- hooks -------------------------------------------------------------------------------------
 
     def __enter__(self) -> "MemoryTracker":
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def forward_pre(_module: Any, _args: Any) -> None:
             if torch._C._current_graph_task_id() == -1 and not self._optimizer_depth:
@@ -253,101 +247,3 @@ class MemoryTracker(TorchDispatchMode):
             for h in self._handles:
                 h.remove()
             self._handles = []
-
-
-# --- the trainer, measured ---------------------------------------------------------------------------
-
-
-def measure_training(cfg: Any, train_dataset: Any, steps: int = 2, save: bool = True,
-                     tracker: Optional[MemoryTracker] = None) -> Measurement:
-    """Run `Trainer(cfg, train_dataset).train()` for `steps` optimizer steps (and the final checkpoint
-    save when `save`) under a MemoryTracker; return this rank's peaks from the first step on.
-
-    The window starts at the first optimizer step (model building and initialisation are left out)
-    and the steady state is reached in step 2, when the optimizer state exists during forward and
-    backward. Call it on every rank of a distributed run (e.g. in `run_distributed` workers).
-    """
-    from ..config import validate
-    from ..train.trainer import Trainer
-
-    raw = cfg.model_dump(mode="json")
-    raw["train"].update(max_steps=steps, save_steps=None, eval_steps=None, log_steps=steps, progress_bar=False,
-                        tensorboard=False)
-    cfg = validate(raw)
-    trainer = Trainer(cfg, train_dataset=train_dataset)
-    tracker = tracker or MemoryTracker()
-    captured: dict[str, Any] = {}
-    _instrument(trainer, tracker, captured, save)
-    gc.collect()
-    with tracker:
-        trainer.train(overwrite=True)
-        state = captured.get("state")
-        groups = _groups(state) if state is not None else None
-        rank = state.ctx.rank if state is not None else 0
-        result = tracker.measurement(groups, rank)
-    del trainer, state, groups, captured
-    gc.collect()
-    return result
-
-
-def _instrument(trainer: Any, tracker: MemoryTracker, captured: dict[str, Any], save: bool) -> None:
-    """Wrap the trainer's step, forward/backward and save methods (on this instance only)."""
-    step, fb, pfb, save_fn = trainer._step, trainer._forward_backward, trainer._pipeline_forward_backward, trainer._save
-
-    def _step(s: Any, *args: Any, **kwargs: Any) -> Any:
-        if "state" not in captured:
-            captured["state"] = s
-            tracker.start_recording()
-        tracker.mark("forward")
-        return step(s, *args, **kwargs)
-
-    def _after(fn: Any) -> Any:
-        @wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            out = fn(*args, **kwargs)
-            tracker.mark("optimizer")  # unscale, clipping and master copies belong to the update
-            return out
-        return run
-
-    def _save(*args: Any, **kwargs: Any) -> Any:
-        if not save:
-            return None
-        with tracker.phase("checkpoint"):
-            return save_fn(*args, **kwargs)
-
-    trainer._step = _step
-    trainer._forward_backward = _after(fb)
-    trainer._pipeline_forward_backward = _after(pfb)
-    trainer._save = _save
-
-
-def _groups(state: Any) -> dict[str, list[torch.Tensor]]:
-    """The trainer state's tensors by kind, for the split of the peak."""
-    params, grads = [], []
-    for part in state.parts:
-        params += [*part.parameters(), *part.buffers()]
-        grads += [p.grad for p in part.parameters() if p.grad is not None]
-    opt = state.optimizer
-    inner = getattr(opt, "local", opt)
-    opt_state = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    groups = {"params": params, "grads": grads, "optimizer": opt_state}
-    if state.masters is not None:
-        groups["masters"] = list(state.masters.masters)
-    return groups
-
-
-# --- the phase of an out-of-memory error -------------------------------------------------------------
-
-
-def phase_of_traceback(tb: Optional[TracebackType]) -> str:
-    """The training phase an exception was raised in, read from its frames (innermost decides)."""
-    phase = "forward"
-    for frame in traceback.extract_tb(tb):
-        path, name = frame.filename.replace("\\", "/"), frame.name
-        if "torch/autograd" in path and name in ("backward", "_engine_run_backward", "grad"):
-            phase = "backward"
-        elif "torch/optim" in path or name in ("clip_grad_norm", "unscale", "grads_to_masters", "masters_to_model"):
-            phase = "optimizer"
-        elif name in ("_save", "save_checkpoint") or "torch/distributed/checkpoint" in path:
-            phase = "checkpoint"
-    return phase

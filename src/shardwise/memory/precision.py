@@ -165,3 +165,11 @@ class LossScaler:
         self.scale = scale
         self.good_steps = int(state["good_steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def loss_scaler_for(plan: PrecisionPlan, loss_scale: str | float, initial_scale: float) -> LossScaler | None:
+    """fp16's loss scaler ("dynamic", from `initial_scale`, or a fixed scale); None for bf16 and fp32."""
+    if not plan.needs_loss_scaling:
+        return None
+    dynamic = loss_scale == "dynamic"
+    return LossScaler(initial_scale if dynamic else float(loss_scale), dynamic=dynamic)

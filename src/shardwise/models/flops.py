@@ -126,8 +126,8 @@ class _Walk:
     costs 6, a frozen weight with something trainable below it 4, and a frozen weight whose input
     depends on nothing trainable 2: the bottom layers of a model frozen from the embeddings up, the
     layers below a LoRA model's first adapter, and the q/k/v base weights of its first adapted layer
-    (their input is the frozen embedding, normed by a frozen norm). An adapter's A trains and reads the layer input; its B
-    trains and reads A's output, which needs a gradient: 6.
+    (their input is the frozen embedding, normed by a frozen norm). An adapter's A trains and reads the
+    layer input; its B trains and reads A's output, which needs a gradient: 6.
     """
 
     def __init__(self, trainable: Mapping[str, Sequence[int]] | None) -> None:

@@ -17,11 +17,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardwise.errors import CheckpointError, ConfigError
+from shardwise.files import plain_file_name
 from shardwise.models.config import ModelConfig
 from shardwise.models.transformer import Transformer
-from shardwise.train.checkpoint_storage import plain_file_name
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -44,16 +46,16 @@ _ACT_TO_HF = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", 
 _ACT_TO_GPT2 = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 
 # LLaMA / Qwen2 / Mistral module names inside model.layers.{i} -> ours inside layers.{i}.
-_LLAMA_NAMES = {
+LLAMA_NAMES = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-_LLAMA_NAMES_BACK = {v: k for k, v in _LLAMA_NAMES.items()}
-_GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
+_LLAMA_NAMES_BACK = {v: k for k, v in LLAMA_NAMES.items()}
+GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
                "mlp.c_fc": "feed_forward.w1", "mlp.c_proj": "feed_forward.w2"}
-_GPT2_NAMES_BACK = {v: k for k, v in _GPT2_NAMES.items()}
+_GPT2_NAMES_BACK = {v: k for k, v in GPT2_NAMES.items()}
 
 
 def _supported_list() -> str:
@@ -416,11 +418,9 @@ def _skippable(hf_name: str) -> bool:
 
 def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's piece of `param` (its local tensor) and where that piece sits in the full tensor."""
-    from torch.distributed.tensor import DTensor
 
     if not isinstance(param, DTensor):
         return param, tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))

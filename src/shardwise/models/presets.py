@@ -1,12 +1,14 @@
-"""The built-in model presets, registered on import (imported by `shardwise.models.registry`).
+"""The built-in model presets as plain data: name -> `ModelConfig` fields (`registry.py` registers them).
 
 Sizes are the published ones (the Hugging Face `config.json` of each official checkpoint unless a
 comment says otherwise), so `count_parameters` gives the well-known totals (LLaMA-7B 6,738,415,616).
+Each entry starts a line with its quoted name, so that an error about a built-in name can point to
+its line here.
 """
 
 from __future__ import annotations
 
-from shardwise.models.registry import register_preset
+from typing import Any
 
 # Family defaults; each preset below lists only its sizes on top of one of these.
 _LLAMA = dict(model_type="llama", norm="rmsnorm", mlp="gated", activation="silu", position="rope")
@@ -20,76 +22,80 @@ _GPT2 = dict(
     vocab_size=50257, max_position_embeddings=1024,
 )
 
-# LLaMA 1 (Touvron et al. 2023). HF's converted configs use rms_norm_eps 1e-6 for 7B/13B, 1e-5 for 65B.
-register_preset("llama_7b", **_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                intermediate_size=11008, max_position_embeddings=2048, norm_eps=1e-6)
-register_preset("llama_13b", **_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
-                intermediate_size=13824, max_position_embeddings=2048, norm_eps=1e-6)
-register_preset("llama_65b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                intermediate_size=22016, max_position_embeddings=2048, norm_eps=1e-5)
+PRESETS: dict[str, dict[str, Any]] = {
+    # LLaMA 1 (Touvron et al. 2023). HF's converted configs use rms_norm_eps 1e-6 for 7B/13B, 1e-5 for 65B.
+    "llama_7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                     intermediate_size=11008, max_position_embeddings=2048, norm_eps=1e-6),
+    "llama_13b": dict(_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+                      intermediate_size=13824, max_position_embeddings=2048, norm_eps=1e-6),
+    "llama_65b": dict(_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                      intermediate_size=22016, max_position_embeddings=2048, norm_eps=1e-5),
 
-# LLaMA 2: same shapes as LLaMA 1 at 7B/13B, 4K context; 70B adds grouped-query attention.
-register_preset("llama2_7b", **_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                intermediate_size=11008, max_position_embeddings=4096, norm_eps=1e-5)
-register_preset("llama2_13b", **_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
-                intermediate_size=13824, max_position_embeddings=4096, norm_eps=1e-5)
-register_preset("llama2_70b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                num_kv_heads=8, intermediate_size=28672, max_position_embeddings=4096, norm_eps=1e-5)
+    # LLaMA 2: same shapes as LLaMA 1 at 7B/13B, 4K context; 70B adds grouped-query attention.
+    "llama2_7b": dict(_LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                      intermediate_size=11008, max_position_embeddings=4096, norm_eps=1e-5),
+    "llama2_13b": dict(_LLAMA, vocab_size=32000, hidden_size=5120, num_layers=40, num_heads=40,
+                       intermediate_size=13824, max_position_embeddings=4096, norm_eps=1e-5),
+    "llama2_70b": dict(_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, intermediate_size=28672, max_position_embeddings=4096, norm_eps=1e-5),
 
-# LLaMA 3 / 3.1: 128K vocabulary, GQA everywhere; 3.1 stretches RoPE to 128K positions.
-register_preset("llama3_8b", **_LLAMA3, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                intermediate_size=14336)
-register_preset("llama3_70b", **_LLAMA3, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                intermediate_size=28672)
-register_preset("llama3.1_8b", **dict(_LLAMA3, max_position_embeddings=131072), hidden_size=4096, num_layers=32,
-                num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                  original_max_position_embeddings=8192))
+    # LLaMA 3 / 3.1: 128K vocabulary, GQA everywhere; 3.1 stretches RoPE to 128K positions.
+    "llama3_8b": dict(_LLAMA3, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336),
+    "llama3_70b": dict(_LLAMA3, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       intermediate_size=28672),
+    "llama3.1_8b": dict(_LLAMA3, max_position_embeddings=131072, hidden_size=4096, num_layers=32,
+                        num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                        rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192)),
 
-# Qwen2: LLaMA plus bias on q/k/v. The small ones tie embeddings; 7B has a padded 152064 vocabulary.
-register_preset("qwen2_0.5b", **_QWEN2, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                intermediate_size=4864, tie_embeddings=True)
-register_preset("qwen2_1.5b", **_QWEN2, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-                intermediate_size=8960, tie_embeddings=True)
-register_preset("qwen2_7b", **dict(_QWEN2, vocab_size=152064), hidden_size=3584, num_layers=28, num_heads=28,
-                num_kv_heads=4, intermediate_size=18944)
+    # Qwen2: LLaMA plus bias on q/k/v. The small ones tie embeddings; 7B has a padded 152064 vocabulary.
+    "qwen2_0.5b": dict(_QWEN2, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                       intermediate_size=4864, tie_embeddings=True),
+    "qwen2_1.5b": dict(_QWEN2, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                       intermediate_size=8960, tie_embeddings=True),
+    "qwen2_7b": dict(_QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                     num_kv_heads=4, intermediate_size=18944),
 
-# Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
-# is identical up to 4096 tokens.
-register_preset("mistral_7b", **dict(_LLAMA, model_type="mistral"), vocab_size=32000, hidden_size=4096,
-                num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, max_position_embeddings=32768,
-                norm_eps=1e-5)
+    # Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
+    # is identical up to 4096 tokens.
+    "mistral_7b": dict(_LLAMA, model_type="mistral", vocab_size=32000, hidden_size=4096,
+                       num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                       max_position_embeddings=32768, norm_eps=1e-5),
 
-# Baichuan: LLaMA shapes with a 64K vocabulary (its fused W_pack q/k/v is only a storage layout).
-register_preset("baichuan_7b", **dict(_LLAMA, model_type="baichuan"), vocab_size=64000, hidden_size=4096,
-                num_layers=32, num_heads=32, intermediate_size=11008, max_position_embeddings=4096, norm_eps=1e-6)
-# Baichuan-13B really uses ALiBi position biases; we have no ALiBi, so this preset uses RoPE. The
-# parameter count is unaffected (neither has weights), but official 13B weights will not give its logits.
-register_preset("baichuan_13b", **dict(_LLAMA, model_type="baichuan"), vocab_size=64000, hidden_size=5120,
-                num_layers=40, num_heads=40, intermediate_size=13696, max_position_embeddings=4096, norm_eps=1e-6)
+    # Baichuan: LLaMA shapes with a 64K vocabulary (its fused W_pack q/k/v is only a storage layout).
+    "baichuan_7b": dict(_LLAMA, model_type="baichuan", vocab_size=64000, hidden_size=4096,
+                        num_layers=32, num_heads=32, intermediate_size=11008, max_position_embeddings=4096,
+                        norm_eps=1e-6),
+    # Baichuan-13B really uses ALiBi position biases; we have no ALiBi, so this preset uses RoPE. The
+    # parameter count is unaffected (neither has weights), but official 13B weights will not give its logits.
+    "baichuan_13b": dict(_LLAMA, model_type="baichuan", vocab_size=64000, hidden_size=5120,
+                         num_layers=40, num_heads=40, intermediate_size=13696, max_position_embeddings=4096,
+                         norm_eps=1e-6),
 
-# GPT-2 (Radford et al. 2019), the four released sizes.
-register_preset("gpt2", **_GPT2, hidden_size=768, num_layers=12, num_heads=12)
-register_preset("gpt2_medium", **_GPT2, hidden_size=1024, num_layers=24, num_heads=16)
-register_preset("gpt2_large", **_GPT2, hidden_size=1280, num_layers=36, num_heads=20)
-register_preset("gpt2_xl", **_GPT2, hidden_size=1600, num_layers=48, num_heads=25)
+    # GPT-2 (Radford et al. 2019), the four released sizes.
+    "gpt2": dict(_GPT2, hidden_size=768, num_layers=12, num_heads=12),
+    "gpt2_medium": dict(_GPT2, hidden_size=1024, num_layers=24, num_heads=16),
+    "gpt2_large": dict(_GPT2, hidden_size=1280, num_layers=36, num_heads=20),
+    "gpt2_xl": dict(_GPT2, hidden_size=1600, num_layers=48, num_heads=25),
 
-# GPT-3 13B (Brown et al. 2020, table 2.1): d_model 5140 with 40 heads of 128 (so q/k/v are 5140 -> 5120),
-# 2048 context, GPT-2 style blocks. GPT-3's alternating locally-banded sparse attention is not modelled.
-register_preset("gpt_13b", **dict(_GPT2, model_type="gpt", max_position_embeddings=2048), hidden_size=5140,
-                num_layers=40, num_heads=40, head_dim=128, intermediate_size=4 * 5140)
+    # GPT-3 13B (Brown et al. 2020, table 2.1): d_model 5140 with 40 heads of 128 (so q/k/v are 5140 -> 5120),
+    # 2048 context, GPT-2 style blocks. GPT-3's alternating locally-banded sparse attention is not modelled.
+    "gpt_13b": dict(_GPT2, model_type="gpt", max_position_embeddings=2048, hidden_size=5140,
+                    num_layers=40, num_heads=40, head_dim=128, intermediate_size=4 * 5140),
 
-# The model section of seed 002's llm_pretrain.yaml (FFN width by the LLaMA rule: 22016). With those
-# sizes it has about 65B parameters, not 100B; the name follows the document.
-register_preset("llm_100b", **_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
-                max_position_embeddings=4096, use_flash_attention=True)
+    # The model section of seed 002's llm_pretrain.yaml (FFN width by the LLaMA rule: 22016). With those
+    # sizes it has about 65B parameters, not 100B; the name follows the document.
+    "llm_100b": dict(_LLAMA, vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64,
+                     max_position_embeddings=4096, use_flash_attention=True),
 
-# Small models for tests, demos and benchmarks.
-register_preset("tiny_llama", **_LLAMA, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                intermediate_size=160, max_position_embeddings=256)
-register_preset("tiny_gpt2", **dict(_GPT2, vocab_size=512, max_position_embeddings=256), hidden_size=64,
-                num_layers=2, num_heads=4, intermediate_size=256)
-register_preset("demo_llama", **_LLAMA, vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4,
-                intermediate_size=688, max_position_embeddings=512)
-register_preset("bench_llama", **_LLAMA, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
-                intermediate_size=1408, max_position_embeddings=512)
+    # Small models for tests, demos and benchmarks.
+    "tiny_llama": dict(_LLAMA, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=160, max_position_embeddings=256),
+    "tiny_gpt2": dict(_GPT2, vocab_size=512, max_position_embeddings=256, hidden_size=64,
+                      num_layers=2, num_heads=4, intermediate_size=256),
+    "demo_llama": dict(_LLAMA, vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4,
+                       intermediate_size=688, max_position_embeddings=512),
+    "bench_llama": dict(_LLAMA, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
+                        intermediate_size=1408, max_position_embeddings=512),
+}

@@ -1,7 +1,7 @@
 """Named model presets: a name maps to a dict of `ModelConfig` fields, and names are unique.
 
-The built-in table lives in `shardwise/models/presets.py`, which registers every preset on import;
-this module imports it at the bottom, so importing the registry always sees the built-in names.
+The built-in table is data in `shardwise/models/presets.py`; this module registers it on import, so
+importing the registry always sees the built-in names.
 """
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import linecache
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
+import shardwise.models.presets as presets
 from shardwise.errors import ConfigError
 from shardwise.models.config import ModelConfig
 
@@ -21,7 +23,11 @@ from shardwise.models.config import ModelConfig
 @dataclass
 class _Preset:
     fields: dict[str, Any]
-    origin: str  # "file:line" of the register_preset call, shown when the name is taken again
+    origin: Optional[str]  # "file:line" of the register_preset call (None: a built-in, found in presets.py)
+
+    def where(self, name: str) -> str:
+        """The "file:line" where the preset `name` was registered (shown when the name is taken again)."""
+        return self.origin or _builtin_origin(name)
 
 
 _PRESETS: dict[str, _Preset] = {}
@@ -60,13 +66,26 @@ def _caller_location() -> str:
         del frame  # break the reference cycle a frame object makes
 
 
+def _builtin_origin(name: str) -> str:
+    """presets.py:LINE of a built-in entry, its line found in the source when asked (data has no line)."""
+    path = presets.__file__
+    for number, line in enumerate(linecache.getlines(path), 1):
+        if line.lstrip().startswith(f'"{name}":'):
+            return f"{path}:{number}"
+    return path
+
+
 def register_preset(name: str, **fields: Any) -> None:
     """Register a named preset; the fields are validated now so a bad preset fails where it is written."""
+    _register(name, fields, _caller_location())
+
+
+def _register(name: str, fields: dict[str, Any], origin: Optional[str]) -> None:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"a preset name must be a non-empty string, got {name!r}")
     if name in _PRESETS:
         raise ConfigError(
-            f"model preset '{name}' is already registered (first registered at {_PRESETS[name].origin}); "
+            f"model preset '{name}' is already registered (first registered at {_PRESETS[name].where(name)}); "
             f"pick another name, or call shardwise.models.unregister_preset('{name}') first to replace it"
         )
     if "preset" in fields:
@@ -75,7 +94,7 @@ def register_preset(name: str, **fields: Any) -> None:
         ModelConfig(**fields)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, f"model preset '{name}'")) from None
-    _PRESETS[name] = _Preset(fields=copy.deepcopy(fields), origin=_caller_location())
+    _PRESETS[name] = _Preset(fields=copy.deepcopy(fields), origin=origin)
 
 
 def unregister_preset(name: str) -> None:
@@ -150,5 +169,9 @@ def resolve_model_config(raw: dict[str, Any] | ModelConfig | None) -> ModelConfi
         raise ConfigError(format_validation_error(err, what)) from None
 
 
-# Registers the built-in table; placed last because presets.py calls register_preset above.
-from shardwise.models import presets as _presets  # noqa: E402,F401
+def _register_builtins() -> None:
+    for name, fields in presets.PRESETS.items():
+        _register(name, fields, origin=None)
+
+
+_register_builtins()

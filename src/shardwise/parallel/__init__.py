@@ -1,1 +1,2 @@
-"""Devices, launch and (in later work) the parallel layouts applied to a model from outside."""
+"""Parallelism applied to a model from outside: the layout (`dims`), processes (`launch`), collectives,
+tensor, data and pipeline parallelism, recompute, and `parallelize`, which applies them in one order."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardwiseError
+from .dtensors import local_tensor
 
 T = TypeVar("T")
 
@@ -114,6 +115,51 @@ def max_over(value: float, mesh: Any = None) -> float:
     return float(all_reduce(torch.tensor([value], dtype=torch.float32), mesh, dist.ReduceOp.MAX).item())
 
 
+_MESSAGE_CHARS = 2048
+
+
+def fail_together(error: Exception | None, group: Any = None, what: str = "the work", verbatim: bool = False,
+                  error_class: type[ShardwiseError] = ShardwiseError) -> None:
+    """Raise on every rank if any rank failed: its own error where it failed, the first failing rank's
+    message elsewhere (`verbatim`: the message as it is, else prefixed with the rank and `what`).
+
+    Every rank of `group` calls it at the same point, so that a failure on one rank stops all of them
+    there (none waits in a collective until the timeout), and the user, who reads rank 0's log, sees
+    the failing rank's message. No pickle: a flag per rank, then the message as character codes."""
+    if not distributed():
+        if error is not None:
+            raise error
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.zeros(world, dtype=torch.int32)
+    if error is not None:
+        flags[rank] = 1
+    failed = [r for r, f in enumerate(all_reduce(flags, group).tolist()) if f]
+    if not failed:
+        return
+    first = failed[0]
+    text = torch.zeros(_MESSAGE_CHARS, dtype=torch.int32)
+    if rank == first:
+        message = str(error) if verbatim else f"{type(error).__name__}: {error}"
+        codes = list(message.encode("utf-8", "replace"))[:_MESSAGE_CHARS]
+        text[: len(codes)] = torch.tensor(codes, dtype=torch.int32)
+    text = all_reduce(text, group, dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    message = bytes(c for c in text.tolist() if c).decode("utf-8", "replace")
+    if verbatim:
+        raise error_class(message)
+    raise error_class(f"{what} failed on rank {first} (ranks failing: {failed}): {message}")
+
+
+def attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Exception | None]:
+    """(fn(...), None), or (None, the exception it raised): for `fail_together`."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - handed to `fail_together`, which raises it again
+        return None, e
+
+
 def rank0_first(fn: Callable[[], T], rank: int) -> Optional[T]:
     """Run `fn` on rank 0 while the others wait; if it fails there, fail on every rank with its message.
 
@@ -143,8 +189,7 @@ def parameter_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
     names, sums = [], []
     with torch.no_grad():
         for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            x = local.detach().double()
+            x = local_tensor(p).detach().double()
             names.append(name)
             sums.append(torch.stack([x.sum(), (x * x).sum()]))
     return names, torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
@@ -164,3 +209,12 @@ def replica_mismatch(model: nn.Module, mesh: Any) -> Optional[str]:
             detail = "; ".join(f"rank {r}: sum {v[0]:.9g}, sum of squares {v[1]:.9g}" for r, v in enumerate(values))
             return f"parameter {name} differs between data-parallel replicas ({detail})"
     return None
+
+
+def replicas_problem(parts: list[nn.Module], meshes: Any, dims: Any, zero_stage: int) -> Optional[str]:
+    """None when the ranks that should hold identical parameters do (the replicated copies of ZeRO 0/1,
+    or the HSDP replicas of ZeRO 2/3), else a message naming the first parameter that differs."""
+    if dims.dp == 1:
+        return None
+    mesh = meshes["dp"] if zero_stage <= 1 else meshes["dp_replicate"]
+    return next(filter(None, (replica_mismatch(part, mesh) for part in parts)), None)

@@ -61,16 +61,24 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from .collectives import all_reduce, broadcast_
 from .dims import ParallelDims
+from .dtensors import local_tensor
+
+log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 _HALF = (torch.bfloat16, torch.float16)
@@ -121,8 +129,6 @@ def apply_data_parallel(
     if dims.dp == 1 and not offload:
         return model
 
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     kwargs: dict[str, Any] = {}
     if param_dtype in _HALF:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -138,7 +144,6 @@ def apply_data_parallel(
         def wrap(module: nn.Module) -> None:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
 
         mesh = meshes["dp"]
 
@@ -163,7 +168,6 @@ def apply_data_parallel(
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
 
@@ -213,13 +217,6 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, zero_sta
         return optimizer
     mesh = meshes["dp"] if meshes is not None else model._shardwise_dp_mesh
     return ZeroOneOptimizer(optimizer, group=mesh.get_group())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor behind a DTensor (the tensor itself otherwise)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _ctor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -282,11 +279,10 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _broadcast_params(self) -> None:
         """Each owner sends its updated parameters (one flat buffer per owner and dtype)."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         for r in range(self.world):
             src = dist.get_global_rank(self.group, r)
-            owned = [_local(p) for p in self._order if self.owner[p] == r]
+            owned = [local_tensor(p) for p in self._order if self.owner[p] == r]
             for dtype in sorted({t.dtype for t in owned}, key=str):
                 tensors = [t for t in owned if t.dtype == dtype]
                 if r == self.rank:
@@ -300,10 +296,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 
     def _gather_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every parameter's optimizer state, on every rank (collective; transiently the full state)."""
-        from torch.distributed.tensor import DTensor
 
         index = {p: i for i, p in enumerate(self._order)}
-        meta = {index[p]: {k: (("tensor", isinstance(v, DTensor), tuple(_local(v).shape), _local(v).dtype)
+        meta = {index[p]: {k: (("tensor", isinstance(v, DTensor), tuple(local_tensor(v).shape), local_tensor(v).dtype)
                                if torch.is_tensor(v) else ("value", v)) for k, v in st.items()}
                 for p, st in self.local.state.items()}
         metas: list[Any] = [None] * self.world
@@ -323,9 +318,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
                     if r == self.rank:
                         value = self.local.state[p][key]
                         state[key] = value
-                        buf = _local(value).contiguous()
+                        buf = local_tensor(value).contiguous()
                     else:
-                        buf = torch.empty(shape, dtype=dtype, device=_local(p).device)
+                        buf = torch.empty(shape, dtype=dtype, device=local_tensor(p).device)
                     broadcast_(buf, src, self.group)
                     if r != self.rank:
                         state[key] = (DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False,
@@ -359,7 +354,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
     """Elements of optimizer state held by this rank (tensor states of at least one dimension)."""
     inner = optimizer.local if isinstance(optimizer, ZeroOneOptimizer) else optimizer
-    return sum(_local(v).numel() for st in inner.state.values() for v in st.values()
+    return sum(local_tensor(v).numel() for st in inner.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() > 0)
 
 
@@ -378,7 +373,6 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
     `exclude`: parameters left out of the norm but still clipped (a pipeline's second copy of a tied
     embedding matrix, whose gradient the first copy already counts). `max_norm` None or 0 only measures.
     """
-    from torch.distributed.tensor import DTensor
 
     skip = {id(t) for t in exclude}
     groups: dict[Any, list[torch.Tensor]] = {}  # parameters by (mesh, placements) of their gradient
@@ -396,7 +390,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
         n = torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     if not norms:  # a rank with nothing to count still joins the reduction, on its gradients' device
-        grads = [_local(p.grad) for group in groups.values() for p in group]
+        grads = [local_tensor(p.grad) for group in groups.values() for p in group]
         total = torch.zeros((), device=grads[0].device if grads else None)
     elif math.isinf(norm_type):
         total = torch.stack([n.float() for n in norms]).max()
@@ -408,6 +402,23 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
         total = total ** (1.0 / norm_type)
     if max_norm:
         for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(_local(group[0].grad).device),
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(local_tensor(group[0].grad).device),
                                                  foreach=foreach)
     return total
+
+
+def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
+    """CPU offload is FSDP2's (the multi-device engine); on one CPU everything already lives in CPU memory."""
+    asked = [name for name in ("offload_optimizer", "offload_params") if getattr(cfg.optimize, name)]
+    if not asked or dims.dp > 1:
+        return
+    if device.type == "cpu":
+        log.info("optimize.%s: the run is on the CPU, so everything already lives in CPU memory",
+                 " and optimize.".join(asked))
+        return
+    raise ConfigError(
+        f"optimize.{asked[0]} needs the sharded (FSDP2) engine, which runs under data parallelism: "
+        "use several processes (--nproc N) with parallel.zero_stage 2 or 3; on one device lower memory "
+        "with optimize.recompute, optimize.mixed_precision or a smaller train.micro_batch_size with more "
+        "gradient accumulation"
+    )

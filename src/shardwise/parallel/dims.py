@@ -10,8 +10,12 @@ which data is split and gradients are reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..errors import ConfigError
+from .pipeline import check_pipeline
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -47,8 +51,6 @@ class ParallelDims:
 
     def build_meshes(self, device_type: str) -> "Meshes":
         """The 4-D device mesh ("pp", "dp_replicate", "dp_shard", "tp") and the sub-meshes code uses."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         world = init_device_mesh(
             device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
         )
@@ -117,3 +119,46 @@ def dims_from_config(parallel, world_size: int) -> ParallelDims:  # noqa: ANN001
                         pp=parallel.pipeline_parallel)
     check_world_size(dims, world_size)
     return dims
+
+
+def check_layout(cfg: Any) -> None:
+    """What of a config's layout can be checked before any process starts: the pipeline's stages,
+    schedule, virtual stages and stage layers against the model. (Whether micro_batch_num suits the
+    schedule is checked when a run starts, in `layout_for`, so that configs written for other
+    frameworks, seed 002's, load.)"""
+    p = cfg.parallel
+    if p.pipeline_parallel > 1:
+        check_pipeline(cfg.model.num_layers, p.pipeline_parallel, p.virtual_stages, p.schedule, p.stage_layers)
+
+
+def layout_for(cfg: Any, world_size: int) -> ParallelDims:
+    """The run's parallel layout for `world_size` processes, every check of it done."""
+    p = cfg.parallel
+    if world_size == 1 and p.world_size() != 1:
+        need = p.world_size()
+        raise ConfigError(
+            f"this config needs {need} processes (data_parallel {p.dp_degree()} x tensor_parallel "
+            f"{p.tensor_parallel} x pipeline_parallel {p.pipeline_parallel}) but runs as one; start it with "
+            f"`shardwise train CONFIG --nproc {need}` (or torchrun --nproc-per-node {need} -m shardwise.cli "
+            f"train CONFIG), or set those degrees to 1"
+        )
+    dims = dims_from_config(p, world_size)
+    check_layout(cfg)
+    if dims.pp > 1:
+        # The micro-batch count must also suit the schedule to run.
+        check_pipeline(cfg.model.num_layers, dims.pp, p.virtual_stages, p.schedule, p.stage_layers, p.micro_batch_num)
+        cfg.gradient_accumulation(world_size)  # a whole number of pipeline steps per optimizer step
+    return dims
+
+
+def describe_layout(cfg: Any, dims: ParallelDims) -> str:
+    """The layout for the log line a run starts with ("" on one process)."""
+    if not dims.distributed:
+        return ""
+    p = cfg.parallel
+    pipeline = ""
+    if dims.pp > 1:
+        stages = f" x {p.virtual_stages} virtual stages" if p.virtual_stages > 1 else ""
+        pipeline = f", pipeline schedule {p.schedule}{stages}, {p.micro_batch_num} micro-batches per step"
+    return (f", {dims.world_size} processes (dp {dims.dp} x tp {dims.tp} x pp {dims.pp}, ZeRO "
+            f"{p.zero_stage}{pipeline})")

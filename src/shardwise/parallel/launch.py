@@ -26,10 +26,15 @@ import datetime
 import importlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
 
 from ..errors import ConfigError, DeviceError
 from .collectives import all_reduce
@@ -235,7 +240,6 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 600.0) -> Dis
     rank that died or hangs makes the others fail instead of waiting forever. Calling it again when
     the group exists returns the same context.
     """
-    import torch.distributed as dist
 
     global _OWN_GROUP, _GROUP_RESTARTS
 
@@ -291,7 +295,6 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 600.0) -> Dis
 
 def _context_of_existing_group(device_kind: str, found: LaunchEnv | None, restarts: int) -> DistContext:
     """The context of a group made before (by an earlier call, or by a test harness or caller)."""
-    import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if found is not None and (found.rank, found.world_size) != (rank, world):
@@ -312,7 +315,6 @@ def shutdown(force: bool = False) -> None:
     first: a failed peer must not make this hang.
     """
     global _OWN_GROUP
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and (_OWN_GROUP or force):
         dist.destroy_process_group()
@@ -328,7 +330,6 @@ def record_failure(exc: BaseException) -> None:
     """
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     try:
         get_error_handler().record_exception(exc)
@@ -410,7 +411,6 @@ def _root_cause(failures: dict) -> int:  # noqa: ANN001 - {rank: ProcessFailure}
     """The rank that failed first. torch orders by whole-second timestamps (ties go to the lowest
     rank); this breaks ties by the error file's time and passes over ranks ended by SIGTERM, which
     is what the agent sends to the survivors of another rank's failure."""
-    import signal
 
     def when(failure) -> float:  # noqa: ANN001
         try:
@@ -468,9 +468,6 @@ def launch_processes(
     --local-addr; used for rank 0's store when restarts are on).
     Returns 0, or the failing rank's exit code (128 + signal when it was killed).
     """
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give a process count of at least 1")

@@ -1,21 +1,28 @@
-"""Apply a run's parallelism and memory settings to a built model, in one fixed order.
+"""Apply a run's parallelism and memory settings to a built model, in one fixed order, and make the
+parallel decisions that follow from the layout.
 
 pipeline split -> tensor parallel -> recompute -> compile -> data parallel (ZeRO / FSDP2), as
 torchtitan does: the split makes this rank's model parts (pipeline chunks; the whole model when
 there is no pipeline), and each later step wraps what the previous one made, part by part; FSDP2
 must come last so that it shards the final module tree. The model itself knows nothing of any of it.
+The trainer asks here for the dtypes to build in (`weight_dtypes`), the parts (`parallelize_parts`,
+then `allocate` for a model built on meta), the optimizer to step (`distribute_optimizer`) and the
+pipeline schedule (`build_pipeline`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ..memory.recompute import apply_recompute
+from .data_parallel import apply_data_parallel, shard_optimizer
 from .dims import Meshes, ParallelDims
+from .pipeline import Pipeline, build_schedule, split_model
+from .recompute import apply_recompute
+from .tensor import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +43,6 @@ def parallelize_parts(
     """
     if dims.pp == 1:
         return [parallelize_model(model, cfg, dims, meshes, fsdp_param_dtype)]
-    from .pipeline import split_model
-
     p = cfg.parallel
     chunks = split_model(model, meshes["pp"].get_local_rank(), dims.pp, p.virtual_stages, p.stage_layers,
                          p.schedule)
@@ -63,8 +68,6 @@ def parallelize_model(
     `reshard_after_forward`: overrides ZeRO-3's resharding after forward (None: as the stage says).
     """
     if dims.tp > 1:
-        from .tensor import apply_tensor_parallel
-
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.optimize.recompute, cfg.optimize.recompute_every)
     if cfg.run.compile:
@@ -72,8 +75,53 @@ def parallelize_model(
             block.compile()
     offload = cfg.optimize.offload_params or cfg.optimize.offload_optimizer
     if dims.dp > 1 or (offload and meshes is not None):
-        from .data_parallel import apply_data_parallel
-
         model = apply_data_parallel(model, meshes, dims, cfg.parallel.zero_stage, param_dtype=fsdp_param_dtype,
                                     offload=offload, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: ParallelDims
+                  ) -> tuple[torch.dtype, Optional[torch.dtype]]:
+    """(the dtype to build the model in, the dtype FSDP2 casts it to for compute or None).
+
+    Under data parallelism a precision level with fp32 master weights (O2) keeps them as FSDP2's
+    sharded fp32 parameters, cast to 16 bits for compute by its mixed-precision policy; in one
+    process (or tensor- or pipeline-parallel only) the model itself is 16-bit and the fp32 masters
+    are separate copies (`memory.precision.MasterWeights`)."""
+    if master_weights and fsdp_holds_masters(dims):
+        return torch.float32, param_dtype
+    return param_dtype, None
+
+
+def fsdp_holds_masters(dims: ParallelDims) -> bool:
+    """Whether FSDP2's fp32 parameters are the master weights of a level that has them (see `weight_dtypes`)."""
+    return dims.dp > 1
+
+
+def allocate(part: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model part (whole or a pipeline chunk, sharded or not) memory on `device`
+    for the shards this rank holds; the values are undefined until loaded. A tied output projection is
+    tied again (allocation gives each module a fresh parameter) and the RoPE tables are rebuilt."""
+    part.to_empty(device=device)
+    part.tie_weights()
+    part.reset_rope_tables()
+
+
+def distribute_optimizer(optimizer: torch.optim.Optimizer, parts: list[nn.Module]) -> torch.optim.Optimizer:
+    """The optimizer to step: ZeRO-1's state-sharding wrapper where the layout asks for it, else
+    `optimizer` itself (ZeRO 2/3 shard the state through the sharded parameters)."""
+    return shard_optimizer(optimizer, parts[0])
+
+
+def build_pipeline(parts: list[nn.Module], cfg: Any, dims: ParallelDims, meshes: Optional[Meshes],
+                   device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   grad_holder: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   on_weight_grads: Optional[Callable[[], None]] = None) -> Optional[Pipeline]:
+    """The pipeline schedule over this rank's chunks (None without pipeline parallelism); `loss_fn` is
+    the trainer's token-loss sum. `grad_holder` / `on_weight_grads`: where gradients accumulate and
+    what moves them there (the fp32 masters at precision O2, see `pipeline.build_schedule`)."""
+    if dims.pp == 1:
+        return None
+    p = cfg.parallel
+    extra = {} if grad_holder is None else {"grad_holder": grad_holder, "on_weight_grads": on_weight_grads}
+    return build_schedule(parts, meshes["pp"], device, p.micro_batch_num, p.schedule, loss_fn=loss_fn, **extra)

@@ -2,11 +2,10 @@
 
 The order of use (torchtitan's): `split_model` -> tensor parallel -> recompute -> compile -> data
 parallel, each applied to every chunk, then `build_schedule` and, once per optimizer step,
-`pipeline_step`; `clip_grad_norm_pp` clips with the norm of all stages' gradients. The trainer does
-exactly that: `parallelize.parallelize_parts` splits and parallelises, `Trainer` runs
-`pipeline_step` once per `micro_batch_num` micro-batches (several times per optimizer step when the
-accumulation is a multiple of it) and clips with `data_parallel.clip_grad_norm(reduce_group=<pp
-group>, exclude=Pipeline.norm_exclusions())`, the same norm grouped by DTensor layout.
+`pipeline_step`. The trainer does exactly that: `parallelize.parallelize_parts` splits and
+parallelises, `Trainer` runs `pipeline_step` once per `micro_batch_num` micro-batches (several times
+per optimizer step when the accumulation is a multiple of it) and clips with the norm over all
+stages, `data_parallel.clip_grad_norm(reduce_group=<pp group>, exclude=Pipeline.norm_exclusions())`.
 
 How a model becomes stages. The model is cut into `pipeline_parallel x virtual_stages` stages of
 consecutive layers; stage 0 also owns the embeddings, the last stage the final norm and output
@@ -38,7 +37,7 @@ Tied embeddings (`tie_embeddings`). The first stage's embedding and the last sta
 projection are separate copies of the shared matrix (on different ranks, or both on rank 0 for a V
 schedule): `pipeline_step` adds the two gradients (point to point between the two ranks, or locally)
 so both copies get the one-process gradient and stay equal under the optimizer, and
-`Pipeline.norm_exclusions()` names the copy that `clip_grad_norm_pp` must not count twice.
+`Pipeline.norm_exclusions()` names the copy that the gradient norm must not count twice.
 
 Batch shapes. The stages infer the activation shapes from the first step (a forward and backward
 of one micro-batch) and keep them; when a later step's batch has another shape (dynamic batching),
@@ -55,20 +54,27 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from ..errors import ConfigError
-from .collectives import all_reduce, broadcast_, recv_, send
+from ..loss import IGNORE_INDEX, token_loss_sum
+from ..models.transformer import materialize
+from .collectives import broadcast_, recv_, send
+from .dtensors import local_tensor
 
-IGNORE_INDEX = -100
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 _MODEL_EXTRAS = ("position_ids", "document_ids", "attention_mask")
 
@@ -83,14 +89,6 @@ def schedule_style(schedule: str, virtual_stages: int = 1) -> str:
 
 def schedule_class(schedule: str, virtual_stages: int = 1) -> type:
     """The torch.distributed.pipelining schedule class for one of our schedule names."""
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
-
     if schedule == "gpipe":
         return ScheduleGPipe
     if schedule == "1f1b":
@@ -254,8 +252,6 @@ def materialize_chunks(chunks: list[nn.Module], device: torch.device | str, dtyp
     model built with the same seed (for identical weights build the whole model and split it); the
     last stage's copy of a tied matrix gets the first stage's values in `build_schedule`.
     """
-    from ..models import materialize
-
     for chunk in chunks:
         materialize(chunk, device, dtype)
     return chunks
@@ -283,12 +279,6 @@ def named_parameters(chunks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.Para
 
 
 # --- the schedule -------------------------------------------------------------------------------------
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over the labels that are not IGNORE_INDEX (as the trainer's)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 class _StepLoss:
@@ -382,7 +372,7 @@ class Pipeline:
 
     def _combine(self, first: Optional[torch.Tensor], last: Optional[torch.Tensor], add: bool) -> None:
         """Make both copies `first + last` (add) or `first` (not add), locally or with the peer rank."""
-        first, last = (_local(t) if t is not None else None for t in (first, last))
+        first, last = (local_tensor(t) if t is not None else None for t in (first, last))
         if first is not None and last is not None:  # both stages on this rank (V schedule)
             if add:
                 first.add_(last)
@@ -416,11 +406,6 @@ class Pipeline:
             if h is not None and h.grad is None:
                 h.grad = torch.zeros_like(h)
         self._combine(*(h.grad if h is not None else None for h in holders), add=True)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view that writes through), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def build_schedule(chunks: list[nn.Module], pp_mesh: Any, device: torch.device | str, micro_batch_num: int,
@@ -490,6 +475,17 @@ def _broadcast_loss(pipe: Pipeline, local: Optional[torch.Tensor]) -> torch.Tens
     if pipe.pp_size > 1:
         broadcast_(value, dist.get_global_rank(pipe.group, pipe.last_rank), pipe.group)
     return value
+
+
+def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Micro-batches as the one batch a pipeline step takes (the schedule splits it into them again)."""
+    shapes = sorted({tuple(mb["input_ids"].shape) for mb in micro_batches})
+    if len(shapes) > 1:
+        raise ConfigError(
+            f"pipeline parallelism runs the micro-batches of a step as one batch of one shape, but this step's "
+            f"micro-batches have shapes {shapes}; use data of fixed-size samples (data.packing pack or pad)"
+        )
+    return {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
 
 
 def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -584,43 +580,3 @@ def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
         for c, mode in zip(pipe.chunks, was_training):
             c.train(mode)
     return _broadcast_loss(pipe, local)
-
-
-# --- gradient clipping over all stages -----------------------------------------------------------------
-
-
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def clip_grad_norm_pp(params: Iterable[torch.Tensor], max_norm: Optional[float], pp_mesh: Any,
-                      norm_type: float = 2.0, exclude: Iterable[torch.Tensor] = (), foreach: bool = True
-                      ) -> torch.Tensor:
-    """Clip the gradients of this rank's parameters by the norm over ALL pipeline stages; return it.
-
-    Each rank's norm covers only its stages' parameters; the p-th powers are summed over the
-    pipeline group (the maximum for the inf-norm). `exclude`: parameters whose gradient is counted
-    on another rank (`Pipeline.norm_exclusions()`); they are still clipped. DTensor gradients (TP,
-    FSDP2) contribute their full norm. `max_norm` None or 0 only measures.
-    """
-    params = [p for p in params if p.grad is not None]
-    skip = {id(p) for p in exclude}
-    counted = [p.grad for p in params if id(p) not in skip]
-    norm_type = float(norm_type)
-    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
-    if counted:
-        local = _local_tensor(torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)).float()
-    else:
-        ref = params[0].grad if params else None
-        local = torch.zeros((), device=_local_tensor(ref).device if ref is not None else None)
-    several = group is not None and dist.get_world_size(group) > 1
-    if math.isinf(norm_type):
-        total = all_reduce(local.clone(), group, dist.ReduceOp.MAX) if several else local.clone()
-    else:
-        total = local ** norm_type
-        if several:
-            total = all_reduce(total, group)
-        total = total ** (1.0 / norm_type)
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
-    return total

@@ -19,9 +19,9 @@ outside and without touching model code (torchtitan's recipe), so that each rank
 Every parameter becomes a DTensor (norm weights as Replicate ones even without sequence
 parallelism), so foreach optimizers and `clip_grad_norm_(..., foreach=True)` see one kind of tensor.
 
-Trainer integration (see `token_loss_sum_tp`, `loss_context`, `full_value`):
+Trainer integration (see `shardwise.loss.token_loss_sum`, `loss_context`, `full_value`):
     apply_tensor_parallel(model, meshes["tp"])            # after the pipeline split, before recompute
-    loss = token_loss_sum_tp(logits, labels) / n_tokens   # plain scalar; backward anywhere
+    loss = token_loss_sum(logits, labels) / n_tokens      # plain scalar; backward anywhere
     grad_norm = full_value(clip_grad_norm_(params, max_norm, foreach=True))
 
 On a materialized model, TP rank 0's values are what every rank ends up with (sharded weights are
@@ -29,9 +29,9 @@ scattered from it, replicated ones broadcast), so the ranks need not agree befor
 model only the structure is sharded: allocate each rank's shards afterwards (`to_empty`) and fill
 them (loading pretrained weights slice by slice). LoRA adapters (`shardwise.peft.lora.LoRALinear`)
 are sharded with their base projection: column-parallel bases shard lora_B's rows and replicate
-lora_A; row-parallel bases shard lora_A's columns and replicate lora_B. Tied embeddings (GPT-2) stay tied: the embedding (row-parallel) and the output
-projection (column-parallel) both shard the [vocab, hidden] matrix on dim 0, so one DTensor serves
-both, and its gradient collects both uses.
+lora_A; row-parallel bases shard lora_A's columns and replicate lora_B. Tied embeddings (GPT-2) stay
+tied: the embedding (row-parallel) and the output projection (column-parallel) both shard the
+[vocab, hidden] matrix on dim 0, so one DTensor serves both, and its gradient collects both uses.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ import inspect
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -55,8 +54,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..errors import ConfigError
-
-IGNORE_INDEX = -100
+from .dtensors import full_value
 
 __all__ = [
     "apply_tensor_parallel",
@@ -64,7 +62,6 @@ __all__ = [
     "full_value",
     "full_grads",
     "loss_context",
-    "token_loss_sum_tp",
 ]
 
 
@@ -198,7 +195,7 @@ def apply_tensor_parallel(
 
     `sequence_parallel`: activations between blocks sharded on the sequence (needs the sequence
     length divisible by tp; checked on every forward). `loss_parallel`: the logits are returned as a
-    DTensor sharded on the vocabulary; compute the loss with `token_loss_sum_tp` (or the plain
+    DTensor sharded on the vocabulary; compute the loss with `shardwise.loss.token_loss_sum` (or the plain
     cross-entropy inside `loss_context(True)`, backward included). Without it the logits are a plain
     replicated tensor. Tied embeddings stay tied (both use the same vocabulary-sharded DTensor).
     Dropout: with sequence parallelism every dropout acts on sharded activations, and each TP rank
@@ -387,70 +384,11 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     trainer's plain `F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
     ignore_index=-100, reduction="sum")` works on the sharded logits; the `backward()` of that loss
     must run inside the same context, and the loss is a (replicated) DTensor: `full_value(loss)`
-    before mixing it with plain tensors. `token_loss_sum_tp` needs none of that."""
+    before mixing it with plain tensors. `shardwise.loss.token_loss_sum` needs none of that."""
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def _vocab_shard_dim(logits: DTensor) -> Optional[int]:
-    """The mesh dimension that shards the last (vocabulary) dimension, or None."""
-    last = logits.ndim - 1
-    for i, p in enumerate(logits.placements):
-        if isinstance(p, Shard) and p.dim in (-1, last):
-            return i
-    return None
-
-
-def token_loss_sum_tp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over label positions != -100, as a plain scalar tensor.
-
-    `logits` [B, T, V] may be a plain tensor, a replicated DTensor, or a DTensor sharded on the
-    vocabulary over a 1-D TP mesh (loss parallel): then each rank computes on its V/tp columns and
-    only [B*T] statistics cross ranks. The result is the same value on every TP rank, differentiable,
-    and needs no context manager: call `backward()` wherever the trainer does.
-    """
-    if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    if isinstance(labels, DTensor):
-        labels = labels.full_tensor()
-    vdim = _vocab_shard_dim(logits)
-    if vdim is None:
-        return token_loss_sum_tp(logits.full_tensor(), labels)
-    mesh = logits.device_mesh
-    if mesh.ndim != 1:
-        raise NotImplementedError("token_loss_sum_tp supports logits on a 1-D TP mesh only")
-    vocab = logits.shape[-1]
-    local = logits.to_local().flatten(0, -2).float()  # [N, V_local]
-    # This rank's vocabulary range: DTensor shards like torch.chunk (the last ranks may hold fewer).
-    chunk = -(-vocab // mesh.size())
-    start = min(chunk * mesh.get_local_rank(), vocab)
-    n_local = local.shape[-1]
-
-    def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
-        # Partial -> Replicate is differentiable: its backward hands every rank the same gradient.
-        return DTensor.from_local(t, mesh, [Partial(op)], run_check=False).full_tensor()
-
-    target = labels.flatten().to(local.device)
-    valid = target != IGNORE_INDEX
-    with torch.no_grad():
-        gmax = all_reduce(local.max(dim=-1).values if n_local else
-                          torch.full(local.shape[:1], float("-inf"), device=local.device), "max")
-    sum_exp = all_reduce(torch.exp(local - gmax.unsqueeze(-1)).sum(dim=-1), "sum")
-    mine = valid & (target >= start) & (target < start + n_local)
-    idx = torch.where(mine, target - start, 0).clamp(0, max(n_local - 1, 0)).unsqueeze(-1)
-    picked = local.gather(-1, idx).squeeze(-1) if n_local else torch.zeros_like(sum_exp)
-    target_logit = all_reduce(torch.where(mine, picked, 0.0), "sum")
-    per_token = torch.log(sum_exp) + gmax - target_logit
-    return torch.where(valid, per_token, 0.0).sum()
-
-
 # --- helpers for the trainer and tests -------------------------------------------------------------
-
-
-def full_value(t: Any) -> Any:
-    """A DTensor's full value as a plain tensor (a collective: every rank of its mesh must call it);
-    anything else unchanged. For the clip_grad_norm_ result and a loss_context loss."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_grads(model: nn.Module) -> Iterator[tuple[str, Optional[torch.Tensor]]]:

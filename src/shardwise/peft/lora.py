@@ -31,7 +31,7 @@ from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
-from shardwise.models.hf import _GPT2_NAMES, _LLAMA_NAMES, open_safetensors, save_safetensors
+from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, open_safetensors, save_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -45,8 +45,8 @@ BLOCK_LINEARS = (
     "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
 )
 _QKV = ("attention.wq", "attention.wk", "attention.wv")
-_LLAMA_BACK = {ours: hf for hf, ours in _LLAMA_NAMES.items() if ours in BLOCK_LINEARS}
-_GPT2_BACK = {ours: hf for hf, ours in _GPT2_NAMES.items() if ours in BLOCK_LINEARS}
+_LLAMA_BACK = {ours: hf for hf, ours in LLAMA_NAMES.items() if ours in BLOCK_LINEARS}
+_GPT2_BACK = {ours: hf for hf, ours in GPT2_NAMES.items() if ours in BLOCK_LINEARS}
 _GPT2_BACK.update({name: "attn.c_attn" for name in _QKV})
 
 # Characters that make a target_modules entry a regular expression ('.' is a name separator, so not one).

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from ..config import load_config
 from ..errors import ConfigError
+from ..hardware import CATALOGUE, Hardware, custom_hardware, get_hardware, known_names, load_hardware_file
+from .profile import profile_plan
+from .report import format_plan
+from .search import PlanRequest, plan, workload_config
 
 DESCRIPTION = """\
 Rank parallel layouts of a model on some hardware: every DP x TP x PP split, ZeRO stage, recompute
@@ -79,10 +84,8 @@ def _ints(text: Optional[str], flag: str) -> Optional[list[int]]:
         raise ConfigError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 1,2,4") from None
 
 
-def hardware_from_args(args: argparse.Namespace) -> Any:
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
     """The hardware the options describe."""
-    from .hardware import custom_hardware, get_hardware, load_hardware_file
-
     extra = load_hardware_file(args.hardware_file) if args.hardware_file else {}
     custom = (args.memory_gb, args.tflops, args.bandwidth_gbps)
     if args.hardware is not None:
@@ -92,8 +95,6 @@ def hardware_from_args(args: argparse.Namespace) -> Any:
     elif all(v is not None for v in custom):
         hw = custom_hardware(*custom)
     else:
-        from .hardware import known_names
-
         given = [f for f, v in zip(("--memory-gb", "--tflops", "--bandwidth-gbps"), custom) if v is not None]
         missing = [f for f, v in zip(("--memory-gb", "--tflops", "--bandwidth-gbps"), custom) if v is None]
         raise ConfigError("say what to plan on: --hardware NAME (" + ", ".join(known_names(extra)) + ")"
@@ -111,24 +112,19 @@ def hardware_from_args(args: argparse.Namespace) -> Any:
 
 def list_hardware(extra_file: Optional[str] = None) -> str:
     """The catalogue as a table."""
-    from .hardware import CATALOGUE, load_hardware_file
-
     table = {**CATALOGUE, **(load_hardware_file(extra_file) if extra_file else {})}
     rows = [("name", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "HBM GB/s", "in node GB/s", "between GB/s",
              "per node", "compute eff", "source")]
     for h in table.values():
-        rows.append((h.name, f"{h.memory_gib:g}", f"{h.tflops_16:g}", f"{h.tflops_32:g}", f"{h.memory_bandwidth_gbps:g}",
-                     f"{h.intra_bandwidth_gbps:g}", f"{h.inter_bandwidth_gbps:g}", str(h.devices_per_node),
-                     f"{h.compute_efficiency:g}", h.source))
+        rows.append((h.name, f"{h.memory_gib:g}", f"{h.tflops_16:g}", f"{h.tflops_32:g}",
+                     f"{h.memory_bandwidth_gbps:g}", f"{h.intra_bandwidth_gbps:g}", f"{h.inter_bandwidth_gbps:g}",
+                     str(h.devices_per_node), f"{h.compute_efficiency:g}", h.source))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan (and profile) as the options say; print the report."""
-    from ..config import load_config
-    from .search import PlanRequest, plan, workload_config
-
     if args.list_hardware:
         print(list_hardware(args.hardware_file))
         return 0
@@ -166,10 +162,8 @@ def run_plan(args: argparse.Namespace) -> int:
                       top=args.top, pins=pins, offload=not args.no_offload,
                       target_tokens_per_s=args.target_tokens_per_s)
     result = plan(req)
-    print(result.report())
+    print(format_plan(result))
     if args.profile is not None:
-        from .profile import profile_plan
-
         if args.profile < 1:
             raise ConfigError(f"--profile {args.profile}: give at least 1 step")
         profiled = profile_plan(result, args.profile, top=max(1, args.profile_top))

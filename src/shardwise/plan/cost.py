@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import RunConfig
+from ..hardware import Hardware
 from ..memory.estimate import run_flops, trainable_shapes
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
 from ..parallel.pipeline import schedule_style, stage_layer_counts
-from .hardware import Hardware
 
 SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone (element-wise ops)
 ZERO_BUBBLE_FACTOR = 3.0  # zero-bubble schedules leave about 1/3 of 1F1B's bubble

@@ -6,8 +6,12 @@ import argparse
 import json
 from typing import Any
 
-from ..config import RunConfig, load_config, validate
+from ..config import RunConfig, apply_overrides
 from ..errors import ConfigError
+from ..memory.estimate import estimate_all_ranks
+from ..models import get_preset
+from ..resolve import load_run_config, resolve_config
+from ..train.dry_run import describe_run
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +45,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError("give a config file or --model, not both (override the file's model with "
                           "--set model.preset=NAME)")
     if args.config:
-        return load_config(args.config, args.set)
+        return load_run_config(args.config, args.set)
     if not args.model:
         raise ConfigError("give a config file, or --model PRESET with the layout flags (--dp, --tp, --pp, --zero, ...)")
     raw: dict[str, Any] = {
@@ -55,17 +59,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      **({"precision_level": args.level} if args.level else {})},
     }
     model = raw["model"]
-    from ..models import get_preset
-
     if args.seq_length > get_preset(args.model).get("max_position_embeddings", args.seq_length):
         model["max_position_embeddings"] = args.seq_length
     if args.lora_r:
         raw["lora"] = {"r": args.lora_r, "alpha": 2 * args.lora_r}
     if args.freeze_layers:
         raw["freeze"] = {"layers": args.freeze_layers}
-    from ..config import apply_overrides
-
-    return validate(apply_overrides(raw, args.set))
+    return resolve_config(apply_overrides(raw, args.set))
 
 
 def device_kind(cfg: RunConfig, given: str | None) -> str:
@@ -77,8 +77,6 @@ def device_kind(cfg: RunConfig, given: str | None) -> str:
 
 def describe_memory(cfg: RunConfig, devices: int | None, device: str) -> str:
     """The estimate as text: one table per pipeline stage (one table without a pipeline)."""
-    from .estimate import estimate_all_ranks
-
     try:
         estimates = estimate_all_ranks(cfg, devices, device)
     except ConfigError as exc:  # e.g. a seed file's pipeline layout that the run itself would refuse
@@ -92,8 +90,6 @@ def describe_memory(cfg: RunConfig, devices: int | None, device: str) -> str:
 
 def run_estimate(args: argparse.Namespace) -> int:
     """`shardwise estimate`: print the estimate (a layout that cannot run fails with its reason)."""
-    from .estimate import estimate_all_ranks
-
     cfg = config_from_args(args)
     device = device_kind(cfg, args.device)
     devices = args.nproc or cfg.parallel.world_size()
@@ -101,8 +97,6 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([e.as_dict() for e in estimate_all_ranks(cfg, devices, device)], indent=1))
         return 0
-    from ..train.dry_run import describe_run
-
     print(describe_run(cfg, devices))
     print(describe_memory(cfg, devices, device))
     return 0

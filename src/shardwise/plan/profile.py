@@ -21,20 +21,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import multiprocessing as mp
 import os
+import queue
 import random
 import socket
 import statistics
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+import torch
+
 from ..config import RunConfig, validate
+from ..data.packing import PackedDataset
+from ..data.shards import token_dtype
 from ..errors import ConfigError, DeviceError
+from ..hardware import Hardware
+from ..parallel.launch import shutdown
+from ..train.probe import measure_training
+from ..train.trainer import Trainer
+from ..units import GIB
 from .cost import StepTime, predict_step
-from .hardware import Hardware
+from .report import candidate_table
+from .search import PlanResult, plan
 
 PRIOR_WEIGHT = 0.001  # pull of the catalogue values in the fit (log space): holds what the runs cannot see
 
@@ -78,21 +93,14 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, raw: dict[str, Any], memory: bool, threads: int, nice: int,
             out: Any) -> None:
     """One rank: train, then (optionally) two tracked steps; report step times (rank 0) and memory peaks."""
-    import torch
-
     if nice:
         os.nice(nice)  # a bench on a shared machine: other jobs disturb a higher-priority process less
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
-    import logging
-
     logging.getLogger("shardwise").setLevel(logging.WARNING)  # the plan's report is the output, not the runs' logs
     try:
-        from ..parallel.launch import shutdown
-        from ..train.trainer import Trainer
-
         cfg = validate(raw)
         data = synthetic_dataset(cfg)
         Trainer(cfg, train_dataset=data).train(overwrite=True)
@@ -106,25 +114,17 @@ def _worker(rank: int, world: int, port: int, raw: dict[str, Any], memory: bool,
             allocated = max((r["peak_memory_gb"] for r in records if "peak_memory_gb" in r), default=None)
         peak = None
         if memory:
-            from ..memory.measure import measure_training
-
             mem_raw = json.loads(json.dumps(raw))
             mem_raw["train"]["output_dir"] = raw["train"]["output_dir"] + "_memory"
             peak = measure_training(validate(mem_raw), data, steps=2, save=False).peak
         out.put(("ok", rank, times, peak, allocated))
         shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        import traceback
-
         out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None, None))
 
 
 def synthetic_dataset(cfg: RunConfig) -> Any:
     """Random tokens, enough for the run's steps: the time of a step does not depend on the text."""
-    import numpy as np
-
-    from ..data.pretrain import PackedDataset, token_dtype
-
     seq = cfg.data.seq_length
     samples = (cfg.train.max_steps or 1) * (cfg.train.global_batch_size or 1) + 1
     rng = np.random.default_rng(cfg.train.seed)
@@ -151,9 +151,6 @@ def measure_layout(cfg: RunConfig, devices: int, steps: int, warmup: int = 1, me
     """Run `warmup + steps` real steps of `cfg` on `devices` local processes; the measured steps' times.
 
     `nice` changes the processes' scheduling priority (negative: higher, needs the privilege)."""
-    import multiprocessing as mp
-    import queue
-
     if steps < 1:
         raise ConfigError(f"--profile {steps}: give at least 1 step to measure")
     check_devices(device, devices)
@@ -190,8 +187,6 @@ def measure_layout(cfg: RunConfig, devices: int, steps: int, warmup: int = 1, me
 
 def check_devices(device: str, devices: int) -> None:
     """Refuse to profile on devices that are not here."""
-    import torch
-
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     elif device == "npu":
@@ -316,13 +311,11 @@ class ProfileResult:
     runs: list[Run]
     predicted: list[StepTime]  # before calibration, per run
     calibration: Calibration
-    replanned: Any  # PlanResult with the calibrated hardware
+    replanned: PlanResult  # with the calibrated hardware
     hardware: Hardware  # before calibration
 
     def report(self) -> str:
         """Predicted against measured, the fitted fractions, and the re-ranked plan."""
-        from .report import candidate_table
-
         hw0, hw1 = self.hardware, self.calibration.hardware
         lines = ["", "profile (median of the measured steps; memory: peak live tensor bytes of the busiest rank)"]
         head = ("layout", "predicted s", "measured s", "error", "calibrated s", "error", "memory est GiB",
@@ -331,9 +324,10 @@ class ProfileResult:
         for run, pred, after in zip(self.runs, self.predicted, self.calibration.after):
             est = run.estimate_peak
             mem = run.memory_peak
-            rows.append((run.label, f"{pred.total:.3g}", f"{run.step_s:.3g}", f"{100 * (pred.total / run.step_s - 1):+.0f}%",
+            rows.append((run.label, f"{pred.total:.3g}", f"{run.step_s:.3g}",
+                         f"{100 * (pred.total / run.step_s - 1):+.0f}%",
                          f"{after:.3g}", f"{100 * (after / run.step_s - 1):+.0f}%",
-                         f"{est / 2**30:.3g}" if est else "-", f"{mem / 2**30:.3g}" if mem else "-"))
+                         f"{est / GIB:.3g}" if est else "-", f"{mem / GIB:.3g}" if mem else "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in rows]
@@ -347,11 +341,9 @@ class ProfileResult:
         return "\n".join(lines)
 
 
-def profile_plan(result: Any, steps: int, top: int = 3, warmup: int = 1, memory: bool = True,
+def profile_plan(result: PlanResult, steps: int, top: int = 3, warmup: int = 1, memory: bool = True,
                  memory_fn: Any = None) -> ProfileResult:
     """Run the plan's `top` layouts for `steps` steps each, calibrate, and plan again."""
-    from .search import plan
-
     req = result.request
     hw = req.hardware
     if not result.ranked:

@@ -1,22 +1,24 @@
-"""The plan as text: the workload, the physical limit, the top layouts, why the first wins, a target check."""
+"""The plan as text: the workload, the physical limit, the top layouts, why the first wins, a target check.
+
+`search` computes a `PlanResult`; this module only formats one (`format_plan`), and the callers
+(`command`, `profile`) print it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import textwrap
+from typing import Optional
 
-from ..config import human
 from ..models import count_parameters
+from ..units import GIB, gib, human
+from .search import Candidate, PlanResult
 
-if TYPE_CHECKING:
-    from .search import Candidate, PlanResult
-
-GIB = 2**30
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
               "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends", "bubble": "the pipeline bubble",
               "optimizer": "the optimizer step"}
 
 
-def format_plan(result: "PlanResult") -> str:
+def format_plan(result: PlanResult) -> str:
     """Everything `shardwise plan` prints."""
     lines = header_lines(result)
     if result.ranked:
@@ -30,7 +32,7 @@ def format_plan(result: "PlanResult") -> str:
     return "\n".join(lines)
 
 
-def header_lines(result: "PlanResult") -> list[str]:
+def header_lines(result: PlanResult) -> list[str]:
     """Workload, hardware, usable memory, the physical limit, and the search's size."""
     req = result.request
     cfg, hw, n = req.cfg, req.hardware, req.devices
@@ -51,7 +53,7 @@ def header_lines(result: "PlanResult") -> list[str]:
         f"workload   {m.preset or m.model_type}: {human(params)} parameters, seq {seq}, global batch {gbs} "
         f"({gbs * seq:,} tokens per step), {cfg.optimize.mixed_precision} {cfg.optimize.level()}{tune}",
         f"hardware   {n} x {hw.summary()}; {nodes} node(s)",
-        f"memory     {usable / GIB:.1f} GiB usable per device{shared} ({100 * req.memory_margin:g}% safety "
+        f"memory     {gib(usable, 1)} usable per device{shared} ({100 * req.memory_margin:g}% safety "
         f"margin{reserve})",
         f"limit      {limit_arithmetic(lim)}",
     ]
@@ -70,7 +72,7 @@ def limit_arithmetic(lim: dict[str, float]) -> str:
             f"{lim['tokens_per_s_per_device']:,.0f} tokens/s per device at 100% MFU (the physical best)")
 
 
-def candidate_table(cands: list["Candidate"]) -> str:
+def candidate_table(cands: list[Candidate]) -> str:
     """The ranked layouts as a fixed-width table."""
     head = ("#", "layout", "ZeRO", "recompute", "mbs x GA", "schedule", "memory GiB", "step s", "tok/s/dev",
             "MFU", "where the time goes")
@@ -89,7 +91,7 @@ def candidate_table(cands: list["Candidate"]) -> str:
     return "\n".join(out)
 
 
-def explain_winner(result: "PlanResult") -> str:
+def explain_winner(result: PlanResult) -> str:
     """Why the first layout beats the others: its time split, the runner-up's extra cost, faster layouts
     that do not fit, and the documents' rule of thumb (prefer data parallelism) checked."""
     best = result.ranked[0]
@@ -102,7 +104,7 @@ def explain_winner(result: "PlanResult") -> str:
     if result.faster_not_fitting:
         fastest = result.faster_not_fitting[0]
         parts.append(f"{len(result.faster_not_fitting)} faster layout(s) do not fit: the fastest, "
-                     f"{fastest.layout.describe()} ({fastest.step.total:.3g} s), needs {fastest.peak / GIB:.1f} GiB "
+                     f"{fastest.layout.describe()} ({fastest.step.total:.3g} s), needs {gib(fastest.peak, 1)} "
                      f"of the {best.usable / GIB:.1f} usable.")
     dp = result.best_data_parallel
     if best.layout.tp == 1 and best.layout.pp == 1:
@@ -114,7 +116,7 @@ def explain_winner(result: "PlanResult") -> str:
     return " ".join(parts)
 
 
-def _compare(best: "Candidate", other: "Candidate", what: str) -> str:
+def _compare(best: Candidate, other: Candidate, what: str) -> str:
     """How much slower `other` is than `best`, and the part of the step that makes the difference."""
     slower = other.step.total / best.step.total - 1
     diffs = {p: getattr(other.step, p) - getattr(best.step, p) for p in best.step.PARTS}
@@ -124,15 +126,15 @@ def _compare(best: "Candidate", other: "Candidate", what: str) -> str:
     return f"{what}, {other.layout.describe()}, is {100 * slower:.1f}% slower{because}{close}."
 
 
-def no_fit_message(result: "PlanResult") -> str:
+def no_fit_message(result: PlanResult) -> str:
     """Nothing fits: by how much the most frugal layout misses, and what would help."""
     req = result.request
     c = result.smallest
     if c is None:
         return "no layout fits"
     over = c.peak - c.usable
-    msg = (f"No layout fits: the most memory-frugal one, {c.layout.describe()}, needs {c.peak / GIB:.1f} GiB per "
-           f"device, {over / GIB:.1f} GiB ({100 * over / max(c.usable, 1):.0f}%) over the {c.usable / GIB:.1f} GiB "
+    msg = (f"No layout fits: the most memory-frugal one, {c.layout.describe()}, needs {gib(c.peak, 1)} per "
+           f"device, {gib(over, 1)} ({100 * over / max(c.usable, 1):.0f}%) over the {gib(c.usable, 1)} "
            f"usable on {req.hardware.name}.")
     if c.memory is not None:
         msg += " " + _largest_parts(c)
@@ -141,15 +143,15 @@ def no_fit_message(result: "PlanResult") -> str:
     return msg
 
 
-def _largest_parts(c: "Candidate") -> str:
+def _largest_parts(c: Candidate) -> str:
     mem = c.memory
     parts = {"parameters": mem.params, "gradients": mem.grads, "optimizer state": mem.optimizer,
              "activations": mem.activations, "buffers": mem.buffers}
     top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-    return "Largest parts: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in top) + "."
+    return "Largest parts: " + ", ".join(f"{k} {gib(v, 1)}" for k, v in top) + "."
 
 
-def target_check(result: "PlanResult") -> Optional[str]:
+def target_check(result: PlanResult) -> Optional[str]:
     """Compare `--target-tokens-per-s` with the physical limit and with the best prediction."""
     target = result.request.target_tokens_per_s
     if target is None:
@@ -174,6 +176,4 @@ def target_check(result: "PlanResult") -> Optional[str]:
 
 def wrap(text: str, width: int = 110) -> list[str]:
     """Text wrapped to lines of at most `width` characters."""
-    import textwrap
-
     return textwrap.wrap(text, width=width, break_on_hyphens=False) or [""]

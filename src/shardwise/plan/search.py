@@ -4,7 +4,8 @@ workload, ranked by predicted step time among those whose estimated memory fits.
 Layouts are timed first (cheap) and their memory is estimated (`shardwise.memory.estimate`) in order
 of speed until enough fit, so the ones shown are the fastest that fit, and the faster ones that do
 not fit are known. Memory must stay under the device memory less a safety margin and what the
-runtime reserves. `plan()` returns a `PlanResult`, whose `report()` is what `shardwise plan` prints.
+runtime reserves. `plan()` returns a `PlanResult`; `report.format_plan` turns it into what
+`shardwise plan` prints (this module computes, that one formats).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..config import ParallelConfig, RunConfig, validate
 from ..errors import ConfigError
+from ..hardware import CATALOGUE, Hardware
+from ..memory.estimate import estimate_memory
+from ..models import get_preset, preset_names
+from ..parallel.pipeline import check_pipeline
+from ..units import GIB, gib
 from .cost import StepTime, physical_limit, predict_step, work_of
-from .hardware import CATALOGUE, Hardware
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
 
-GIB = 2**30
 RECOMPUTE = ("none", "selective", "full")
 # Schedules tried for pipelines of each depth: (schedule, virtual stages). GPipe is left out: it has
 # 1F1B's bubble and keeps every micro-batch's activations.
@@ -120,12 +124,6 @@ class PlanResult:
         """The winner."""
         return self.ranked[0] if self.ranked else None
 
-    def report(self) -> str:
-        """The text `shardwise plan` prints."""
-        from .report import format_plan
-
-        return format_plan(self)
-
 
 # --- the workload ---------------------------------------------------------------------------------
 
@@ -135,8 +133,6 @@ def workload_config(model: Optional[str] = None, config: Optional[RunConfig] = N
                     precision_level: Optional[str] = None, lora_rank: Optional[int] = None,
                     freeze_layers: Optional[int] = None, hardware: Optional[Hardware] = None) -> RunConfig:
     """The run config to plan: a preset (or a given config) with the sequence, batch and precision asked for."""
-    from ..models import preset_names
-
     if config is None and model is None:
         raise ConfigError("give a model preset (--model NAME) or a run config to plan for")
     if config is not None:
@@ -152,8 +148,6 @@ def workload_config(model: Optional[str] = None, config: Optional[RunConfig] = N
             raise ConfigError(f"--seq-length {seq_length}: give at least 2 tokens")
         raw["data"]["seq_length"] = seq_length
     if config is None:
-        from ..models import get_preset
-
         preset = get_preset(model)
         seq = raw["data"].get("seq_length") or preset["max_position_embeddings"]
         if seq > preset["max_position_embeddings"]:
@@ -240,8 +234,6 @@ def check_request(req: PlanRequest) -> None:
 
 def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
     """Every layout of the request that the trainer can run (validity only; memory comes later)."""
-    from ..parallel.pipeline import check_pipeline
-
     cfg, n, pins = req.cfg, req.devices, req.pins
     m = cfg.model
     seq = cfg.data.seq_length
@@ -264,7 +256,8 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
             if gbs % dp:
                 continue
             per_rank = gbs // dp
-            mbs_options = [b for b in divisors(per_rank) if b <= MAX_MICRO_BATCH and (b & (b - 1) == 0 or b == per_rank)]
+            mbs_options = [b for b in divisors(per_rank)
+                           if b <= MAX_MICRO_BATCH and (b & (b - 1) == 0 or b == per_rank)]
             for mbs in _allowed(pins, "micro_batch", mbs_options):
                 ga = per_rank // mbs
                 schedules = (PIPELINE_SCHEDULES + (("gpipe", 1),) if "gpipe" in pins.get("schedule", []) else
@@ -280,7 +273,8 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                         except ConfigError:
                             continue
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
-                        offloads = (False, True) if (req.offload and zero >= 2 and req.hardware.kind != "cpu") else (False,)
+                        can_offload = req.offload and zero >= 2 and req.hardware.kind != "cpu"
+                        offloads = (False, True) if can_offload else (False,)
                         for offload in offloads:
                             for recompute in _allowed(pins, "recompute", RECOMPUTE):
                                 layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload)
@@ -316,16 +310,10 @@ def usable_bytes(hw: Hardware, margin: float, devices_on_node: int) -> int:
 MemoryFn = Callable[[RunConfig, int, str], Any]
 
 
-def _estimate(cfg: RunConfig, devices: int, device: str) -> Any:
-    from ..memory.estimate import estimate_memory
-
-    return estimate_memory(cfg, devices, device)
-
-
 def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = True) -> PlanResult:
     """Time every layout, estimate memory in order of speed, and rank the fastest that fit (when none
     does and `advise`, say what would help)."""
-    memory_fn = memory_fn or _estimate
+    memory_fn = memory_fn or estimate_memory
     check_request(req)
     hw, n = req.hardware, req.devices
     nodes = req.nodes or hw.nodes_for(n)
@@ -425,13 +413,13 @@ def fit_advice(req: PlanRequest, smallest: Candidate, memory_fn: MemoryFn) -> li
             continue
         if found is not None:
             advice.append(f"{n * factor} devices of this kind fit it ({found.layout.describe()}: "
-                          f"{found.peak / GIB:.1f} GiB per device)")
+                          f"{gib(found.peak, 1)} per device)")
             break
     if req.cfg.lora is None and not req.cfg.freeze.active():
         lora_cfg = validate({**smallest.cfg.model_dump(mode="json"), "lora": {"r": 8, "alpha": 16}})
         peak = memory_fn(lora_cfg, n, hw.kind).peak
         if peak <= usable:
-            advice.append(f"LoRA fine-tuning (r=8) instead of full training fits: {peak / GIB:.1f} GiB per device")
+            advice.append(f"LoRA fine-tuning (r=8) instead of full training fits: {gib(peak, 1)} per device")
     bigger = [h for h in CATALOGUE.values() if h.kind != "cpu" and usable_bytes(h, req.memory_margin, 1) >= need]
     if bigger:
         advice.append("devices with more memory: " + ", ".join(f"{h.name} ({h.memory_gib:g} GiB)" for h in bigger))

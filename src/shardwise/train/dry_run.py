@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from ..config import RunConfig, human, tokens_per_step
+from ..builder import build_run_model, describe_finetuning, trainable_summary
+from ..config import RunConfig, tokens_per_step
 from ..memory.estimate import run_flops
 from ..models import count_parameters
+from ..units import human
 
 
 def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
@@ -46,29 +48,7 @@ def _finetune_line(cfg: RunConfig) -> str | None:
     """Where the weights start, and what trains (LoRA / frozen layers), counted on a meta-device model."""
     if cfg.model.init_from is None and cfg.lora is None and not cfg.freeze.active():
         return None
-    import torch
-
-    from ..models.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    if cfg.lora is not None:
-        from ..peft.lora import apply_lora
-
-        lora = cfg.lora
-        wrapped = apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        how = f"LoRA r={lora.r} alpha={lora.alpha:g} on {len(wrapped)} projections"
-    elif cfg.freeze.active():
-        from ..peft.freeze import freeze_parameters
-
-        freeze_parameters(model, cfg.freeze.embeddings, cfg.freeze.layers)
-        parts = (["embeddings"] if cfg.freeze.embeddings else []) + (
-            [f"bottom {cfg.freeze.layers} layers"] if cfg.freeze.layers else [])
-        how = f"frozen {' and '.join(parts)}"
-    else:
-        how = "all weights train"
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = build_run_model(cfg, "meta")
+    how = describe_finetuning(model, cfg.lora, cfg.freeze) or "all weights train"
     start = f"from {cfg.model.init_from}" if cfg.model.init_from else "from random weights"
-    return (f"fine-tune    {start}; {how}: {trainable:,} of {total:,} parameters train "
-            f"({100 * trainable / max(total, 1):.2f}%)")
+    return f"fine-tune    {start}; {how}: {trainable_summary(model)}"

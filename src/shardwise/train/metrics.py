@@ -3,9 +3,9 @@
 tokens/s counts real tokens: the input tokens of a step that are not padding, over all ranks (packed
 pre-training has none; padded instruction data does), with the tokens that carry a loss beside them
 (`target_tokens_per_s`). MFU is the training FLOPs a token costs (`memory.estimate.run_flops`:
-frozen weights cost less) times real tokens/s per device over the device's peak FLOP/s. The peak is
-`train.peak_tflops` when configured, else the table of `plan.hardware` for GPUs/NPUs, else the best
-matmul rate ever measured on this CPU (kept in a cache file). An MFU above 1 means the peak is too
+frozen weights cost less) times real tokens/s per device over the device's peak FLOP/s
+(`shardwise.hardware.device_peak`: `train.peak_tflops` when configured, else the catalogue's table
+for GPUs/NPUs, else the best matmul rate ever measured on this CPU). An MFU above 1 means the peak is too
 low: the record then says `peak_in_doubt: true` and a warning (once) says to set train.peak_tflops.
 
 `metrics.jsonl` holds one JSON object per line, each written with a single write, so a killed run
@@ -19,9 +19,7 @@ import json
 import logging
 import math
 import os
-import platform
 import resource
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,121 +27,18 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from ..data.pretrain import default_cache_dir
-from ..data.sft import IGNORE_INDEX
+from ..files import write_text_atomic
+from ..hardware import Peak
+from ..loss import IGNORE_INDEX
 from ..parallel.collectives import max_over
-from ..plan.hardware import matmul_flops, table_peak_tflops
+from ..units import GIB
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
 
-# --- the peak FLOP/s that MFU divides by -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Peak:
-    """A device's peak FLOP/s, and where the figure comes from (said when it is in doubt)."""
-
-    flops: float  # FLOP/s per device; NaN when unknown
-    source: str  # "train.peak_tflops", "the H100 table entry", "measured on this CPU"
-
-
-def device_name(device: torch.device) -> str:
-    """A human name of the device (GPU/NPU model or CPU model)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "npu":
-        return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
-def device_peak(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None,
-                measure: bool = True) -> Peak:
-    """The peak MFU divides by: configured, else the table for GPUs/NPUs, else measured on this CPU.
-
-    `measure=False` leaves a CPU's peak unknown instead of measuring it: ranks that log nothing skip
-    the measurement, which would otherwise run on every rank at once and slow each other's down.
-    """
-    if configured_tflops:
-        return Peak(configured_tflops * 1e12, "train.peak_tflops")
-    if device.type != "cpu":
-        name = device_name(device)
-        found = table_peak_tflops(name, fp32=dtype == torch.float32)
-        if found is None:
-            log.warning("no peak FLOP/s known for %s; set train.peak_tflops for a meaningful MFU", name)
-            return Peak(float("nan"), f"unknown for {name}")
-        return Peak(found[1] * 1e12, f"the {found[0]} table entry")
-    if not measure:
-        return Peak(float("nan"), "not measured on this rank")
-    return Peak(measured_cpu_flops(dtype), "measured on this CPU")
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None) -> float:
-    """Peak FLOP/s for MFU (`device_peak`'s figure)."""
-    return device_peak(device, dtype, configured_tflops).flops
-
-
-def cpu_peak_cache() -> Path:
-    """The file that keeps the best CPU matmul rate measured so far, per CPU, threads, dtype and torch."""
-    return Path(default_cache_dir()) / "cpu_peak.json"
-
-
-def measured_cpu_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
-    """The best matmul FLOP/s this CPU has reached with the current thread count.
-
-    Measured at every start (`plan.hardware.matmul_flops`: the fastest of short trials over about
-    `seconds`) and compared with the best ever measured, kept on disk: a measurement taken while the
-    machine was busy is low, and must neither be used nor replace a better one. The file is written
-    only when the new measurement beats it.
-    """
-    key = f"{device_name(torch.device('cpu'))}|{torch.get_num_threads()}|{dtype}|{torch.__version__}"
-    return keep_best(cpu_peak_cache(), key, matmul_flops(dtype, seconds))
-
-
-def keep_best(path: Path, key: str, value: float) -> float:
-    """max(value, the figure stored under `key` in the JSON file `path`); the file is rewritten (whole,
-    atomically, other keys kept) only when `value` is higher."""
-    best = _read_json(path).get(key, 0.0)
-    if value <= best:
-        return float(best)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        known = _read_json(path)  # again: another process may have written since
-        known[key] = max(value, float(known.get(key, 0.0)))
-        _write_atomically(path, json.dumps(known, indent=1) + "\n")
-    except OSError as e:
-        log.debug("could not keep the CPU peak in %s: %s", path, e)
-    return value
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write a file so that a reader (or a kill) sees the old content or the new, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp makes it private
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# --- MFU ------------------------------------------------------------------------------------------------
 
 
 class MfuMeter:
@@ -196,7 +91,7 @@ class StepTokens:
 def padding_mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """True at the padding positions of a batch [B, T]; None when the batch marks no padding.
 
-    The batch contract (data/sft.py) pads a row after its last sample with a document of its own,
+    The batch contract (data/instruction.py) pads a row after its last sample with a document of its own,
     whose labels are all ignored, while every real sample keeps at least one target (samples without
     one are left out). So a row's padding is its last document when that document has no target.
     Labels of -100 alone do not mark padding: prompt tokens carry them too. Packed pre-training
@@ -278,10 +173,10 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated device memory, or on CPU the process's peak resident set size, in GiB."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return torch.cuda.max_memory_allocated(device) / GIB
     if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+        return torch.npu.max_memory_allocated(device) / GIB  # type: ignore[attr-defined]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
 
 
 # --- metrics.jsonl ------------------------------------------------------------------------------------------
@@ -324,7 +219,7 @@ def keep_records_through(path: Path, step: int) -> None:
     dropped = len(records) - len(kept)
     if not dropped and not bad:
         return
-    _write_atomically(path, "".join(line.decode("utf-8") + "\n" for line in kept))
+    write_text_atomic(path, "".join(line.decode("utf-8") + "\n" for line in kept))
     log.info("%s: kept the %d records through step %d, dropped %d after it%s", path, len(kept), step, dropped,
              f" and {bad} torn line(s)" if bad else "")
 

@@ -12,18 +12,14 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, validate
+from ..memory.estimate import estimate_all_ranks
+from ..units import size_text
 
 log = logging.getLogger(__name__)
 
 # The trainer's phases, as the estimator names them.
 PHASE_OF = {"forward": "forward", "backward": "backward", "optimizer step": "optimizer",
-            "checkpoint save": "checkpoint", "pipeline step": "backward"}
-_GIB = 2**30
-
-
-def size_text(n: float) -> str:
-    """Bytes as GiB, or MiB below one GiB."""
-    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
+            "checkpoint save": "checkpoint", "pipeline step": "backward", "evaluation": "forward"}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -67,7 +63,8 @@ def cheaper_layouts(cfg: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
         out.append(("optimize.recompute: full", _variant(cfg, optimize={"recompute": "full", "recompute_every": 1})))
     dp = p.dp_degree(world)
     if dp > 1 and p.zero_stage < 3:
-        out.append((f"parallel.zero_stage: {p.zero_stage + 1}", _variant(cfg, parallel={"zero_stage": p.zero_stage + 1})))
+        stage = p.zero_stage + 1
+        out.append((f"parallel.zero_stage: {stage}", _variant(cfg, parallel={"zero_stage": stage})))
     if t.micro_batch_size > 1:
         half = t.micro_batch_size // 2
         changes: dict[str, Any] = {"micro_batch_size": half}
@@ -83,7 +80,8 @@ def cheaper_layouts(cfg: RunConfig, world: int) -> list[tuple[str, RunConfig]]:
             out.append((f"parallel.{key}: {degree} ({label} parallel, data_parallel {dp // 2})",
                         _variant(cfg, parallel={key: degree, "data_parallel": dp // 2, **extra})))
     if p.zero_stage >= 2 and not o.offload_optimizer:
-        out.append(("optimize.offload_optimizer: true (CPU offload)", _variant(cfg, optimize={"offload_optimizer": True})))
+        out.append(("optimize.offload_optimizer: true (CPU offload)",
+                    _variant(cfg, optimize={"offload_optimizer": True})))
     return [(what, c) for what, c in out if c is not None]
 
 
@@ -91,8 +89,6 @@ def explain_out_of_memory(cfg: RunConfig, world: int, rank: int, phase: str, dev
                           pp_rank: int = 0) -> str:
     """The message for an out-of-memory error in `phase` on `rank` (pipeline rank `pp_rank`): the
     prediction for that phase and the cheapest single changes that the estimator says would fit."""
-    from ..memory.estimate import estimate_all_ranks
-
     def estimate(c: RunConfig, devices: int, kind: str) -> Any:
         ranks = estimate_all_ranks(c, devices, kind)
         return ranks[min(pp_rank, len(ranks) - 1)]  # a variant may have fewer pipeline ranks

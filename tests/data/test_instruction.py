@@ -1,4 +1,5 @@
-"""Instruction data (SFT): record shapes, templates, assistant-only labels, packing modes, bad input."""
+"""Instruction data: alpaca and chat records, labels on the assistant turns only, packing / padding /
+dynamic batches, bad records named by file and line, the token cache, the seed usage."""
 
 from __future__ import annotations
 
@@ -14,35 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-import shardwise.data.sft as sft
+import shardwise.data.instruction as instruction
 from shardwise.data import Tokenizer, create_dataset, load_tokenizer
-from shardwise.data.sft import InstructionDataset, batch_by_budget, encode_conversation, pack_best_fit
+from shardwise.data.chat import encode_conversation
+from shardwise.data.instruction import InstructionDataset, batch_by_budget, pack_best_fit
 from shardwise.errors import DataError
 
+from .test_chat import CHAT_TEMPLATE, SYSTEM, TWO_TURNS, expected_chat_template_labels, write_jsonl
+
 IGNORE = -100
-
-# A small Jinja chat template in the ChatML style: a role header per message, eos closing each one.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}{{ eos_token }}{{ '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
-)
-
-SYSTEM = "You answer briefly."
-TWO_TURNS = [
-    {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "Who is Jane?"},
-    {"role": "assistant", "content": "Her sister, at the house."},
-    {"role": "user", "content": "And the letter?"},
-    {"role": "assistant", "content": "It was for Darcy."},
-]
-
-
-def write_jsonl(path: Path, records: list[Any]) -> str:
-    """Write one JSON value (or a raw string) per line; return the path."""
-    lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in records]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return str(path)
 
 
 def alpaca(i: int, words: int = 3) -> dict[str, str]:
@@ -75,27 +56,17 @@ def assert_labels_are_next_tokens(row: dict[str, torch.Tensor]) -> None:
     assert torch.equal(doc[where], doc[where + 1])
 
 
-# --- templates and labels ------------------------------------------------------------------------
+def copy_with_chat_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of a tokenizer directory whose tokenizer_config.json holds `template`."""
+    shutil.copytree(src, dst)
+    config_path = dst / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return dst
 
 
-def test_default_template_layout_of_a_two_turn_chat_with_system(tiny_tokenizer: Tokenizer) -> None:
-    tok = tiny_tokenizer
-    ids, trained = encode_conversation(TWO_TURNS, tok, template="default")
-    bos, eos = tok.bos_id, tok.eos_id
-    first_prompt = tok.encode(f"[INST] {SYSTEM}\n\nWho is Jane? [/INST]")
-    answer1 = tok.encode(" Her sister, at the house.")
-    second_prompt = tok.encode("[INST] And the letter? [/INST]")
-    answer2 = tok.encode(" It was for Darcy.")
-    assert ids == [bos, *first_prompt, *answer1, eos, bos, *second_prompt, *answer2, eos]
-    want_trained = (
-        [False] * (1 + len(first_prompt)) + [True] * (len(answer1) + 1)
-        + [False] * (1 + len(second_prompt)) + [True] * (len(answer2) + 1)
-    )
-    assert trained == want_trained
-    assert tok.decode(ids, skip_special_tokens=False) == (
-        f"<|bos|>[INST] {SYSTEM}\n\nWho is Jane? [/INST] Her sister, at the house.<|eos|>"
-        "<|bos|>[INST] And the letter? [/INST] It was for Darcy.<|eos|>"
-    )
+# --- labels -----------------------------------------------------------------------------------------
 
 
 def test_chat_labels_exactly_on_both_assistant_turns(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
@@ -136,23 +107,6 @@ def test_alpaca_labels_exactly_on_output(tmp_path: Path, tiny_tokenizer: Tokeniz
         assert tok.decode(labelled(row)).strip() in {r["output"] for r in records}
 
 
-def copy_with_chat_template(src: Path, dst: Path, template: str) -> Path:
-    """A copy of a tokenizer directory whose tokenizer_config.json holds `template`."""
-    shutil.copytree(src, dst)
-    config_path = dst / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["chat_template"] = template
-    config_path.write_text(json.dumps(config), encoding="utf-8")
-    return dst
-
-
-def expected_chat_template_labels(tok: Tokenizer, answers: list[str]) -> list[int]:
-    out: list[int] = []
-    for a in answers:
-        out += tok.encode(a) + [tok.eos_id]
-    return out
-
-
 def test_tokenizer_chat_template_from_config_labels_assistant_content(
     tmp_path: Path, tiny_tokenizer_dir: Path
 ) -> None:
@@ -174,57 +128,7 @@ def test_tokenizer_chat_template_from_config_labels_assistant_content(
     )
 
 
-def test_jinja_template_option_and_template_errors(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
-    tok = tiny_tokenizer
-    ids, trained = encode_conversation(TWO_TURNS[1:3], tok, template=CHAT_TEMPLATE)
-    want = expected_chat_template_labels(tok, ["Her sister, at the house."])
-    assert [i for i, t in zip(ids, trained) if t] == want
-    assert tok.decode(ids[: trained.index(True)], skip_special_tokens=False) == (
-        "<|bos|><|user|>\nWho is Jane?<|eos|>\n<|assistant|>\n"
-    )
-    with pytest.raises(DataError, match="no chat template"):
-        encode_conversation(TWO_TURNS, tok, template="tokenizer")
-    with pytest.raises(DataError, match="not valid Jinja"):
-        encode_conversation(TWO_TURNS, tok, template="{% for m in messages %}")
-    # A template that reorders turns cannot be located by prefixes: refused per record, by file and line.
-    reversed_template = "{% for m in messages|reverse %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
-    f = write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}])
-    with pytest.raises(DataError, match=r"chat\.jsonl:1: .*growing prefixes"):
-        InstructionDataset(f, tok, 160, template=reversed_template)
-
-
-def test_dict_template_roles_and_bos_eos_placement(tiny_tokenizer: Tokenizer) -> None:
-    tok = tiny_tokenizer
-    template = {
-        "system": "<<{content}>>\n",
-        "user": "Q: {content}\n",
-        "assistant": "A: {content}\n",
-        "bos": "sample",
-        "eos": "sample",
-    }
-    ids, trained = encode_conversation(TWO_TURNS, tok, template=template)
-    p1 = tok.encode(f"<<{SYSTEM}>>\n")
-    p2 = tok.encode("Q: Who is Jane?\nA:")
-    a1 = tok.encode(" Her sister, at the house.\n")  # the space before {content} goes with the answer
-    p3 = tok.encode("Q: And the letter?\nA:")
-    a2 = tok.encode(" It was for Darcy.\n")
-    assert ids == [tok.bos_id, *p1, *p2, *a1, *p3, *a2, tok.eos_id]
-    assert [i for i, t in zip(ids, trained) if t] == [*a1, *a2, tok.eos_id]
-    # The default template is a dict template; bos/eos "turn" wrap every exchange.
-    assert encode_conversation(TWO_TURNS, tok, dict(sft.DEFAULT_TEMPLATE)) == encode_conversation(
-        TWO_TURNS, tok, "default"
-    )
-    for bad, match in (
-        ({"user": "{content}"}, "no 'assistant'"),
-        ({"user": "{content}", "assistant": "no placeholder"}, "holding '\\{content\\}' once"),
-        ({"user": "{content}", "assistant": "{content}", "eos": "always"}, "turn, sample, none"),
-        ({"user": "{content}", "assistant": "{content}", "tool": "{content}"}, "unknown keys"),
-    ):
-        with pytest.raises(DataError, match=match):
-            encode_conversation(TWO_TURNS, tok, bad)
-
-
-# --- packing modes -------------------------------------------------------------------------------
+# --- packing modes ----------------------------------------------------------------------------------
 
 
 def sample_multiset(ds: InstructionDataset) -> Counter:
@@ -335,9 +239,6 @@ def test_batch_by_budget_is_deterministic_and_sorted() -> None:
     assert all(len(x) * lengths[x].max() <= 120 for x in a)
 
 
-# --- lengths -------------------------------------------------------------------------------------
-
-
 def test_truncate_and_drop_counts(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
     tok = tiny_tokenizer
     short = [alpaca(i, words=1) for i in range(4)]
@@ -365,7 +266,8 @@ def test_truncate_and_drop_counts(tmp_path: Path, tiny_tokenizer: Tokenizer) -> 
         InstructionDataset(str(tmp_path / "a.jsonl"), tok, 8, truncation="drop")
 
 
-# --- bad input -----------------------------------------------------------------------------------
+# --- bad records ------------------------------------------------------------------------------------
+
 
 GOOD = {"instruction": "Tell me of the ball.", "output": "It was in the evening."}
 
@@ -384,7 +286,7 @@ def test_bad_lines_stop_or_skip_with_file_and_line(
     ])
     with pytest.raises(DataError, match=r"bad\.jsonl:2: is not JSON .*on_bad_line='skip'"):
         InstructionDataset(f, tiny_tokenizer, 128)
-    with caplog.at_level(logging.WARNING, logger="shardwise.data.sft"):
+    with caplog.at_level(logging.WARNING, logger="shardwise.data.instruction"):
         ds = InstructionDataset(f, tiny_tokenizer, 128, on_bad_line="skip", template="default")
     assert ds.stats["bad_lines"] == 4 and ds.stats["records"] == 2 and ds.stats["samples"] == 2
     text = caplog.text
@@ -454,7 +356,7 @@ def test_json_array_file_and_unanswered_last_turn(tmp_path: Path, tiny_tokenizer
     assert ds.sample(0)[0].tolist() == full
 
 
-# --- caching and the seed usage ------------------------------------------------------------------
+# --- caching and the seed usage ---------------------------------------------------------------------
 
 
 def test_cache_is_reused_and_keyed_by_file_and_template(
@@ -469,7 +371,7 @@ def test_cache_is_reused_and_keyed_by_file_and_template(
     def no_tokenizing(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("tokenized again instead of using the cache")
 
-    monkeypatch.setattr(sft, "_tokenize_records", no_tokenizing)
+    monkeypatch.setattr(instruction, "_tokenize_records", no_tokenizing)
     again = InstructionDataset(f, tiny_tokenizer, 96, cache_dir=str(cache), template="default", packing="pad")
     assert [again.sample(i)[0].tolist() for i in range(4)] == [
         first.sample(i)[0].tolist() for i in range(4)
@@ -499,49 +401,6 @@ def test_seed_usage_with_create_dataset(tmp_path: Path, tiny_tokenizer: Tokenize
 
 
 def test_ignore_index_matches_the_trainer() -> None:
-    from shardwise.train.trainer import IGNORE_INDEX
+    from shardwise.loss import IGNORE_INDEX
 
-    assert sft.IGNORE_INDEX == IGNORE_INDEX
-
-
-LLAMA2_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
-    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
-    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
-    "{% if loop.index0 == 0 and system_message != false %}"
-    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
-    "{% else %}{% set content = message['content'] %}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
-    "{% endfor %}"
-)
-
-
-def test_jinja_rendering_matches_transformers(tiny_tokenizer_dir: Path, tiny_tokenizer: Tokenizer) -> None:
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tiny_tokenizer_dir / "tokenizer.json"), bos_token="<|bos|>", eos_token="<|eos|>"
-    )
-    for template, answers in (
-        (LLAMA2_TEMPLATE, [" Her sister, at the house. <|eos|>", " It was for Darcy. <|eos|>"]),
-        (CHAT_TEMPLATE, ["Her sister, at the house.<|eos|>", "It was for Darcy.<|eos|>"]),
-    ):
-        hf.chat_template = template
-        ids, trained = encode_conversation(TWO_TURNS, tiny_tokenizer, template)
-        assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == hf.apply_chat_template(
-            TWO_TURNS, tokenize=False
-        )
-        assert trained_spans(tiny_tokenizer, ids, trained) == answers
-
-
-def trained_spans(tok: Tokenizer, ids: list[int], trained: list[bool]) -> list[str]:
-    """Text of each run of consecutive trained tokens."""
-    spans: list[list[int]] = []
-    for i, (token, t) in enumerate(zip(ids, trained)):
-        if t:
-            if i == 0 or not trained[i - 1]:
-                spans.append([])
-            spans[-1].append(token)
-    return ["".join(tok.decode([x], skip_special_tokens=False) for x in span) for span in spans]
+    assert instruction.IGNORE_INDEX == IGNORE_INDEX

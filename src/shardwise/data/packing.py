@@ -9,13 +9,7 @@ the next one. Where the stream knows its document boundaries, each sample carrie
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
-import logging
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,64 +17,6 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError
-from .tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
-
-# Bump when what files_key feeds changes, so that old caches are never read as new ones.
-_CACHE_VERSION = 1
-_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz")
-
-
-def expand_files(globs: Sequence[str] | str) -> list[str]:
-    """Sorted, de-duplicated files matching the glob patterns; a pattern that matches nothing fails."""
-    if isinstance(globs, (str, os.PathLike)):
-        globs = [str(globs)]
-    if not globs:
-        raise DataError("no data files given; set data.train_files to one or more paths or glob patterns")
-    found: set[str] = set()
-    for pattern in globs:
-        pattern = os.path.expanduser(str(pattern))
-        # A literal path wins, so that names containing [ ] or ? are not read as patterns.
-        matches = [pattern] if os.path.exists(pattern) else glob.glob(pattern, recursive=True)
-        files = [m for m in matches if os.path.isfile(m)]
-        if not files:
-            if any(os.path.isdir(m) for m in matches):
-                # A directory named like a file (`x.jsonl/`) most often holds files of that kind.
-                ext = os.path.splitext(pattern.rstrip("/"))[1]
-                example = os.path.join(pattern, "*" + (ext if ext in _DATA_EXTENSIONS else ".txt"))
-                raise DataError(
-                    f"data file pattern {pattern!r} matches only directories, not files (and none is a "
-                    f"`shardwise prepare` directory, which holds a manifest.json); use a pattern for the "
-                    f"files in it, such as '{example}'"
-                )
-            raise DataError(
-                f"data file pattern {pattern!r} matches no file (working directory {os.getcwd()}); "
-                f"check the path, or quote a glob such as 'corpora/austen/*.txt'"
-            )
-        found.update(os.path.abspath(f) for f in files)
-    return sorted(found)
-
-
-def default_cache_dir() -> str:
-    """Where tokenizers, token arrays and the measured CPU peak are cached: $SHARDWISE_CACHE, else
-    ~/.cache/shardwise (data.cache_dir overrides it for data)."""
-    return os.environ.get("SHARDWISE_CACHE") or str(Path.home() / ".cache" / "shardwise")
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id of a vocabulary."""
-    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
-
-
-def files_key(files: Sequence[str], *extra: object) -> str:
-    """Hash of file paths, sizes and modification times (plus `extra`): changes when any file does."""
-    parts = []
-    for f in files:
-        st = os.stat(f)
-        parts.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
-    blob = json.dumps([_CACHE_VERSION, parts, [str(e) for e in extra]])
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:20]
 
 
 class ArrayTokens:
@@ -213,28 +149,4 @@ class PackedDataset(Dataset):
         return self.stop - self.start
 
 
-class TextDataset(PackedDataset):
-    """The seed documents' pretraining dataset: text files packed into `max_seq_len` samples.
-
-    The files are prepared into token shards once (cached by input, tokenizer and options, see
-    `prepare_cached`); samples carry document masks and restarting positions.
-    """
-
-    def __init__(
-        self,
-        data_files: str | list[str],
-        tokenizer: Tokenizer,
-        max_seq_len: int,
-        shuffle: bool = True,
-        cache_dir: str | None = None,
-        **prepare_options: Any,
-    ) -> None:
-        """Prepare the files matching `data_files` (options as `prepare_corpus`); `shuffle` is for the loader."""
-        from .prepare import prepare_cached
-        from .shards import TokenShards
-
-        self.files = expand_files(data_files)
-        self.tokenizer = tokenizer
-        self.shuffle = shuffle
-        directory = prepare_cached(self.files, tokenizer, cache_dir, **prepare_options)
-        super().__init__(TokenShards(directory, tokenizer), max_seq_len)
+__all__ = ["ArrayTokens", "PackedDataset", "window_documents"]

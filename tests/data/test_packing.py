@@ -1,48 +1,14 @@
-"""Pretraining samples: file globs, packing with document ids and positions, the seed's TextDataset."""
+"""Pre-training samples: packing a token stream, with document ids and positions."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from shardwise.data import PackedDataset, TextDataset, Tokenizer, expand_files, token_dtype
-from shardwise.data.pretrain import ArrayTokens, window_documents
+from shardwise.data import PackedDataset
+from shardwise.data.packing import ArrayTokens, window_documents
 from shardwise.errors import DataError
-
-
-def expected_tokens(files: list[str], tok: Tokenizer) -> list[int]:
-    """The token stream of files prepared one document per file: each file's ids followed by EOS."""
-    out: list[int] = []
-    for f in files:
-        out += tok.encode(Path(f).read_bytes().decode("utf-8", errors="replace")) + [tok.eos_id]
-    return out
-
-
-def test_expand_files_sorted_deduplicated(tmp_path: Path) -> None:
-    for name in ("b.txt", "a.txt", "c.md", "sub/d.txt"):
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text("x")
-    got = expand_files([str(tmp_path / "*.txt"), str(tmp_path / "a.txt"), str(tmp_path / "**" / "*.txt")])
-    assert got == [str(tmp_path / n) for n in ("a.txt", "b.txt", "sub/d.txt")]
-    assert expand_files(str(tmp_path / "c.md")) == [str(tmp_path / "c.md")]
-
-
-def test_expand_files_errors_name_the_pattern(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"'.*\*\.json' matches no file"):
-        expand_files([str(tmp_path / "*.json")])
-    with pytest.raises(DataError, match="matches only directories"):
-        expand_files([str(tmp_path)])
-    with pytest.raises(DataError, match="data.train_files"):
-        expand_files([])
-
-
-def test_token_dtype() -> None:
-    assert token_dtype(300) == np.uint16
-    assert token_dtype(65535) == np.uint16
-    assert token_dtype(65536) == np.uint32
 
 
 def test_packed_dataset_every_token_a_target_once() -> None:
@@ -66,25 +32,6 @@ def test_packed_dataset_too_few_tokens() -> None:
     assert len(PackedDataset(np.arange(6), 5)) == 1
     with pytest.raises(DataError, match="only 5 tokens.*needs 6"):
         PackedDataset(np.arange(5), 5)
-
-
-def test_text_dataset_seed_signature(corpus_files: list[str], tiny_tokenizer: Tokenizer) -> None:
-    ds = TextDataset(
-        data_files=str(Path(corpus_files[0]).parent / "doc*.txt"),
-        tokenizer=tiny_tokenizer,
-        max_seq_len=32,
-        shuffle=False,
-    )
-    assert ds.shuffle is False and ds.files == corpus_files
-    tokens = expected_tokens(corpus_files, tiny_tokenizer)
-    assert len(ds) == (len(tokens) - 1) // 32
-    assert ds[1]["input_ids"].tolist() == tokens[32:64]
-    # Each file is one document: the second file starts a new document id and position 0.
-    second = len(tiny_tokenizer.encode(Path(corpus_files[0]).read_text())) + 1
-    sample, offset = divmod(second, 32)
-    assert offset > 0  # the boundary falls inside a sample (else the test would check nothing)
-    item = ds[sample]
-    assert item["position_ids"][offset].item() == 0 and item["document_ids"][offset].item() >= 1
 
 
 def test_get_batch_equals_stacked_samples() -> None:

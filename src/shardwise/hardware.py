@@ -1,11 +1,11 @@
-"""The hardware catalogue: memory, peak FLOP/s and links of the devices the planner knows, plus user YAML.
+"""What a device can do: the catalogue the planner and the trainer's MFU both read, and this CPU's peak.
 
 Every figure is per device (one GPU, one NPU, or one CPU process). Bandwidths are GB/s (1e9 bytes)
 in one direction; `intra` links join the devices of one node (NVLink, HCCS, shared memory), `inter`
 links join nodes (InfiniBand, RoCE), counted per device (a node with 8 GPUs and 8 x 400 Gb/s NICs
 gives 50 GB/s). Memory is GiB. Peak TFLOP/s are dense (no sparsity) and come from `PEAK_TFLOPS`,
-the table the trainer's MFU also divides by (`shardwise.train.metrics.device_peak`), so that a plan
-and a run speak of the same MFU.
+the table the trainer's MFU also divides by (`device_peak`), so that a plan and a run speak of the
+same MFU.
 
 Two fractions turn peaks into predictions: `compute_efficiency` (the share of peak FLOP/s that
 large training matmuls reach in eager PyTorch) and `comm_efficiency` (the share of a link's nominal
@@ -22,25 +22,34 @@ A user file (`--hardware-file my.yaml`) holds one mapping per device name, with 
       tflops_16: 165
       tflops_32: 82.6
       intra_bandwidth_gbps: 32
+
+The peak MFU divides by (`device_peak`) is `train.peak_tflops` when configured, else the table for
+GPUs/NPUs, else the best matmul rate ever measured on this CPU, kept in `cpu_peak.json` in the cache
+directory: a measurement taken while other jobs ran is low, and must neither be used nor replace a
+better one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import difflib
-import multiprocessing as mp
+import json
+import logging
 import os
-import socket
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from ..config import read_yaml
-from ..errors import ConfigError
+from .config import read_yaml
+from .data.files import default_cache_dir
+from .errors import ConfigError
+from .files import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s per device (no sparsity) by dtype family: "16" for bf16/fp16, "32" for fp32
 # (on NVIDIA: TF32 tensor cores, which torch uses for fp32 matmuls only when allowed, so we take
@@ -160,11 +169,11 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
              intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
              host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
     # This machine, measured: a device is one process with one thread. Peaks, memory and gloo rates
-    # are the best of `measure_cpu` runs on 2026-11-30 (1024 x 1024 matmuls, a 64 MiB copy, gloo
-    # all-reduce bus bandwidth of 64 MiB and latency of 4 bytes between 2 processes; the machine was
-    # shared with other jobs, so best-of). The efficiencies, the 2 vCPUs' worth for several processes
-    # at once (1.82 cores) and TP's host work are fitted by bench/plan_calibration.py (bench/README.md,
-    # "Planner calibration"); gloo's all-reduce is CPU work here, so comm_efficiency is low.
+    # are the best of `plan.calibrate.measure_cpu` runs on 2026-11-30 (1024 x 1024 matmuls, a 64 MiB
+    # copy, gloo all-reduce bus bandwidth of 64 MiB and latency of 4 bytes between 2 processes; the
+    # machine was shared with other jobs, so best-of). The efficiencies, the 2 vCPUs' worth for several
+    # processes at once (1.82 cores) and TP's host work are fitted by bench/plan_calibration.py
+    # (bench/README.md, "Planner calibration"); gloo's all-reduce is CPU work here, so comm_efficiency is low.
     Hardware("cpu", memory_gib=23.5, tflops_16=0.0157, tflops_32=0.149, memory_bandwidth_gbps=8.8,
              intra_bandwidth_gbps=1.10, inter_bandwidth_gbps=1.10, intra_latency_us=121, inter_latency_us=121,
              devices_per_node=64, host_bandwidth_gbps=8.8, reserved_gib=0.0, compute_efficiency=0.289,
@@ -210,7 +219,8 @@ def custom_hardware(memory_gb: float, tflops: float, bandwidth_gbps: float, base
     if memory_gb is not None:
         changes["memory_gib"] = memory_gb
     if tflops is not None:
-        changes.update(tflops_16=tflops, tflops_32=base.tflops_32 * tflops / base.tflops_16 if base.tflops_16 else tflops)
+        changes.update(tflops_16=tflops,
+                       tflops_32=base.tflops_32 * tflops / base.tflops_16 if base.tflops_16 else tflops)
     if bandwidth_gbps is not None:
         changes["intra_bandwidth_gbps"] = bandwidth_gbps
     return base.with_changes(**changes)
@@ -250,7 +260,7 @@ def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
     return out
 
 
-# --- measuring this machine's CPU -------------------------------------------------------------------
+# --- measuring this CPU -------------------------------------------------------------------------------
 
 
 def best_rate(fn: Callable[[], Any], work: float, seconds: float, min_trials: int = 3,
@@ -279,83 +289,95 @@ def matmul_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5, n: in
     return best_rate(lambda: a @ b, 2 * n**3, seconds, clock=clock)
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], seconds: float, out: Any) -> None:
-    """One rank of the gloo measurement: best all-reduce and send/recv times per message size."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    result: dict[str, dict[int, float]] = {"all_reduce": {}, "p2p": {}}
-    for size in sizes:
-        t = torch.ones(size // 4)
-        for kind in ("all_reduce", "p2p"):
-            best, rounds = float("inf"), 0
-            end = time.perf_counter() + seconds
-            while True:
-                dist.barrier()
-                t0 = time.perf_counter()
-                if kind == "all_reduce":
-                    dist.all_reduce(t)
-                elif rank == 0:
-                    dist.send(t, 1)
-                elif rank == 1:
-                    dist.recv(t, 0)
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank decides
-                best, rounds = min(best, float(elapsed)), rounds + 1
-                # Every rank stops after the same round: rank 0 decides.
-                stop = torch.tensor([float(rounds >= 3 and time.perf_counter() >= end)])
-                dist.broadcast(stop, 0)
-                if stop.item():
-                    break
-            result[kind][size] = best
-    if rank == 0:
-        out.put(result)
-    dist.destroy_process_group()
+def cpu_peak_cache() -> Path:
+    """The file that keeps the best CPU matmul rate measured so far, per CPU, threads, dtype and torch."""
+    return Path(default_cache_dir()) / "cpu_peak.json"
 
 
-def measure_collectives(world: int, sizes: tuple[int, ...] = (4, 1 << 20, 16 << 20, 64 << 20),
-                        seconds: float = 1.0) -> dict[str, dict[int, float]]:
-    """Best gloo all-reduce and rank 0 -> 1 send times (s) per message size (bytes) over `world` processes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, list(sizes), seconds, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=600)
-    for p in procs:
-        p.join()
-    return result
+def measured_cpu_flops(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> float:
+    """The best matmul FLOP/s this CPU has reached with the current thread count.
+
+    Measured at every start (`matmul_flops`: the fastest of short trials over about `seconds`) and
+    compared with the best ever measured, kept on disk: a measurement taken while the machine was
+    busy is low, and must neither be used nor replace a better one. The file is written only when
+    the new measurement beats it.
+    """
+    key = f"{device_name(torch.device('cpu'))}|{torch.get_num_threads()}|{dtype}|{torch.__version__}"
+    return keep_best(cpu_peak_cache(), key, matmul_flops(dtype, seconds))
 
 
-def measure_cpu(seconds: float = 2.0, worlds: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
-    """Measure this CPU as the planner sees it: matmul TFLOP/s per thread count, memory bandwidth, and
-    gloo all-reduce bus bandwidth and latency between processes. Best of repeated runs (a shared
-    machine only slows things down), so these are the undisturbed rates."""
-    threads = torch.get_num_threads()
-    out: dict[str, Any] = {"cores": os.cpu_count(), "matmul_tflops": {}}
-    for dtype in (torch.float32, torch.bfloat16):
-        for t in sorted({1, os.cpu_count() or 1}):
-            torch.set_num_threads(t)
-            out["matmul_tflops"][f"{str(dtype).split('.')[-1]}_{t}thread"] = matmul_flops(dtype, seconds) / 1e12
-    torch.set_num_threads(1)
-    src = torch.ones(64 << 18)  # 64 MiB
-    dst = torch.empty_like(src)
-    # A copy reads and writes every byte; AdamW streams its tensors the same way.
-    out["memory_gbps_1thread"] = best_rate(lambda: dst.copy_(src), 2 * src.numel() * 4, seconds) / 1e9
-    torch.set_num_threads(threads)
-    for world in worlds:
-        times = measure_collectives(world, seconds=seconds / 2)
-        ar = times["all_reduce"]
-        big = max(ar)
-        # Ring all-reduce moves 2 (n-1)/n of the message through every rank's link: the "bus" bandwidth.
-        out[f"gloo_{world}"] = {
-            "all_reduce_bus_gbps": 2 * (world - 1) / world * big / ar[big] / 1e9,
-            "all_reduce_latency_us": ar[min(ar)] * 1e6,
-            "p2p_gbps": big / times["p2p"][big] / 1e9,
-            "all_reduce_s": {str(k): v for k, v in ar.items()},
-        }
-    return out
+def keep_best(path: Path, key: str, value: float) -> float:
+    """max(value, the figure stored under `key` in the JSON file `path`); the file is rewritten (whole,
+    atomically, other keys kept) only when `value` is higher."""
+    best = _read_json(path).get(key, 0.0)
+    if value <= best:
+        return float(best)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        known = _read_json(path)  # again: another process may have written since
+        known[key] = max(value, float(known.get(key, 0.0)))
+        write_json_atomic(path, known)
+    except OSError as e:
+        log.debug("could not keep the CPU peak in %s: %s", path, e)
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+# --- the peak FLOP/s that MFU divides by -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s, and where the figure comes from (said when it is in doubt)."""
+
+    flops: float  # FLOP/s per device; NaN when unknown
+    source: str  # "train.peak_tflops", "the H100 table entry", "measured on this CPU"
+
+
+def device_name(device: torch.device) -> str:
+    """A human name of the device (GPU/NPU model or CPU model)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device)  # type: ignore[attr-defined]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def device_peak(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None,
+                measure: bool = True) -> Peak:
+    """The peak MFU divides by: configured, else the table for GPUs/NPUs, else measured on this CPU.
+
+    `measure=False` leaves a CPU's peak unknown instead of measuring it: ranks that log nothing skip
+    the measurement, which would otherwise run on every rank at once and slow each other's down.
+    """
+    if configured_tflops:
+        return Peak(configured_tflops * 1e12, "train.peak_tflops")
+    if device.type != "cpu":
+        name = device_name(device)
+        found = table_peak_tflops(name, fp32=dtype == torch.float32)
+        if found is None:
+            log.warning("no peak FLOP/s known for %s; set train.peak_tflops for a meaningful MFU", name)
+            return Peak(float("nan"), f"unknown for {name}")
+        return Peak(found[1] * 1e12, f"the {found[0]} table entry")
+    if not measure:
+        return Peak(float("nan"), "not measured on this rank")
+    return Peak(measured_cpu_flops(dtype), "measured on this CPU")
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured_tflops: float | None = None) -> float:
+    """Peak FLOP/s for MFU (`device_peak`'s figure)."""
+    return device_peak(device, dtype, configured_tflops).flops

@@ -1,19 +1,27 @@
-"""The hardware catalogue, user YAML files and custom hardware."""
+"""The hardware catalogue, user YAML files, custom hardware, and the peak FLOP/s that MFU divides by."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
+import shardwise.hardware as hardware
 from shardwise.errors import ConfigError
-from shardwise.plan.hardware import (
+from shardwise.hardware import (
     CATALOGUE,
     PEAK_TFLOPS,
+    Peak,
     best_rate,
     custom_hardware,
+    device_peak,
     get_hardware,
+    keep_best,
     load_hardware_file,
+    measured_cpu_flops,
     table_peak_tflops,
 )
 
@@ -89,3 +97,40 @@ def test_custom_hardware() -> None:
     assert (hw.memory_gib, hw.tflops_16, hw.intra_bandwidth_gbps) == (48, 362, 32)
     with pytest.raises(ConfigError, match="--tflops -1"):
         custom_hardware(48, -1, 32)
+
+
+# --- the peak ------------------------------------------------------------------------------------------------
+
+
+def _no_measurement(*args, **kwargs) -> float:
+    raise AssertionError("the CPU peak was measured")
+
+
+def test_a_configured_peak_wins_and_nothing_is_measured(monkeypatch) -> None:
+    monkeypatch.setattr(hardware, "matmul_flops", _no_measurement)
+    assert device_peak(torch.device("cpu"), torch.float32, 2.5) == Peak(2.5e12, "train.peak_tflops")
+    assert math.isnan(device_peak(torch.device("cpu"), torch.float32, measure=False).flops)
+
+
+def test_the_cpu_peak_is_the_best_measured_and_the_cache_changes_only_when_beaten(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
+    rates = iter([5e10, 3e10, 8e10])
+    monkeypatch.setattr(hardware, "matmul_flops", lambda dtype, seconds=0.5: next(rates))
+    cache = tmp_path / "cpu_peak.json"
+    cache.write_text(json.dumps({"another cpu|4|torch.float32|2.0": 9e11}))
+    assert measured_cpu_flops() == 5e10
+    written = cache.read_bytes()
+    stamp = cache.stat().st_mtime_ns
+    assert measured_cpu_flops() == 5e10  # a busy measurement: the best so far is used, the file untouched
+    assert cache.read_bytes() == written and cache.stat().st_mtime_ns == stamp
+    peak = device_peak(torch.device("cpu"), torch.float32)
+    assert peak == Peak(8e10, "measured on this CPU")
+    known = json.loads(cache.read_text())
+    assert sorted(known.values()) == [8e10, 9e11]  # other keys are kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_torn_cache_file_is_replaced(tmp_path) -> None:
+    cache = tmp_path / "cpu_peak.json"
+    cache.write_text('{"key": 1e1')
+    assert keep_best(cache, "key", 4.0) == 4.0 and json.loads(cache.read_text()) == {"key": 4.0}

@@ -1,0 +1,474 @@
+"""The schema of a whole run: five sections (`model`, `parallel`, `optimize`, `train`, `data`), the
+fine-tuning ones (`lora`, `freeze`) and a small `run` section (device, eager or compiled).
+
+Validation checks values and how they fit together, and nothing else: it reads no file and builds no
+model. What a config points at (the weights of `model.init_from`, their tokenizer, LoRA targets that
+must exist in the model, the parallel layout) is checked after it by `shardwise.resolve`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..models.registry import get_preset
+
+# Learning rates a fine-tune from `model.init_from` starts with unless train.lr is given (seed 003, 4.3:
+# 2e-5..5e-5 for full fine-tuning, 1e-4..3e-4 for LoRA).
+FINETUNE_LR_FULL = 2e-5
+FINETUNE_LR_LORA = 2e-4
+
+
+class _Section(BaseModel):
+    # inf and nan are no setting's value (an epoch count of inf would never end): refuse them here.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ParallelConfig(_Section):
+    """How the run is split over devices. The product dp x tp x pp must equal the device count."""
+
+    data_parallel: int = Field(1, description="data-parallel degree; -1 = what the device count leaves")
+    data_parallel_replicate: int = Field(
+        1, ge=1, description="HSDP: replicas of the sharded group (e.g. nodes); must divide data_parallel"
+    )
+    tensor_parallel: int = Field(1, ge=1, description="tensor (model) parallel degree")
+    sequence_parallel: bool = Field(True, description="shard norms/dropout over the sequence with TP")
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0, description="0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters"
+    )
+    micro_batch_num: int = Field(1, ge=1, description="pipeline micro-batches per step")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        "1f1b", description="pipeline schedule"
+    )
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved)")
+    stage_layers: Optional[list[int]] = Field(None, description="layers per pipeline stage")
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _dp(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("must be a positive integer, or -1 for what the device count leaves")
+        return v
+
+    def world_size(self, devices: int | None = None) -> int:
+        """Number of devices this layout needs (resolving data_parallel=-1 against `devices`)."""
+        tp_pp = self.tensor_parallel * self.pipeline_parallel
+        if self.data_parallel == -1:
+            if devices is None:
+                return tp_pp
+            if devices % tp_pp:
+                raise ConfigError(
+                    f"parallel.data_parallel is -1 but {devices} devices are not divisible by "
+                    f"tensor_parallel x pipeline_parallel = {tp_pp}; use a device count that is a "
+                    f"multiple of {tp_pp} or lower those degrees"
+                )
+            return devices
+        return self.data_parallel * tp_pp
+
+    def dp_degree(self, devices: int | None = None) -> int:
+        """Resolved data-parallel degree."""
+        return self.world_size(devices) // (self.tensor_parallel * self.pipeline_parallel)
+
+
+class OptimizeConfig(_Section):
+    """Memory and speed settings: precision, recompute, accumulation, offload, compile."""
+
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="training dtype")
+    precision_level: Optional[Literal["O0", "O1", "O2", "O3"]] = Field(
+        None,
+        description="O0 fp32; O1 autocast, fp32 weights; O2 16-bit weights + fp32 master copy in the "
+        "optimizer; O3 pure 16-bit. Default: O0 for fp32, O2 otherwise",
+    )
+    loss_scale: Union[Literal["dynamic"], float] = Field(
+        "dynamic", description="fp16 loss scaling: 'dynamic' or a fixed scale"
+    )
+    initial_loss_scale: float = Field(2.0**16, gt=0, description="starting dynamic loss scale")
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="activation recomputation: none, full blocks, or selective (keep matmuls)"
+    )
+    recompute_every: int = Field(1, ge=1, description="recompute every k-th layer (full recompute)")
+    gradient_accumulation_steps: Optional[int] = Field(
+        None, ge=1, description="micro-batches per optimizer step (derived from global_batch_size if unset)"
+    )
+    offload_optimizer: bool = Field(False, description="keep optimizer state in CPU memory")
+    offload_params: bool = Field(False, description="keep parameters in CPU memory between uses")
+
+    @model_validator(mode="after")
+    def _level_needs_16_bit(self) -> "OptimizeConfig":
+        if self.mixed_precision == "fp32" and self.precision_level not in (None, "O0"):
+            raise ValueError(
+                f"optimize.precision_level {self.precision_level} needs optimize.mixed_precision bf16 or fp16 "
+                "(fp32 is O0)"
+            )
+        return self
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_bool(cls, v: Any) -> Any:
+        if v is True:
+            return "full"
+        if v is False or v is None:
+            return "none"
+        return v
+
+    def level(self) -> str:
+        """The precision level in force."""
+        if self.mixed_precision == "fp32":
+            return "O0"
+        return self.precision_level or "O2"
+
+
+class TrainConfig(_Section):
+    """Optimizer, schedule, length, batch sizes, logging, evaluation and checkpoints."""
+
+    output_dir: str = Field("runs/default", description="run directory: checkpoints, metrics, logs")
+    seed: int = Field(42, ge=0, le=2**63 - 1, description="seed for weights, data order and dropout")
+    max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps (or give epochs)")
+    epochs: Optional[float] = Field(None, gt=0, description="passes over the training data")
+    micro_batch_size: int = Field(1, ge=1, description="samples per device per micro-batch")
+    global_batch_size: Optional[int] = Field(
+        None, ge=1, description="samples per optimizer step over all devices"
+    )
+    optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="decay after warmup; wsd = warmup-stable-decay"
+    )
+    wsd_decay_ratio: float = Field(0.1, gt=0, le=1, description="WSD: fraction of steps spent decaying")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1 (SGD: momentum)")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="gradient clipping norm; null = off")
+    log_steps: int = Field(10, ge=1, description="log metrics every N steps")
+    eval_steps: Optional[int] = Field(
+        None, ge=1, description="evaluate every N steps; with eval data the last step is always evaluated"
+    )
+    eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
+    save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
+    nan_policy: Literal["stop", "skip"] = Field("stop", description="on a NaN/Inf loss")
+    check_replicas_steps: Optional[int] = Field(
+        None, ge=1, description="every N steps compare parameter checksums across data-parallel replicas"
+    )
+    peak_tflops: Optional[float] = Field(None, gt=0, description="device peak for MFU (default: table/measured)")
+    progress_bar: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(True, description="write TensorBoard events when it is installed")
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("give train.max_steps or train.epochs")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr {self.min_lr} is above train.lr {self.lr}; lower min_lr")
+        return self
+
+
+class DataConfig(_Section):
+    """Where the data comes from and how it becomes samples."""
+
+    kind: Literal["pretrain", "instruction"] = Field(
+        "pretrain", description="pretrain: raw text packed into samples; instruction: SFT .jsonl"
+    )
+    train_files: list[str] = Field(
+        default_factory=list, description="globs of .txt/.jsonl/.parquet files, or a `shardwise prepare` dir"
+    )
+    eval_files: Optional[list[str]] = Field(None, description="globs of held-out files (or a prepared dir)")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the data held out for eval")
+    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
+        "auto", description="input format; auto = by file extension"
+    )
+    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet records")
+    txt_documents: Literal["file", "paragraph"] = Field(
+        "file", description=".txt: one document per file, or documents separated by blank lines"
+    )
+    min_chars: int = Field(1, ge=0, description="drop documents with fewer non-space characters")
+    max_length: Optional[int] = Field(
+        None, ge=1, description="truncate each document to this many tokens (null: split across samples)"
+    )
+    on_bad_line: Literal["stop", "skip"] = Field(
+        "stop", description="a .jsonl line that is not JSON or lacks the field: stop, or skip and count"
+    )
+    prepare_workers: Optional[int] = Field(None, ge=1, description="tokenising processes (default: cores)")
+    tokenizer: Optional[str] = Field(
+        None, description="tokenizer dir or SentencePiece .model; null = train a BPE one"
+    )
+    seq_length: Optional[int] = Field(
+        None, ge=2, description="tokens per sample; default model.max_position_embeddings"
+    )
+    reset_attention_mask: bool = Field(True, description="attention stays inside each packed document")
+    reset_position_ids: bool = Field(True, description="positions restart at each packed document")
+    num_workers: int = Field(0, ge=0, description="loader worker processes (0 = read in the trainer)")
+    template: Union[Literal["auto", "default", "tokenizer"], dict[str, Any]] = Field(
+        "auto", description="instruction: chat template (auto = tokenizer's if any, else [INST] form)"
+    )
+    packing: Literal["pack", "pad", "dynamic"] = Field(
+        "pack", description="instruction: pack samples, pad each, or batch by a token budget"
+    )
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate", description="instruction: what to do with samples longer than seq_length"
+    )
+    cache_dir: Optional[str] = Field(
+        None, description="tokenizer/prepared-data cache (default $SHARDWISE_CACHE or ~/.cache/shardwise)"
+    )
+
+    @field_validator("train_files", "eval_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class LoraConfig(_Section):
+    """LoRA: train low-rank adapters beside chosen projections; every base weight stays frozen."""
+
+    r: int = Field(8, ge=1, description="rank of the adapters")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: adapters are scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Union[str, list[str]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="projections to adapt: names (ours wq.. or HF q_proj..; suffix match) or regexes",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_names(cls, v: Any) -> Any:
+        # peft and the documents' LoRAConfig call them lora_alpha / lora_dropout (and rank lora_rank).
+        if isinstance(v, dict):
+            v = dict(v)
+            for theirs, ours in (("lora_alpha", "alpha"), ("lora_dropout", "dropout"), ("lora_rank", "r")):
+                if theirs in v:
+                    if ours in v and v[ours] != v[theirs]:
+                        raise ValueError(f"lora.{theirs} and lora.{ours} differ; give one of them")
+                    v[ours] = v.pop(theirs)
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: Any) -> Any:
+        if not v:
+            raise ValueError("name at least one module, e.g. [q_proj, v_proj]")
+        return v
+
+
+class FreezeConfig(_Section):
+    """Parameters kept fixed while fine-tuning: they get no gradients and no optimizer state."""
+
+    embeddings: bool = Field(False, description="freeze the token (and position) embeddings")
+    layers: int = Field(0, ge=0, description="freeze the bottom N transformer blocks")
+
+    def active(self) -> bool:
+        """Whether anything is frozen."""
+        return self.embeddings or self.layers > 0
+
+
+class RunSection(_Section):
+    """Where and how the run executes."""
+
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device kind")
+    compile: bool = Field(False, description="torch.compile the model (seed: mode graph / mode 0)")
+    num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
+    timeout_s: float = Field(
+        600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
+    )
+
+
+class RunConfig(_Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optimize: OptimizeConfig = Field(default_factory=OptimizeConfig)
+    train: TrainConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    run: RunSection = Field(default_factory=RunSection)
+    lora: Optional[LoraConfig] = Field(None, description="LoRA adapters; null = train the weights themselves")
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _preset(cls, v: Any) -> Any:
+        for key in ("preset", "init_from"):  # both are looked up before the section is validated
+            if isinstance(v, dict) and v.get(key) is not None and not isinstance(v[key], str):
+                raise ValueError(f"model.{key} = {v[key]!r} must be text: "
+                                 + ("a preset name" if key == "preset" else "a model or checkpoint directory"))
+        if isinstance(v, dict) and v.get("init_from") and "hidden_size" not in v:
+            # The architecture comes from the weights: `shardwise.resolve` reads it into the section.
+            raise ValueError(f"model.init_from {v['init_from']}: the weights' architecture has not been read; "
+                             "load the config with shardwise.resolve.load_run_config (or resolve_config)")
+        if isinstance(v, dict) and v.get("preset") and not v.get("init_from"):
+            return {**get_preset(v["preset"]), **v}  # the user's keys win over the preset's
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        m, p = self.model, self.parallel
+        _check_numbers(self)
+        if self.data.seq_length is None:
+            self.data.seq_length = m.max_position_embeddings
+        if self.data.seq_length > m.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_length {self.data.seq_length} is above model.max_position_embeddings "
+                f"{m.max_position_embeddings}; lower seq_length or raise max_position_embeddings"
+            )
+        if p.tensor_parallel > 1:
+            if p.sequence_parallel and self.data.seq_length % p.tensor_parallel:
+                raise ValueError(
+                    f"sequence parallel splits each sample's {self.data.seq_length} positions over "
+                    f"tensor_parallel {p.tensor_parallel} ranks: make data.seq_length a multiple of it"
+                )
+            for name, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                            ("intermediate_size", m.intermediate_size)):
+                if n % p.tensor_parallel:
+                    raise ValueError(
+                        f"parallel.tensor_parallel {p.tensor_parallel} must divide model.{name} {n}"
+                    )
+        if p.pipeline_parallel * p.virtual_stages > m.num_layers:
+            raise ValueError(
+                f"pipeline_parallel x virtual_stages = {p.pipeline_parallel * p.virtual_stages} "
+                f"exceeds model.num_layers {m.num_layers}"
+            )
+        o = self.optimize
+        if o.mixed_precision == "fp16" and o.level() == "O3" and self.train.eps < 1e-4:
+            raise ValueError(
+                f"fp16 level O3 keeps the optimizer state in fp16, where train.eps {self.train.eps:g} rounds "
+                "to 0 and Adam divides by zero; set train.eps: 1.0e-4, or use precision_level O2 or bf16"
+            )
+        if p.stage_layers is not None and sum(p.stage_layers) != m.num_layers:
+            raise ValueError(
+                f"parallel.stage_layers sums to {sum(p.stage_layers)}, not model.num_layers {m.num_layers}"
+            )
+        if p.pipeline_parallel > 1:
+            self._check_pipeline()
+        self._check_finetuning()
+        return self
+
+    def _check_finetuning(self) -> None:
+        """Freezing and LoRA settings that cannot work, and the fine-tuning defaults of `init_from`."""
+        m, f = self.model, self.freeze
+        if f.layers > m.num_layers:
+            raise ValueError(f"freeze.layers {f.layers} exceeds model.num_layers {m.num_layers}")
+        if self.lora is not None and f.active():
+            raise ValueError(
+                "freeze has no effect with lora: LoRA already keeps every base weight fixed and trains only "
+                "the adapters; remove the freeze section, or lora to freeze layers of a full fine-tune"
+            )
+        if self.lora is not None and self.lora.dropout and self.parallel.tensor_parallel > 1:
+            raise ValueError(
+                "lora.dropout with tensor_parallel > 1 is not supported (the adapters' input is replicated "
+                "over the TP ranks and would get different masks on each); set lora.dropout: 0"
+            )
+        if m.init_from is not None:
+            # Fine-tuning starts from trained weights: smaller steps and no weight decay toward zero,
+            # unless the config says otherwise.
+            given = self.train.model_fields_set
+            if "lr" not in given:
+                self.train.lr = FINETUNE_LR_LORA if self.lora is not None else FINETUNE_LR_FULL
+            if "weight_decay" not in given:
+                self.train.weight_decay = 0.0
+            if self.train.min_lr > self.train.lr:
+                raise ValueError(f"train.min_lr {self.train.min_lr} is above the fine-tuning lr {self.train.lr}")
+
+    def _check_pipeline(self) -> None:
+        """What of a pipeline the config alone decides: an accumulation that is not a whole number of
+        pipeline steps, and data whose micro-batches vary in shape. The layout itself (schedule,
+        virtual stages, stage layers) is `parallel.dims`'s to check, in `shardwise.resolve`."""
+        p = self.parallel
+        if self.data.kind == "instruction" and self.data.packing == "dynamic":
+            raise ConfigError(
+                "data.packing dynamic makes micro-batches of varying shapes, but a pipeline step runs its "
+                "micro-batches as one batch of one shape; use data.packing pack or pad with pipeline_parallel > 1"
+            )
+        ga = self.optimize.gradient_accumulation_steps
+        if ga is not None and ga % p.micro_batch_num:
+            raise ConfigError(
+                f"optimize.gradient_accumulation_steps {ga} is not a multiple of parallel.micro_batch_num "
+                f"{p.micro_batch_num}: under pipeline parallelism an optimizer step runs whole pipeline steps of "
+                f"micro_batch_num micro-batches each; set gradient_accumulation_steps to a multiple of "
+                f"{p.micro_batch_num}, or leave it unset (it then equals micro_batch_num)"
+            )
+
+    def gradient_accumulation(self, devices: int | None = None) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank.
+
+        Under pipeline parallelism the micro-batches are the pipeline's: a pipeline step (one
+        schedule run) takes `parallel.micro_batch_num` of them, and an optimizer step runs
+        accumulation / micro_batch_num pipeline steps. The accumulation defaults to micro_batch_num
+        (one pipeline step per optimizer step) and must be a multiple of it.
+        """
+        dp = self.parallel.dp_degree(devices)
+        ga = self.optimize.gradient_accumulation_steps
+        gbs = self.train.global_batch_size
+        mbs = self.train.micro_batch_size
+        pipeline = self.parallel.pipeline_parallel > 1
+        mbn = self.parallel.micro_batch_num
+        if gbs is None:
+            return ga or (mbn if pipeline else 1)
+        if gbs % (mbs * dp):
+            raise ConfigError(
+                f"train.global_batch_size {gbs} is not divisible by micro_batch_size {mbs} x "
+                f"data_parallel {dp} = {mbs * dp}; choose a global batch that is a multiple of {mbs * dp}"
+            )
+        derived = gbs // (mbs * dp)
+        if ga is not None and ga != derived:
+            raise ConfigError(
+                f"optimize.gradient_accumulation_steps {ga} contradicts train.global_batch_size {gbs} "
+                f"= micro_batch_size {mbs} x data_parallel {dp} x {derived}; set only one of them"
+            )
+        if pipeline and derived % mbn:
+            raise ConfigError(
+                f"train.global_batch_size {gbs} = micro_batch_size {mbs} x data_parallel {dp} x {derived} "
+                f"micro-batches per step, which is not a multiple of parallel.micro_batch_num {mbn}: under "
+                "pipeline parallelism an optimizer step runs whole pipeline steps; choose a global batch that "
+                f"is a multiple of {mbs * dp * mbn}"
+            )
+        return derived
+
+    def global_batch_size(self, devices: int | None = None) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        dp = self.parallel.dp_degree(devices)
+        return self.train.micro_batch_size * dp * self.gradient_accumulation(devices)
+
+
+def _numbers_of(section: BaseModel, prefix: str) -> list[tuple[str, float]]:
+    """(dotted key, value) of every number in a validated section, nested sections included."""
+    out: list[tuple[str, float]] = []
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            out.extend(_numbers_of(value, f"{prefix}.{name}"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((f"{prefix}.{name}", value))
+    return out
+
+
+# An integer setting (a size, a degree, a count of steps) above this is a slip, not a plan: torch
+# takes 64-bit sizes, and the product of two settings (a weight's shape) must still fit in one.
+MAX_SETTING = 2**31 - 1
+_UNBOUNDED = ("train.seed",)  # bounded by its own field (any 63-bit seed is fine)
+
+
+def _check_numbers(cfg: BaseModel) -> None:
+    """Every float finite (the model section's schema takes inf and nan) and every integer setting
+    within MAX_SETTING, in one place for all sections."""
+    for section in type(cfg).model_fields:
+        value = getattr(cfg, section)
+        if not isinstance(value, BaseModel):
+            continue
+        for name, number in _numbers_of(value, section):
+            if isinstance(number, float) and not math.isfinite(number):
+                raise ValueError(f"{name} = {number}: give a finite number")
+            if isinstance(number, int) and abs(number) > MAX_SETTING and name not in _UNBOUNDED:
+                raise ValueError(f"{name} = {number} is larger than any run can use (at most {MAX_SETTING:,}); "
+                                 "check for a slip of the keyboard")
+
+
+def tokens_per_step(cfg: RunConfig, devices: int | None = None) -> int:
+    """Tokens consumed by one optimizer step over all devices."""
+    return cfg.global_batch_size(devices) * cfg.data.seq_length
