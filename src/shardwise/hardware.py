@@ -156,6 +156,12 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
              inter_bandwidth_gbps=25, host_bandwidth_gbps=32, compute_efficiency=0.5, source=_NVIDIA + "; SXM4"),
     Hardware("A100-80GB", memory_gib=80, **_peaks("A100"), memory_bandwidth_gbps=2039, intra_bandwidth_gbps=300,
              inter_bandwidth_gbps=25, host_bandwidth_gbps=32, compute_efficiency=0.5, source=_NVIDIA + "; SXM4"),
+    # A 24 GB consumer card (torchtune publishes its memory figures on one): no NVLink, PCIe 4.0 x16
+    # between cards. compute_efficiency is A100's, assumed, not measured on such a card.
+    Hardware("RTX4090", memory_gib=24, **_peaks("RTX 4090"), memory_bandwidth_gbps=1008, intra_bandwidth_gbps=25,
+             inter_bandwidth_gbps=12.5, intra_latency_us=10, host_bandwidth_gbps=25, compute_efficiency=0.5,
+             source="NVIDIA Ada data sheet (GeForce RTX 4090: 24 GB GDDR6X, bf16 dense with fp32 accumulate); "
+                    "PCIe 4.0 x16 between cards"),
     Hardware("Ascend910B1", memory_gib=64, **_peaks("Ascend910B1"), memory_bandwidth_gbps=1600,
              intra_bandwidth_gbps=196, inter_bandwidth_gbps=25, intra_latency_us=8, inter_latency_us=20,
              host_bandwidth_gbps=32, reserved_gib=2.5, compute_efficiency=0.4, kind="npu", source=_ASCEND),
@@ -182,7 +188,7 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
 )}
 
 # Names people use for the same devices.
-ALIASES = {"h100-sxm": "H100", "h100sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
+ALIASES = {"rtx-4090": "RTX4090", "4090": "RTX4090", "h100-sxm": "H100", "h100sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
            "a100-40g": "A100-40GB", "a100-80g": "A100-80GB", "910b": "Ascend910B3", "ascend910b": "Ascend910B3",
            "910b1": "Ascend910B1", "910b2": "Ascend910B2", "910b3": "Ascend910B3", "910b4": "Ascend910B4"}
 
