@@ -188,7 +188,8 @@ CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
 )}
 
 # Names people use for the same devices.
-ALIASES = {"rtx-4090": "RTX4090", "4090": "RTX4090", "h100-sxm": "H100", "h100sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
+ALIASES = {"rtx-4090": "RTX4090", "4090": "RTX4090",
+           "h100-sxm": "H100", "h100sxm": "H100", "h100-80gb": "H100", "h200-sxm": "H200", "a100": "A100-80GB",
            "a100-40g": "A100-40GB", "a100-80g": "A100-80GB", "910b": "Ascend910B3", "ascend910b": "Ascend910B3",
            "910b1": "Ascend910B1", "910b2": "Ascend910B2", "910b3": "Ascend910B3", "910b4": "Ascend910B4"}
 
