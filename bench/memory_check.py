@@ -4,7 +4,9 @@
     python bench/memory_check.py [--only NAME,...] [--list] [--threads T]
 
 For each configuration below (tiny to bench size; recompute none/full/selective; fp32, bf16 O1/O2/O3;
-ZeRO 0-3 and CPU offload on 2 ranks; TP2 with and without sequence parallelism; PP2 with each
+ZeRO 0-3 and CPU offload on 2 ranks; gradient accumulation under ZeRO 2/3 with gradients reduced
+every micro-batch or once per step, on 2 ranks and HSDP 2 x 2; ZeRO-1's even state on DP2, DP4 with a
+32k vocabulary and DP2 x TP2; TP2 with and without sequence parallelism; PP2 with each
 schedule; LoRA; frozen layers; packed documents), the Trainer runs 2 optimizer steps and saves a
 checkpoint under `shardwise.memory.measure.MemoryTracker` (a TorchDispatchMode that counts the bytes
 of every live tensor storage on the rank exactly, from the first step on), and
@@ -43,6 +45,8 @@ from shardwise.train.probe import measure_training  # noqa: E402
 TINY = {"preset": "tiny_llama"}
 DEMO = {"preset": "demo_llama"}
 SMALL_VOCAB = {"preset": "demo_llama", "vocab_size": 1024}  # activations, not logits, dominate
+LARGE_VOCAB = {"preset": "tiny_llama", "vocab_size": 16384}  # the logits dominate (2,048 tokens x 16,384)
+PLAIN_LOSS = {"chunked_loss": False}  # the full [tokens, vocab] logits, then the loss
 BENCH = {"preset": "bench_llama"}
 SEQ = {"seq_length": 256}
 
@@ -51,8 +55,17 @@ def _run(model: dict, mbs: int = 4, seq: dict | None = None, **sections: Any) ->
     return {"model": model, "data": seq or SEQ, "train": {"micro_batch_size": mbs}, **sections}
 
 
+def _train(mbs: int = 8, **train: Any) -> dict[str, Any]:
+    return {"micro_batch_size": mbs, **train}
+
+
+IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
 BF16 = {"mixed_precision": "bf16"}
+LORA = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+FROZEN = {"layers": 2, "embeddings": True}
 DP2 = {"data_parallel": 2}
+HSDP = {"data_parallel": 4, "data_parallel_replicate": 2}
+ONCE = {"reduce_gradients": "once_per_step"}
 PP2 = {"pipeline_parallel": 2, "micro_batch_num": 4}
 
 # name -> (processes, config sections). Every run: 2 optimizer steps, then a checkpoint.
@@ -81,25 +94,99 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "bench bf16 O2": (1, _run(BENCH, 8, {"seq_length": 512}, optimize=BF16)),
     "DP2 ZeRO-0": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0})),
     "DP2 ZeRO-1": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 1})),
+    # ZeRO-1 splits every tensor over the ranks: the 32k-token embedding and output projection (73% of
+    # the parameters) no longer sit whole on two of the four ranks.
+    "DP4 ZeRO-1 32k vocabulary": (4, _run({"preset": "demo_llama", "vocab_size": 32768}, 1, {"seq_length": 64},
+                                          parallel={"data_parallel": 4, "zero_stage": 1})),
+    "DP2 ZeRO-1 bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 1}, optimize=BF16)),
+    "DP2 TP2 ZeRO-1": (4, _run(SMALL_VOCAB, parallel={**DP2, "tensor_parallel": 2, "zero_stage": 1})),
     "DP2 ZeRO-2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 2})),
     "DP2 ZeRO-3": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3})),
     "DP2 ZeRO-3 bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3}, optimize=BF16)),
     "DP2 ZeRO-3 offload": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
                                    optimize={"offload_params": True, "offload_optimizer": True})),
+    # Gradient accumulation under ZeRO 2/3: reduce-scattered every micro-batch (the default), or
+    # accumulated full size and reduced once per step (parallel.reduce_gradients: once_per_step).
     "DP2 ZeRO-2 accumulation 2": (2, _run(SMALL_VOCAB, 2, parallel={**DP2, "zero_stage": 2},
                                           optimize={"gradient_accumulation_steps": 2})),
+    "DP2 ZeRO-3 accumulation 2": (2, _run(SMALL_VOCAB, 2, parallel={**DP2, "zero_stage": 3},
+                                          optimize={"gradient_accumulation_steps": 2})),
+    "DP2 ZeRO-3 accumulation 4": (2, _run(SMALL_VOCAB, 1, parallel={**DP2, "zero_stage": 3},
+                                          optimize={"gradient_accumulation_steps": 4})),
     "DP2 ZeRO-3 bf16 O2 accumulation 2": (2, _run(SMALL_VOCAB, 2, parallel={**DP2, "zero_stage": 3},
                                                   optimize={**BF16, "gradient_accumulation_steps": 2})),
+    "DP2 ZeRO-2 accumulation 2 once per step": (2, _run(SMALL_VOCAB, 2, parallel={**DP2, "zero_stage": 2, **ONCE},
+                                                        optimize={"gradient_accumulation_steps": 2})),
+    "DP2 ZeRO-3 accumulation 4 once per step": (2, _run(SMALL_VOCAB, 1, parallel={**DP2, "zero_stage": 3, **ONCE},
+                                                        optimize={"gradient_accumulation_steps": 4})),
+    "DP2 ZeRO-3 bf16 O2 accumulation 2 once per step": (2, _run(SMALL_VOCAB, 2,
+                                                                parallel={**DP2, "zero_stage": 3, **ONCE},
+                                                                optimize={**BF16, "gradient_accumulation_steps": 2})),
+    "HSDP 2x2 ZeRO-3 accumulation 2": (4, _run(SMALL_VOCAB, 2, parallel={**HSDP, "zero_stage": 3},
+                                               optimize={"gradient_accumulation_steps": 2})),
+    "HSDP 2x2 ZeRO-3 accumulation 2 once per step": (4, _run(SMALL_VOCAB, 2,
+                                                             parallel={**HSDP, "zero_stage": 3, **ONCE},
+                                                             optimize={"gradient_accumulation_steps": 2})),
     "TP2 SP": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2})),
     "TP2 no SP": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2, "sequence_parallel": False})),
     "TP2 SP bf16 O2 accumulation 2": (2, _run(SMALL_VOCAB, 2, parallel={"tensor_parallel": 2},
                                               optimize={**BF16, "gradient_accumulation_steps": 2})),
+    # Frozen weights in the compute dtype (issue 13): a bf16 base, no fp32 shard, no replicate copy.
+    "DP2 ZeRO-0 LoRA bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0}, optimize=BF16, lora=LORA)),
+    "DP2 ZeRO-1 LoRA bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 1}, optimize=BF16, lora=LORA)),
+    "DP2 ZeRO-0 LoRA bf16 O3": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0},
+                                        optimize={**BF16, "precision_level": "O3"}, lora=LORA)),
+    "DP2 ZeRO-3 LoRA bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3}, optimize=BF16, lora=LORA)),
+    "TP2 LoRA bf16 O2": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2}, optimize=BF16, lora=LORA)),
+    "DP2 ZeRO-0 frozen 2 layers + embeddings bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0},
+                                                                optimize=BF16, freeze=FROZEN)),
+    "DP2 ZeRO-3 frozen 2 layers + embeddings bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
+                                                                optimize=BF16, freeze=FROZEN)),
     "PP2 1F1B": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "1f1b"})),
     "PP2 GPipe": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "gpipe"})),
     "PP2 1F1B bf16 O2": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "1f1b"}, optimize=BF16)),
     "PP2 interleaved 1F1B": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "interleaved_1f1b",
                                                                   "virtual_stages": 2})),
     "PP2 zero-bubble V": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "zero_bubble", "virtual_stages": 2})),
+    # The loss without full logits (issue 13; optimize.chunked_loss, on above): against the plain
+    # path, on a model whose logits dominate, one process, TP2 and PP2, chunks of 1,024 and 256 tokens.
+    "demo fp32 plain loss": (1, _run(DEMO, optimize=PLAIN_LOSS)),
+    "large-vocab fp32 plain loss": (1, _run(LARGE_VOCAB, 8, optimize=PLAIN_LOSS)),
+    "large-vocab fp32": (1, _run(LARGE_VOCAB, 8)),
+    "large-vocab fp32 chunk 256": (1, _run(LARGE_VOCAB, 8, optimize={"loss_chunk_tokens": 256})),
+    "large-vocab bf16 O2": (1, _run(LARGE_VOCAB, 8, optimize=BF16)),
+    "large-vocab bf16 O1": (1, _run(LARGE_VOCAB, 8, optimize={**BF16, "precision_level": "O1"})),
+    "large-vocab tied gpt2": (1, _run({"preset": "tiny_gpt2", "vocab_size": 16384}, 8)),
+    "large-vocab TP2 SP": (2, _run(LARGE_VOCAB, 8, parallel={"tensor_parallel": 2})),
+    "large-vocab TP2 SP plain loss": (2, _run(LARGE_VOCAB, 8, parallel={"tensor_parallel": 2}, optimize=PLAIN_LOSS)),
+    "large-vocab PP2 1F1B chunk 256": (2, _run(LARGE_VOCAB, 4, parallel={**PP2, "schedule": "1f1b"},
+                                               optimize={"loss_chunk_tokens": 256})),
+    "large-vocab PP2 1F1B plain loss": (2, _run(LARGE_VOCAB, 4, parallel={**PP2, "schedule": "1f1b"},
+                                                optimize=PLAIN_LOSS)),
+    "large-vocab DP2 ZeRO-3 bf16 O2": (2, _run(LARGE_VOCAB, 4, parallel={**DP2, "zero_stage": 3}, optimize=BF16)),
+    # The optimizer step (issue 13): foreach's group-size temporary, the chunked update, 16-bit and
+    # 8-bit moments, the update in backward (no full set of gradients). The default kernel is fused.
+    "bench optimizer foreach": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_impl="foreach"))),
+    "bench optimizer chunked": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_impl="chunked"))),
+    "bench bf16 moments": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_state_dtype="bf16"))),
+    "bench 8-bit AdamW": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer="adamw_8bit"))),
+    "bench optimizer in backward": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(**IN_BACKWARD))),
+    # One sample of 512 tokens and full recompute: gradients, not activations, make the peak.
+    "bench batch 1 recompute full": (1, _run(BENCH, 1, {"seq_length": 512}, optimize={"recompute": "full"},
+                                             train=_train(1, max_grad_norm=None))),
+    "bench batch 1 recompute full in backward": (1, _run(BENCH, 1, {"seq_length": 512}, optimize={"recompute": "full"},
+                                                         train=_train(1, **IN_BACKWARD))),
+    "small-vocab bf16 O2 bf16 moments in backward": (1, _run(SMALL_VOCAB, 8, optimize=BF16, train=_train(
+        optimizer_state_dtype="bf16", **IN_BACKWARD))),
+    "small-vocab chunked bf16 moments": (1, _run(SMALL_VOCAB, 8, train=_train(optimizer_impl="chunked",
+                                                                               optimizer_state_dtype="bf16"))),
+    "DP2 ZeRO-1 bf16 moments": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 1},
+                                        train=_train(4, optimizer_state_dtype="bf16"))),
+    "DP2 ZeRO-3 in backward": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3}, train=_train(4, **IN_BACKWARD))),
+    "DP2 ZeRO-3 8-bit AdamW": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
+                                       train=_train(4, optimizer="adamw_8bit"))),
+    "TP2 SP foreach bf16 moments": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2},
+                                            train=_train(4, optimizer_impl="foreach", optimizer_state_dtype="bf16"))),
 }
 
 

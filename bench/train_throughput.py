@@ -7,7 +7,8 @@
 Both sides train the same model (`builder.build_run_model(cfg)` after `torch.manual_seed(train.seed)`:
 the config's `lora:` adapters or `freeze:` settings applied as the Trainer applies them), on the same
 batches (a `StatefulLoader` over the same dataset and seed), with the same AdamW
-(`build_optimizer`: foreach, the same weight-decay groups), the same LR schedule, gradient clipping,
+(`build_optimizer`: the kernel and moments the config resolves to, the same weight-decay groups),
+the same LR schedule, gradient clipping,
 precision, micro-batch and accumulation. Rounds interleave the sides (shardwise, plain, shardwise,
 plain, ...); each round starts both from fresh weights and runs W unmeasured warm-up steps, then N
 measured steps.
@@ -75,7 +76,7 @@ from shardwise.parallel.launch import resolve_device
 from shardwise.resolve import load_run_config as load_config
 from shardwise.resolve import resolve_config as validate
 from shardwise.train import trainer as trainer_mod
-from shardwise.train.optim import LRSchedule, build_optimizer
+from shardwise.train.optim import LRSchedule, build_optimizer, state_dtype_of
 
 
 def log(msg: str) -> None:
@@ -302,7 +303,10 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
     if plan.master_weights:  # O2: 16-bit model, fp32 copies stepped by the optimizer
         masters = [p.detach().float().clone().requires_grad_(True) for p in params]
         named = [(n, m) for (n, _), m in zip(named, masters)]
-    opt = build_optimizer(named, t.optimizer, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+    # The Trainer's kernel and moments (train.optimizer_impl, optimizer_state_dtype); its update in backward
+    # (optimizer_in_backward) is the Trainer's own lever: the plain loop steps after the backward.
+    opt = build_optimizer(named, t.optimizer, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps,
+                          kernel=t.optimizer_kernel(device.type), state_dtype=state_dtype_of(t.optimizer_state_dtype))
     opt_params = [p for _, p in named]
     grad_accum = cfg.gradient_accumulation()
     sched = LRSchedule(t.lr, t.min_lr, t.warmup_steps, n_steps, t.decay_style, t.wsd_decay_ratio)

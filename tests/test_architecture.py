@@ -36,7 +36,7 @@ LAYERS = {
     "__main__": 11, "__init__": 11,
 }
 # Imported inside functions on purpose: extras a user may not have installed, or device libraries.
-OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft")
+OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft", "torchao")
 
 
 def _modules() -> dict[str, Path]:

@@ -105,6 +105,21 @@ def test_settings_that_cannot_work_are_refused():
     assert ok.optimize.level() == "O3"
 
 
+def test_reduce_gradients_resolves_per_layout_and_refuses_what_cannot_work():
+    def parallel(**p: object):  # noqa: ANN202
+        return validate({**BASE, "parallel": p}).parallel
+
+    # auto: every micro-batch for ZeRO 2/3, once per step for ZeRO 0/1 and under a pipeline's schedule
+    assert [parallel(data_parallel=2, zero_stage=z).reduces_every_micro_batch() for z in (0, 1, 2, 3)] == \
+        [False, False, True, True]
+    assert not parallel(data_parallel=2, zero_stage=3, pipeline_parallel=2).reduces_every_micro_batch()
+    assert not parallel(data_parallel=2, zero_stage=3, reduce_gradients="once_per_step").reduces_every_micro_batch()
+    with pytest.raises(ConfigError, match="every_micro_batch needs zero_stage 2 or 3"):
+        parallel(data_parallel=2, zero_stage=1, reduce_gradients="every_micro_batch")
+    with pytest.raises(ConfigError, match="pipeline schedule decides"):
+        parallel(data_parallel=2, zero_stage=3, pipeline_parallel=2, reduce_gradients="once_per_step")
+
+
 # --- mistakes named as the user wrote them ------------------------------------------------------------
 
 

@@ -5,17 +5,27 @@ the mean: the trainer divides by the step's global number of target tokens, so t
 every split into micro-batches computes one device's gradient. Under tensor parallelism the logits are
 a DTensor sharded on the vocabulary and the loss is computed shard by shard, never gathering the full
 `[tokens, vocab]` logits.
+
+`chunked_token_loss_sum(hidden, weight, labels, chunk_tokens)` is the same sum computed from the final
+hidden states and the output projection's weight without ever holding the `[tokens, vocab]` logits
+(as Liger's fused linear cross-entropy and Apple's cut cross-entropy do): a custom autograd function
+runs `chunk_tokens` tokens at a time, keeps only the hidden states and each token's log-sum-exp for
+backward, and recomputes each chunk's logits there; the peak is one `[chunk, vocab]` block in fp32.
+A vocabulary-sharded DTensor weight (tensor parallelism) computes on its shard, and only per-token
+statistics cross the TP ranks.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 IGNORE_INDEX = -100  # torch's cross-entropy default: a label that carries no loss
+# Tokens per chunk of the chunked loss: one [chunk, vocab] fp32 block at a time (optimize.loss_chunk_tokens).
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
 def count_target_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
@@ -30,6 +40,18 @@ def _vocab_shard_dim(logits: DTensor) -> Optional[int]:
         if isinstance(p, Shard) and p.dim in (-1, last):
             return i
     return None
+
+
+def _shard_start(vocab: int, mesh: Any) -> int:
+    """The first vocabulary row this rank holds: DTensor shards like torch.chunk (the last ranks may hold fewer)."""
+    chunk = -(-vocab // mesh.size())
+    return min(chunk * mesh.get_local_rank(), vocab)
+
+
+def _all_reduce(t: torch.Tensor, mesh: Any, op: str) -> torch.Tensor:
+    """`t` reduced over the 1-D TP mesh; Partial -> Replicate is differentiable: its backward hands
+    every rank the same gradient."""
+    return DTensor.from_local(t, mesh, [Partial(op)], run_check=False).full_tensor()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -53,14 +75,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("token_loss_sum supports logits on a 1-D TP mesh only")
     vocab = logits.shape[-1]
     local = logits.to_local().flatten(0, -2).float()  # [N, V_local]
-    # This rank's vocabulary range: DTensor shards like torch.chunk (the last ranks may hold fewer).
-    chunk = -(-vocab // mesh.size())
-    start = min(chunk * mesh.get_local_rank(), vocab)
+    start = _shard_start(vocab, mesh)
     n_local = local.shape[-1]
 
     def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
-        # Partial -> Replicate is differentiable: its backward hands every rank the same gradient.
-        return DTensor.from_local(t, mesh, [Partial(op)], run_check=False).full_tensor()
+        return _all_reduce(t, mesh, op)
 
     target = labels.flatten().to(local.device)
     valid = target != IGNORE_INDEX
@@ -74,3 +93,141 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     target_logit = all_reduce(torch.where(mine, picked, 0.0), "sum")
     per_token = torch.log(sum_exp) + gmax - target_logit
     return torch.where(valid, per_token, 0.0).sum()
+
+
+# --- the loss without the full logits ------------------------------------------------------------
+
+
+def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """`token_loss_sum(hidden @ weight.T, labels)` without materialising the [tokens, vocab] logits
+    or their gradient: `chunk_tokens` tokens at a time, in forward and again in backward.
+
+    `hidden` [..., H] are the final (normed) hidden states, `weight` [V, H] the output projection's
+    weight (a tied embedding matrix works alike), `labels` [...] the targets. Each chunk's logits are
+    computed in the weight's dtype and upcast to fp32, as the plain path's `.float()` does, so the
+    loss is the plain path's; under autocast the hidden states and the weight are cast to the
+    autocast dtype first, as a matmul there would be. The weight's gradient accumulates chunk by
+    chunk in its own dtype (in fp32 runs exactly the plain sum, reordered).
+
+    Tensor parallelism: a DTensor `weight` sharded on the vocabulary (dim 0) over a 1-D mesh computes
+    on its V/tp rows; `hidden` (a DTensor, e.g. sequence-sharded, or a plain tensor every TP rank
+    holds alike) is gathered whole, and only per-token log-sum-exps and target logits are reduced
+    across ranks. The result is the same plain scalar on every TP rank, differentiable.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    mesh, start = None, 0
+    if isinstance(weight, DTensor):
+        wmesh = weight.device_mesh
+        if wmesh.ndim != 1:
+            raise NotImplementedError("chunked_token_loss_sum supports a weight on a 1-D TP mesh only")
+        hidden = (hidden.redistribute(wmesh, [Replicate()]) if isinstance(hidden, DTensor)
+                  else DTensor.from_local(hidden, wmesh, [Replicate()], run_check=False))
+        placement = weight.placements[0]
+        if isinstance(placement, Shard) and placement.dim == 0:
+            mesh, start = wmesh, _shard_start(weight.shape[0], wmesh)
+            # Each rank's hidden gradient is its vocabulary shard's part of the sum: Partial.
+            hidden = hidden.to_local(grad_placements=[Partial()])
+            weight = weight.to_local()
+        else:
+            hidden = hidden.to_local()
+            weight = weight.redistribute(wmesh, [Replicate()]).to_local()
+    elif isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).to(h.device)
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One chunk's logits [c, V] in fp32: the matmul in the weight's dtype, then the plain path's upcast."""
+    logits = torch.mm(h, weight.t())
+    return logits if logits.dtype == torch.float32 else logits.float()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over valid tokens of logsumexp(h W^T) - (h W^T)[label], chunk by chunk over the tokens.
+
+    Saves the hidden states, the weight, the labels and each token's log-sum-exp (+inf where the label
+    is ignored, so that backward's softmax is 0 there); every [c, V] block lives only inside one chunk.
+    Under TP (`mesh`) the weight holds vocabulary rows [start, start + V_local) and the per-token
+    log-sum-exps and target logits are reduced across the mesh."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                mesh: Any, start: int) -> torch.Tensor:  # noqa: D102
+        n, n_local = h.shape[0], weight.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        target = torch.zeros(n, dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            if n_local == 0:  # a TP rank past the end of an uneven vocabulary
+                lse[s:e] = float("-inf")
+                continue
+            idx, mine = _local_targets(labels[s:e], start, n_local)
+            logits = _chunk_logits(h[s:e], weight)
+            target[s:e] = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
+            # log-sum-exp in place: max, exp(logits - max), sum; one [c, V] buffer.
+            top = logits.amax(dim=1)
+            lse[s:e] = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top)
+            del logits
+        if mesh is not None:
+            top = _all_reduce(lse, mesh, "max")
+            both = _all_reduce(torch.stack([lse.sub_(top).exp_(), target]), mesh, "sum")
+            lse = both[0].log_().add_(top)
+            target = both[1]
+        valid = labels != IGNORE_INDEX
+        loss = torch.where(valid, lse - target, 0.0).sum()
+        lse.masked_fill_(~valid, float("inf"))
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.chunk_tokens, ctx.start = chunk_tokens, start
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # noqa: D102
+        h, weight, labels, lse = ctx.saved_tensors
+        n, n_local = h.shape[0], weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = None
+        g = grad_loss.float()
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, n, ctx.chunk_tokens):
+                e = min(s + ctx.chunk_tokens, n)
+                if n_local == 0:
+                    if need_h:
+                        grad_h[s:e] = 0
+                    continue
+                idx, mine = _local_targets(labels[s:e], ctx.start, n_local)
+                # d loss / d logits = g * (softmax - one_hot(label)), 0 on ignored tokens.
+                p = _chunk_logits(h[s:e], weight)
+                p.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(g)
+                p.scatter_add_(1, idx.unsqueeze(1), torch.where(mine, -g, 0.0).unsqueeze(1))
+                if p.dtype != weight.dtype:
+                    p = p.to(weight.dtype)  # the plain path's gradient reaches the matmul in its dtype too
+                if need_h:
+                    torch.mm(p, weight, out=grad_h[s:e])
+                if need_w:
+                    if grad_w is None:
+                        grad_w = torch.mm(p.t(), h[s:e])
+                    else:
+                        grad_w.addmm_(p.t(), h[s:e])
+                del p
+        if need_w and grad_w is None:
+            grad_w = torch.zeros_like(weight)
+        return grad_h, grad_w, None, None, None, None
+
+
+def _local_targets(labels: torch.Tensor, start: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each label in this rank's weight, clamped to 0 elsewhere; whether the row is this rank's)."""
+    idx = labels - start
+    mine = (labels != IGNORE_INDEX) & (idx >= 0) & (idx < n_local)
+    return torch.where(mine, idx, 0), mine

@@ -198,3 +198,28 @@ def test_tracker_counts_storages_once_follows_resize_and_names_phases() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_reduce_gradients_and_zero1_even_state_are_counted(tmp_path: Path) -> None:
+    n = 6_738_415_616  # LLaMA-2 7B
+    # ZeRO-3 over 8 devices with accumulation 8: reduced every micro-batch, each rank holds its fp32
+    # gradient shard; reduced once per step, full-size unsharded fp32 gradients (4 bytes a parameter,
+    # less the shard) until the last micro-batch (+10% allocator allowance on CUDA).
+    def zero3(reduce: str) -> MemoryEstimate:
+        parallel = {"data_parallel": 8, "zero_stage": 3, "reduce_gradients": reduce}
+        optimize = {"mixed_precision": "bf16", "recompute": "full", "gradient_accumulation_steps": 8}
+        return estimate_memory(_preset(tmp_path, parallel=parallel, optimize=optimize), 8, "cuda")
+
+    every, once = zero3("every_micro_batch"), zero3("once_per_step")
+    assert once.peak - every.peak == pytest.approx(4 * n * 7 / 8 * 1.1, rel=0.02)
+    assert zero3("auto").peak == every.peak
+    # ZeRO-1 at bf16 O2: fp32 replicated weights (FSDP2's masters) and fp32 gradients, AdamW's two fp32
+    # moments for 1/8 of every tensor: 4 + 4 + 8/8 bytes a parameter.
+    z1 = estimate_memory(_preset(tmp_path, parallel={"data_parallel": 8, "zero_stage": 1}), 8, "cuda")
+    assert (z1.params / n, z1.grads / n, z1.optimizer / n) == pytest.approx((4, 4, 1), rel=1e-3)
+    # Llama-3 8B over 64 ranks: an even share of every tensor, not the 128k x 4096 embedding on one rank.
+    big = _preset(tmp_path, "llama3_8b", parallel={"data_parallel": 64, "zero_stage": 1})
+    total = 8_030_261_248
+    state = estimate_memory(big, 64, "cuda").optimizer
+    assert state == pytest.approx(8 * total / 64, rel=0.01)
+    assert state < 8 * 128_256 * 4096 / 4  # whole tensors: the rank with the embedding holds 4.2 GB

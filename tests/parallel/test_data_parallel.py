@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.data_parallel import (
@@ -23,8 +23,11 @@ from shardwise.parallel.data_parallel import (
     grad_sync,
     optimizer_state_numel,
     shard_optimizer,
+    zero1_buckets,
+    zero1_split,
 )
 from shardwise.parallel.dims import ParallelDims
+from shardwise.parallel.dtensors import full_value, local_tensor
 from shardwise.parallel.recompute import apply_recompute
 
 from .harness import (
@@ -34,6 +37,7 @@ from .harness import (
     assert_tensors_close,
     assert_values_close,
     build_tiny_model,
+    local_rows,
     make_optimizer,
     make_steps,
     run_distributed,
@@ -53,7 +57,12 @@ DP2_VARIANTS = {
     "zero2": (2, STEPS, {}),
     "zero3": (3, STEPS, {}),
     "zero1_accumulate": (1, STEPS_ACC, {"accumulate": True}),
+    # ZeRO-1's all-gather in buckets of 300 elements: tensors split across buckets
+    "zero1_small_buckets": (1, STEPS, {"bucket_elements": 300}),
     "zero3_accumulate": (3, STEPS_ACC, {"accumulate": True}),
+    # parallel.reduce_gradients every_micro_batch: reduce-scatter each micro-batch (no unsharded buffer)
+    "zero2_accumulate_every": (2, STEPS_ACC, {"accumulate": True, "every": True}),
+    "zero3_accumulate_every": (3, STEPS_ACC, {"accumulate": True, "every": True}),
     "zero3_recompute": (3, STEPS, {"recompute": "full"}),
     "zero3_offload": (3, STEPS, {"offload": True}),
     "zero1_frozen_embedding": (1, STEPS, {"frozen": True}),
@@ -86,19 +95,25 @@ def _dp_run(rank: int, world: int, dims: ParallelDims, meshes, zero: int, steps:
     full_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen_name = "tok_embeddings.weight"
     model = apply_data_parallel(model, meshes, dims, zero, offload=opts.get("offload", False),
-                                param_dtype=opts.get("param_dtype"))
-    optimizer = shard_optimizer(make_optimizer(model), model, zero, meshes)
+                                param_dtype=opts.get("param_dtype"), reduce_every_micro_batch=opts.get("every", False))
+    if "bucket_elements" in opts:
+        optimizer = ZeroOneOptimizer(make_optimizer(model), meshes["dp"].get_group(), opts["bucket_elements"])
+    else:
+        optimizer = shard_optimizer(make_optimizer(model), model, zero, meshes)
     sync = (lambda enabled: grad_sync(model, enabled)) if opts.get("accumulate") else None
     rec = train_loop(model, optimizer, steps, rank=meshes["dp"].get_local_rank(), world=dims.dp,
                      group=meshes["dp"].get_group(), sync=sync, clip=lambda ps: clip_grad_norm(ps, MAX_NORM))
     params = dict(model.named_parameters())
     frozen = params[frozen_name]
-    state = optimizer.local.state if isinstance(optimizer, ZeroOneOptimizer) else optimizer.state
+    state = optimizer.state  # ZeRO-1's: every parameter's state, as DTensors of this rank's parts
     return {
         "record": rec,
         "state_numel": optimizer_state_numel(optimizer),
         "full_state_numel": 2 * full_numel,  # AdamW: exp_avg and exp_avg_sq
-        "frozen_has_state": frozen in state or (isinstance(optimizer, ZeroOneOptimizer) and frozen in optimizer.owner),
+        "frozen_has_state": frozen in state,
+        # per parameter: the elements of its tensor states held here, and its own elements
+        "state_by_param": {n: (sum(local_tensor(v).numel() for v in state[p].values() if v.dim() > 0), p.numel())
+                           for n, p in params.items() if p in state},
         "frozen_grad": frozen.grad is not None,
         "param_type": type(frozen).__name__,
         "dtypes": {str(p.dtype) for p in model.parameters()} | {str(p.grad.dtype) for p in model.parameters()
@@ -121,7 +136,31 @@ def _zero1_resume(rank: int, world: int, dims: ParallelDims, meshes) -> dict:
     model2, optimizer2 = fresh()  # initial weights and no state: the load must replace both
     set_state_dict(model2, optimizer2, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rest = train_loop(model2, optimizer2, STEPS[2:], **kw)
-    return {"losses": first.losses + rest.losses, "state_numel": optimizer_state_numel(optimizer2)}
+    # The same through the optimizer's own state dict with every tensor made whole (full_tensor):
+    # load_state_dict keeps each rank's part of full tensors too.
+    own = optimizer.state_dict()
+    whole = {"param_groups": own["param_groups"],
+             "state": {i: {k: full_value(v) for k, v in st.items()} for i, st in own["state"].items()}}
+    model3, optimizer3 = fresh()
+    set_model_state_dict(model3, model_sd)
+    optimizer3.load_state_dict(whole)
+    again = train_loop(model3, optimizer3, STEPS[2:], **kw)
+    return {"losses": first.losses + rest.losses, "state_numel": optimizer_state_numel(optimizer2),
+            "losses_whole": first.losses + again.losses, "state_numel_whole": optimizer_state_numel(optimizer3)}
+
+
+def _grads_between_micro_batches(dims: ParallelDims, meshes, zero: int, every: bool) -> dict:
+    """After a non-last micro-batch: the local elements of each parameter's (sharded) gradient, or None
+    where FSDP2 holds the accumulating gradient unsharded and has not set it yet."""
+    model = apply_data_parallel(build_tiny_model(CFG), meshes, dims, zero, reduce_every_micro_batch=every)
+    first, last = STEPS_ACC[0]
+    rank = meshes["dp"].get_local_rank()
+    with grad_sync(model, False):
+        model(local_rows(first, rank, dims.dp)["input_ids"]).float().pow(2).mean().backward()
+    between = {n: None if p.grad is None else p.grad.to_local().numel() for n, p in model.named_parameters()}
+    with grad_sync(model, True):
+        model(local_rows(last, rank, dims.dp)["input_ids"]).float().pow(2).mean().backward()
+    return {"between": between, "shards": {n: p.to_local().numel() for n, p in model.named_parameters()}}
 
 
 def _dp2_worker(rank: int, world: int) -> dict:
@@ -130,6 +169,8 @@ def _dp2_worker(rank: int, world: int) -> dict:
     out = {name: _dp_run(rank, world, dims, meshes, zero, steps, opts)
            for name, (zero, steps, opts) in DP2_VARIANTS.items()}
     out["zero1_resume"] = _zero1_resume(rank, world, dims, meshes)
+    out["between"] = {(zero, every): _grads_between_micro_batches(dims, meshes, zero, every)
+                      for zero in (2, 3) for every in (False, True)}
     return out
 
 
@@ -170,17 +211,38 @@ def test_dp2_zero_stages_match_one_process():
         if zero > 0:
             total = sum(r[name]["state_numel"] for r in results)
             assert total == results[0][name]["full_state_numel"], f"{name}: shards do not add up to the full state"
+    # Between micro-batches, reduce_every_micro_batch leaves only sharded gradients (each rank's half);
+    # without it FSDP2 accumulates unsharded ones internally and sets no sharded gradient until the last.
+    for rank, res in enumerate(results):
+        for (zero, every), got in res["between"].items():
+            if every:
+                assert got["between"] == got["shards"], (zero, rank, got)
+            else:
+                assert set(got["between"].values()) == {None}, (zero, rank, got)
     # ZeRO-1 through DCP state dicts mid-run: the same losses as the uninterrupted run from that init.
     model = build_tiny_model(CFG, seed=7)
     ref = train_loop(model, make_optimizer(model), STEPS, clip=lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))
     for rank, res in enumerate(results):
         assert_values_close(res["zero1_resume"]["losses"], ref.losses, label=f"zero1 resumed, rank {rank}")
         assert 0.4 <= res["zero1_resume"]["state_numel"] / results[0]["zero1"]["full_state_numel"] <= 0.6
+        assert_values_close(res["zero1_resume"]["losses_whole"], ref.losses, label=f"zero1 whole state, rank {rank}")
+        assert res["zero1_resume"]["state_numel_whole"] == res["zero1_resume"]["state_numel"]
+    # ZeRO-1 splits every tensor evenly (torch.chunk along its first dimension): each rank holds half
+    # of every parameter's state, the largest tensor's (the embedding's) included.
+    for name in ("zero1", "zero1_small_buckets", "zero1_accumulate"):
+        per_rank = [res[name]["state_by_param"] for res in results]
+        assert set(per_rank[0]) == set(per_rank[1]) and "tok_embeddings.weight" in per_rank[0], name
+        for param, (held, numel) in per_rank[0].items():
+            both = [r[param][0] for r in per_rank]
+            assert sum(both) == 2 * numel and max(both) <= 2 * -(-numel // 2), (name, param, both)
 
 
 HSDP_VARIANTS = {
     "hsdp_zero3": (3, STEPS, {}),
     "hsdp_zero2_accumulate": (2, STEPS_ACC, {"accumulate": True}),
+    # only the all-reduce across replicas deferred to the last micro-batch
+    "hsdp_zero2_accumulate_every": (2, STEPS_ACC, {"accumulate": True, "every": True}),
+    "hsdp_zero3_accumulate_every": (3, STEPS_ACC, {"accumulate": True, "every": True}),
 }
 
 
@@ -245,6 +307,23 @@ def test_bad_settings_are_refused_clearly():
             apply_data_parallel(torch.nn.Linear(2, 2), None, dims, zero, offload=True)
     with pytest.raises(ConfigError, match="zero_stage must be one of"):
         apply_data_parallel(torch.nn.Linear(2, 2), None, dims, 4)
+
+
+def test_zero1_splits_every_tensor_and_buckets_its_all_gather():
+    # The first dimension tensor parallelism leaves free, torch.chunk style; none left: stepped whole.
+    assert zero1_split((64, 32), [], 2) == (0, 32)
+    assert zero1_split((5, 3), [], 4) == (0, 2)  # parts of 2, 2, 1 and 0 rows
+    assert zero1_split((16, 32), [0], 2) == (1, 16)  # a column-parallel weight: split along its rows' width
+    assert zero1_split((16,), [0], 2) == (None, 0) and zero1_split((), [], 2) == (None, 0)
+    # Buckets of at most 100 gathered elements (50 per rank), every index of every part exactly once,
+    # a tensor split across buckets, one index wider than a bucket alone.
+    shards = [(4, 10), (3, 20), (1, 80), (2, 5)]
+    buckets = zero1_buckets(shards, 2, 100)
+    per_rank = [sum((end - start) * shards[i][1] for i, start, end in b) for b in buckets]
+    assert per_rank == [40, 40, 20, 80, 10]  # each within one index (of 10 or 20) of 50
+    covered = sorted((i, k) for b in buckets for i, start, end in b for k in range(start, end))
+    assert covered == [(i, k) for i, (chunk, _) in enumerate(shards) for k in range(chunk)]
+    assert len(zero1_buckets(shards, 2)) == 1  # the default holds a small model in one bucket
 
 
 def test_single_process_helpers_are_plain_torch():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -163,6 +164,10 @@ FAULTS: dict[str, Callable[[Layout, int], Optional[Installer]]] = {
     "dropped_replica_gradient": dropped_replica_gradient,
     "missed_tp_partial_sum": missed_tp_partial_sum,
 }
+# Faults that wrap the trainer's `token_loss_sum`: their runs take the plain loss (full logits, then
+# token_loss_sum; optimize.chunked_loss false), which the default chunked loss does not call. The
+# one-process references keep the default: the two paths agree far inside the tolerances.
+PLAIN_LOSS_FAULTS = {"normaliser_twice", "dropped_replica_gradient"}
 APPLIES = {
     "halved_gradient": lambda layout: True,
     "normaliser_twice": lambda layout: True,
@@ -230,6 +235,8 @@ def _fault_worker(rank: int, world: int, root: Path, pairs: list[tuple[str, str]
     out: dict[str, Any] = {}
     for fault, name in pairs:
         layout = BY_NAME[name]
+        if fault in PLAIN_LOSS_FAULTS:
+            layout = replace(layout, optimize={**layout.optimize, "chunked_loss": False})
         out[f"{fault}/{name}"] = train_once(layout_config(root / fault / name, layout), FAULTS[fault](layout, rank))
     if world == 2:
         out["unit_halved"] = _unit_loop(rank, world, halve=True)

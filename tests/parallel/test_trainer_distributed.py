@@ -51,6 +51,11 @@ def _dp_runs(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]:
     out["resumed"] = _train(_config(root / "resumed", dp=2, zero=3, save_steps=2), resume="auto")
     # A single-process checkpoint (written by the parent) continued under DP2 with ZeRO-1.
     out["from_single"] = _train(_config(root / "from_single", dp=2, zero=1), resume="auto")
+    # ZeRO-1's evenly sharded state (each rank's part of every tensor) continued under ZeRO-3, and (by
+    # the parent) in one process.
+    _train(_config(root / "zero1", dp=2, zero=1, max_steps=2))
+    out["zero1_to_zero3"] = _train(_config(root / "zero1_to_zero3", dp=2, zero=3),
+                                   resume=str(root / "zero1" / "checkpoints" / "step_00000002"))
     return out
 
 
@@ -61,8 +66,9 @@ def test_data_parallel_checkpoints_reshard(tmp_path: Path) -> None:
     results = run_distributed(_dp_runs, 2, tmp_path, timeout=540)
     for rank, rank_result in enumerate(results):  # every rank reports the same, global loss
         _assert_losses(rank_result["zero3"], single, list(range(1, STEPS + 1)), f"zero3 rank {rank}")
-        for name in ("resumed", "from_single"):
+        for name in ("resumed", "from_single", "zero1_to_zero3"):
             _assert_losses(rank_result[name], single, [3, 4, 5], f"{name} rank {rank}")
+    _assert_losses(_train(_config(tmp_path / "zero1"), resume="auto"), single, [3, 4, 5], "zero1 -> one process")
     # The DP2 ZeRO-3 checkpoint continues in one process.
     continued = _train(_config(tmp_path / "zero3", max_steps=STEPS + 2), resume="auto")
     assert sorted(continued) == [STEPS + 1, STEPS + 2]

@@ -106,6 +106,10 @@ LAYOUTS = [
     Layout("zero1", 2, dict(data_parallel=2, zero_stage=1), 2, 2, train={"check_replicas_steps": 1}),
     Layout("zero2", 2, dict(data_parallel=2, zero_stage=2), 2, 2),
     Layout("zero3", 2, dict(data_parallel=2, zero_stage=3), 1, 4),
+    # zero2 / zero3 above reduce-scatter every micro-batch (parallel.reduce_gradients auto); these
+    # accumulate full-size gradients and reduce once per step.
+    Layout("zero2_once_per_step", 2, dict(data_parallel=2, zero_stage=2, reduce_gradients="once_per_step"), 2, 2),
+    Layout("zero3_once_per_step", 2, dict(data_parallel=2, zero_stage=3, reduce_gradients="once_per_step"), 1, 4),
     Layout("zero2_recompute", 2, dict(data_parallel=2, zero_stage=2), 2, 2, optimize={"recompute": "full"}),
     Layout("zero3_offload", 2, dict(data_parallel=2, zero_stage=3), 2, 2, optimize={"offload_optimizer": True}),
     Layout("tp2_sp", 2, dict(tensor_parallel=2), 2, 4),
@@ -123,7 +127,10 @@ LAYOUTS = [
     Layout("freeze_zero3", 2, dict(data_parallel=2, zero_stage=3), 2, 2, finetune="freeze"),
     # 4 ranks
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,
-           train={"check_replicas_steps": 1}),
+           train={"check_replicas_steps": 1}),  # only the replica all-reduce deferred to the last micro-batch
+    Layout("hsdp_2x2_zero2", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=2), 1, 2),
+    Layout("hsdp_2x2_zero3_once_per_step", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3,
+                                                   reduce_gradients="once_per_step"), 1, 2),
     Layout("dp2_tp2_zero1", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=1), 2, 2),
     Layout("pp2_dp2_zero1_1f1b", 4, dict(data_parallel=2, zero_stage=1, **_pp("1f1b")), 1, 4,
            train={"check_replicas_steps": 1}),  # two pipeline steps per optimizer step

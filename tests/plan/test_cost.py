@@ -154,3 +154,20 @@ def test_cpu_processes_beyond_the_cores_share_them() -> None:
     # A 4-stage pipeline keeps fewer than two processes busy on average: no slowdown.
     pipe = predict_step(cfg(pipeline_parallel=4, micro_batch_num=4), 4, hw)
     assert pipe.detail["slowdown"] == 1 and pipe.detail["busy"] / pipe.total * 4 < 2
+
+
+def test_zero_2_3_reduce_scatter_per_micro_batch_or_per_step() -> None:
+    """parallel.reduce_gradients: auto (ZeRO 2/3: every micro-batch) reduce-scatters the gradients once per
+    micro-batch, once_per_step once; ZeRO 0/1 all-reduce once per step either way."""
+    hw = get_hardware("H100")
+    every = predict_step(config(zero_stage=3), 8, hw)
+    once = predict_step(config(zero_stage=3, reduce_gradients="once_per_step"), 8, hw)
+    ga = every.detail["gradient_accumulation"]
+    assert ga == 8
+    # 6.7e9 bf16-O2 parameters' fp32 gradients over 8 ranks on NVLink: (ga - 1) more reduce-scatters.
+    grads = sum(load.trainable for load in every.detail["loads"]) * 4
+    rs = gather_time(grads, 8, (0.8 * 450e9, 5e-6))
+    assert every.detail["dp_comm_total"] - once.detail["dp_comm_total"] == pytest.approx((ga - 1) * rs)
+    assert every.total > once.total and every.compute == once.compute
+    zero1 = predict_step(config(zero_stage=1), 8, hw)
+    assert zero1.detail["dp_comm_total"] < every.detail["dp_comm_total"]

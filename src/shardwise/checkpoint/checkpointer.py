@@ -26,11 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _get_fqns, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from ..config import LoraConfig
 from ..errors import CheckpointError, ConfigError
 from ..models.config import ModelConfig
 from ..parallel.collectives import distributed, rank0_first, sum_over
+from ..parallel.dtensors import local_tensor
 from ..peft.lora import is_lora_name, save_adapter
 from . import rng
 from .storage import (
@@ -79,13 +81,55 @@ def model_state(parts: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer,
                             named: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The optimizer's per-parameter state as `param_name.key` -> tensor (non-tensor state is left out:
-    it would need pickle); a name given twice keeps its first parameter's state."""
+    it would need pickle); a name given twice keeps its first parameter's state.
+
+    A state held as a tensor subclass (torchao's 8-bit moments: codes, block scales, the code map) is
+    saved as its plain parts, `param_name.key.packed_<part>`, and in a distributed run as this rank's
+    own (`...rank<r>`): its blocks follow the rank's shard, so it loads back only into the layout that
+    saved it (`check_packed_state`)."""
     out: dict[str, torch.Tensor] = {}
+    suffix = f".rank{dist.get_rank()}" if distributed() else ""
     for name, p in named:
         for key, value in optimizer.state.get(p, {}).items():
-            if torch.is_tensor(value):
+            if not torch.is_tensor(value):
+                continue
+            inner = local_tensor(value)
+            if is_packed(inner):
+                for part in inner.__tensor_flatten__()[0]:
+                    out.setdefault(f"{name}.{key}.{PACKED}{part}{suffix}", getattr(inner, part))
+            else:
                 out.setdefault(f"{name}.{key}", value)
     return out
+
+
+PACKED = "packed_"  # the name of a tensor subclass's part in a checkpoint: `param.key.packed_<part>`
+
+
+def is_packed(t: torch.Tensor) -> bool:
+    """Whether `t` is a wrapper tensor subclass made of plain tensors (torchao's quantised state)."""
+    return type(t) is not torch.Tensor and not isinstance(t, (nn.Parameter, DTensor)) and \
+        hasattr(t, "__tensor_flatten__")
+
+
+def check_packed_state(path: Path, saved_names: Any, holds_packed: bool, layout: dict, saved_layout: Any) -> None:
+    """A checkpoint of 8-bit (packed) optimizer state loads only into a run with the same optimizer and
+    layout, and a run with packed state loads only such a checkpoint: refuse anything else clearly.
+    `holds_packed`: whether any rank of this run holds packed state (the same on every rank)."""
+    saved_packed = any(f".{PACKED}" in n for n in saved_names)
+    if saved_packed and not holds_packed:
+        raise CheckpointError(
+            f"checkpoint {path} holds the 8-bit optimizer state of train.optimizer adamw_8bit, which this run's "
+            "optimizer cannot take: resume with train.optimizer adamw_8bit, or start a new run from its weights with "
+            "model.init_from")
+    if holds_packed and not saved_packed:
+        raise CheckpointError(
+            f"checkpoint {path} holds the optimizer state of another optimizer, not adamw_8bit's 8-bit state: resume "
+            "with the optimizer it was saved with, or start a new run from its weights with model.init_from")
+    if saved_packed and saved_layout not in (None, layout):
+        raise CheckpointError(
+            f"checkpoint {path} holds 8-bit optimizer state saved by the layout {_describe_layout(saved_layout)}; its "
+            f"blocks follow each rank's shard, so it loads only into that layout, not {_describe_layout(layout)}. "
+            "Resume with that layout, or start a new run from its weights with model.init_from")
 
 
 @torch.no_grad()
@@ -230,7 +274,12 @@ class Checkpointer:
         ensure_optimizer_state(self.optimizer)
         per_part = model_state(self.parts)
         tensors = self.tensors(per_part)
-        saved_masters = "master" in read_trainer_state(path).get("shapes", {})
+        saved = read_trainer_state(path)
+        packed = any(f".{PACKED}" in n for n in tensors["optim"])
+        if distributed():
+            packed = sum_over([int(packed)])[0] > 0
+        check_packed_state(path, saved.get("shapes", {}).get("optim", {}), packed, self.layout, saved.get("layout"))
+        saved_masters = "master" in saved.get("shapes", {})
         if not saved_masters:
             tensors.pop("master", None)
         state = load_checkpoint(path, tensors)

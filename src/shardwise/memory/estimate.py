@@ -20,7 +20,9 @@ The counts follow what shardwise itself allocates, not a paper's formula:
   of small models and of large vocabularies);
 - ZeRO (FSDP2 for stages 2/3): sharded parameters, gradients and state (padded to even shards),
   the all-gathered blocks a stage keeps (ZeRO-2: all of them until their backward; ZeRO-3: about two
-  at a time), reduce-scatter buffers; ZeRO-1's state assigned by whole tensors as its optimizer does;
+  at a time), reduce-scatter buffers, full-size unsharded gradients under accumulation only when they
+  are reduced once per step (`parallel.reduce_gradients`); ZeRO-1's state for 1/dp of every tensor
+  and its bucketed all-gather, as its optimizer splits them;
   CPU offload moves shards, gradients and state to host memory (`host`);
 - pipelines: the schedule's own order of forwards and backwards (torch's pipeline_order) gives the
   micro-batches in flight on each rank (zero-bubble keeps a micro-batch until its weight gradient).
@@ -43,13 +45,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from ..builder import build_adapted_model
 from ..config import FreezeConfig, LoraConfig
+from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
+from ..parallel.data_parallel import zero1_buckets, zero1_split
 from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
 from ..parallel.tensor import check_tensor_parallel
 from ..units import gib
@@ -135,6 +139,7 @@ class _Layout:
     schedule: str
     stage_counts: tuple[int, ...]  # layers per pipeline stage
     offload: bool
+    reduce_every: bool  # ZeRO 2/3: gradients reduce-scattered every micro-batch (parallel.reduce_gradients)
 
 
 def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
@@ -172,7 +177,8 @@ def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
                    zero=p.zero_stage if dp > 1 else 0,
                    sequence_parallel=sp, micro_batch=cfg.train.micro_batch_size, seq=seq,
                    accumulation=cfg.gradient_accumulation(world), micro_batch_num=p.micro_batch_num,
-                   schedule=p.schedule, stage_counts=tuple(counts), offload=offload and dp > 1)
+                   schedule=p.schedule, stage_counts=tuple(counts), offload=offload and dp > 1,
+                   reduce_every=p.reduces_every_micro_batch())
 
 
 @dataclass(frozen=True)
@@ -180,11 +186,14 @@ class _Precision:
     """Bytes per element of each kind of tensor under a precision level and layout."""
 
     level: str
-    param: int  # stored model parameters
+    param: int  # stored model parameters that train
     compute: int  # activations and the parameters the forward uses
     grad: int  # gradients as the optimizer sees them
     state: int  # optimizer state
     masters: bool  # separate fp32 master copies (O2 in one process)
+    # Stored frozen parameters: the compute dtype at O2/O3 in every layout (no master, no fp32 shard;
+    # `parallel.data_parallel.store_frozen_in`), where ZeRO 0/1 also leave them out of replicate's copy.
+    frozen: int = 4
 
 
 def _precision(cfg: Any, lay: _Layout) -> _Precision:
@@ -193,11 +202,16 @@ def _precision(cfg: Any, lay: _Layout) -> _Precision:
     if level in ("O0", "O1") or not half:
         return _Precision(level, 4, 4, 4, 4, False)
     if level == "O3":
-        return _Precision(level, 2, 2, 2, 2, False)
-    if lay.dp > 1:  # O2 under data parallelism: FSDP2's fp32 parameters are the masters
-        return _Precision(level, 4, 2, 4, 4, False)
+        return _Precision(level, 2, 2, 2, 2, False, frozen=2)
+    if lay.dp > 1:  # O2 under data parallelism: FSDP2's fp32 parameters are the masters of what trains
+        return _Precision(level, 4, 2, 4, 4, False, frozen=2)
     # O2 in one process (or TP/PP only): 16-bit weights, gradients accumulated in the fp32 masters.
-    return _Precision(level, 2, 2, 4, 4, True)
+    return _Precision(level, 2, 2, 4, 4, True, frozen=2)
+
+
+def _param_bytes(params: Iterable[Any], elems: dict[str, int], prec: _Precision) -> int:
+    """Bytes of `params` stored with `elems[name]` elements each, trainable and frozen in their own dtypes."""
+    return sum(elems[p.name] * (prec.param if p.trainable else prec.frozen) for p in params)
 
 
 # --- parameters --------------------------------------------------------------------------------------
@@ -291,12 +305,26 @@ def _fsdp_shard(shape: tuple[int, ...], n: int) -> int:
     return _chunk(shape[0], n) * _numel(shape[1:])
 
 
-def _zero1_owned(sizes: list[int], n: int) -> int:
-    """Largest element count one rank owns under ZeroOneOptimizer's greedy assignment."""
-    load = [0] * n
-    for s in sorted(sizes, reverse=True):
-        load[load.index(min(load))] += s
-    return max(load)
+def _zero1_part(p: _Param, shape: tuple[int, ...], lay: "_Layout") -> tuple[int, int]:
+    """(indices, elements per index) of the part of `p` (local `shape`) that ZeroOneOptimizer keeps on
+    rank 0, the rank with the most: split along the first dimension tensor parallelism leaves free;
+    a tensor with none left is kept whole (one index of all its elements)."""
+    taken = [p.tp_dim] if lay.tp > 1 and p.tp_dim is not None else []
+    dim, chunk = zero1_split(shape, taken, lay.dp)
+    if dim is None:
+        return 1, _numel(shape)
+    return chunk, (_numel(shape) // shape[dim] if shape[dim] else 0)
+
+
+def _zero1_gather_elements(trainable: list[_Param], local: dict[str, tuple[int, ...]], lay: "_Layout") -> int:
+    """Elements of the largest bucket one rank sends in ZeRO-1's all-gather of updated parameters
+    (`zero1_buckets` over the split tensors in the optimizer's order: matrices, then vectors)."""
+    ordered = [p for p in trainable if len(p.shape) >= 2] + [p for p in trainable if len(p.shape) < 2]
+    taken = {p.name: [p.tp_dim] if lay.tp > 1 and p.tp_dim is not None else [] for p in ordered}
+    shards = [_zero1_part(p, local[p.name], lay) for p in ordered
+              if zero1_split(local[p.name], taken[p.name], lay.dp)[0] is not None]
+    buckets = zero1_buckets(shards, lay.dp)
+    return max((sum((end - start) * shards[i][1] for i, start, end in b) for b in buckets), default=0)
 
 
 # --- activations ---------------------------------------------------------------------------------------
@@ -536,24 +564,27 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     stored = {p.name: (_fsdp_shard(local[p.name], lay.dp_shard) if sharded else _numel(local[p.name])) for p in held}
     trainable = [p for p in held if p.trainable]
     rope = 2 * m.max_position_embeddings * m.head_dim * 4 if m.position == "rope" else 0  # fp32 tables per rank
-    param_bytes = sum(stored.values()) * prec.param + rope
+    param_bytes = _param_bytes(held, stored, prec) + rope
     full_elems = [_numel(local[p.name]) for p in trainable]
-    if lay.zero == 1:
-        state_elems = _zero1_owned(full_elems, lay.dp)
+    if lay.zero == 1:  # 1/dp of every tensor (its first free dimension split torch.chunk style)
+        state_elems = sum(math.prod(_zero1_part(p, local[p.name], lay)) for p in trainable)
     elif sharded:
         state_elems = sum(stored[p.name] for p in trainable)
     else:
         state_elems = sum(full_elems)
-    states = {"adamw": 2, "adam": 2, "sgd": 1}[cfg.train.optimizer]
-    owned_tensors = len(trainable) if lay.zero != 1 else len(trainable) // lay.dp
-    counters = 0 if cfg.train.optimizer == "sgd" else 4 * owned_tensors
-    optimizer_bytes = states * state_elems * prec.state + counters  # Adam keeps a scalar step per tensor
+    states = {"adamw": 2, "adam": 2, "sgd": 1, "adamw_8bit": 2}[cfg.train.optimizer]
+    counters = 0 if cfg.train.optimizer == "sgd" else 4 * len(trainable)  # ZeRO-1: a step per part
+    optimizer_bytes = states * state_elems * _state_bytes(cfg, prec) + counters  # Adam: a scalar step per tensor
+    if cfg.train.optimizer == "adamw_8bit":
+        opt_elems = [stored[p.name] if sharded else _numel(local[p.name]) for p in trainable]
+        optimizer_bytes = states * sum(_8bit_state_bytes(n, 4 if prec.masters else prec.param) for n in opt_elems) \
+            + counters
     master_bytes = sum(full_elems) * 4 if prec.masters else 0
     grad_bytes = sum(stored[p.name] for p in trainable) * prec.grad
     host = 0
     offload = lay.offload and device != "cpu"  # on a CPU run host memory is the device's memory
     if lay.offload:
-        host = sum(stored.values()) * prec.param + grad_bytes + optimizer_bytes
+        host = _param_bytes(held, stored, prec) + grad_bytes + optimizer_bytes
     if offload:  # FSDP2's CPUOffloadPolicy: shards, sharded gradients and the state live in host memory
         param_bytes, grad_bytes, optimizer_bytes = rope, 0, 0
 
@@ -573,7 +604,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             full[i] = _layer_bytes(cfg, sh, flags[i], device, prec.level)
             wrapped = mode == "selective" or (mode == "full" and k % every == 0)  # counted per model part
             saved[i] = _recompute_bytes(cfg, sh, mode, full[i]) if (mode != "none" and wrapped) else full[i]
-    head = _head(cfg, sh, prec, flags) if last else None
+    head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1) if last else None
     for st in stages.values():
         st.act = sum(saved[i] for i in st.layers) + _stage_bytes(cfg, sh, st.first, device)
         first_recomputed = bool(st.layers) and saved[st.layers[0]] != full[st.layers[0]]
@@ -595,14 +626,25 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     if prec.level == "O1":
         # Autocast caches the 16-bit copy of every trainable weight a matmul uses until the
         # micro-batch's forward and backward are done.
+        # The chunked loss casts the output weight itself (counted with the head, released after it).
+        chunked = cfg.optimize.loss_chunk() is not None
         gathered += sum(_numel(local[p.name]) * 2 for p in trainable
                         if len(p.shape) == 2 and (p.name != "tok_embeddings.weight" or m.tie_embeddings)
-                        and not p.name.startswith("pos_"))
-    if sharded and len([op for op in _rank_ops(lay, pp_rank, stage_ids) if op[1] in "BW"]) > 1 and not offload:
+                        and not p.name.startswith("pos_")
+                        and not (chunked and p.name in ("output.weight", "tok_embeddings.weight")))
+    if sharded and not lay.reduce_every and len([op for op in _rank_ops(lay, pp_rank, stage_ids)
+                                                 if op[1] in "BW"]) > 1 and not offload:
         # Without gradient sync FSDP2 accumulates unsharded gradients (in the reduce dtype) between
-        # micro-batches: with accumulation ZeRO 2/3 hold full-size gradients.
+        # micro-batches: with accumulation and reduce_gradients once_per_step (or under a pipeline,
+        # whose schedule reduces once per pipeline step) ZeRO 2/3 hold full-size gradients. Reduced
+        # every micro-batch, they stay sharded (HSDP: the partial shards wait for the replica all-reduce).
         for st in stages.values():
             st.grads = sum(_numel(local[p.name]) for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
+    in_backward = cfg.train.optimizer_in_backward
+    updates = _in_backward_updates(cfg, lay, prec, trainable, stored, local, device) if in_backward else None
+    if in_backward:  # each gradient is used and freed as it arrives (`updates`: the one being applied)
+        for st in stages.values():
+            st.grads = 0
     pipe_buffers += _zero_bubble_leftovers(lay, stage_ids, hidden)
     static = param_bytes + optimizer_bytes + master_bytes + batch + pipe_buffers
 
@@ -629,7 +671,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             key = (st_id, has_grads[st_id], kind == "I")
             if key not in walks:
                 walks[key] = _backward_walk(cfg, sh, st, saved, full, flags, held, stored, prec, head, fsdp,
-                                            has_grads[st_id], kind == "I")
+                                            has_grads[st_id] or in_backward, kind == "I", updates)
             walk = walks[key]
             backward = max(backward, static + gathered + rest + walk)
             if keeps_sends and not st.first:
@@ -643,8 +685,12 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             held_mb[st_id] -= 1
             pending_w[st_id] -= 1
             has_grads[st_id] = True
+    if in_backward:
+        pass  # the updates are counted in the walk (`updates`); no set of gradients is left to reduce
+    elif lay.dp > 1 and lay.pp == 1 and not offload:
+        backward = max(backward, static + _root_reduction(lay, prec, trainable, stored, local))
     optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored, local,
-                                       offload)
+                                       offload, device)
     checkpoint = static
 
     # --- the estimate
@@ -679,7 +725,8 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         "batch_bytes": batch,
         "pipeline_buffer_bytes": pipe_buffers,
         "gathered_parameter_bytes": gathered,
-        "bytes_per_element": {"param": prec.param, "compute": prec.compute, "grad": prec.grad, "state": prec.state},
+        "bytes_per_element": {"param": prec.param, "frozen_param": prec.frozen, "compute": prec.compute,
+                              "grad": prec.grad, "state": prec.state},
         "precision_level": prec.level,
         "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
                    "sequence_parallel": lay.sequence_parallel,
@@ -744,39 +791,48 @@ def _zero_bubble_leftovers(lay: _Layout, stage_ids: list[int], hidden: int) -> i
 def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full: dict[int, int],
                    flags: dict[int, dict[str, bool]], held: list[_Param], stored: dict[str, int], prec: _Precision,
                    head: Optional[dict[str, int]], fsdp: Optional["_Fsdp"], grads_exist: bool,
-                   input_only: bool) -> int:
+                   input_only: bool, updates: Optional[dict[Any, int]] = None) -> int:
     """Peak of one micro-batch's backward through stage st, above everything else on the rank: the
     head's cross-entropy transients first, then block by block (its saved activations shrink, its
-    gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join)."""
+    gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join).
+    `updates` (the optimizer in backward; no gradients accumulate): per block, "head" and
+    "embedding", what updating its largest tensor holds while that part's activations are alive."""
     remaining = st.act
     grads_now = st.grads if grads_exist else 0
     peak = remaining + grads_now
     if st.last and head is not None:
-        peak = max(peak, remaining + head["bwd_extra"] + grads_now)
+        prefetch = fsdp.head_backward(list(reversed(st.layers))) if fsdp else 0
+        peak = max(peak, remaining + head["bwd_extra"] + grads_now + prefetch)
         remaining -= head["lsm"] + head["saved"]  # released once the head's backward has run; the logits stay
         if not grads_exist and not input_only and fsdp is None:  # FSDP2 reduces the root's at the very end
             grads_now += sum(stored[p.name] for p in held if p.trainable and p.where == "head") * prec.grad
+        if updates:
+            peak = max(peak, remaining + grads_now + updates.get("head", 0))
     order = list(reversed(st.layers))
     for i in order:
         back = full[i] - saved[i]  # a recomputed block's activations come back for its backward
-        mlp_t, attn_t = _layer_transient(cfg, sh)
+        mlp_t, attn_t = _layer_transient(cfg, sh, flags[i])
         share_mlp, share_attn = _grad_shares(held, i)
         layer_grad = sum(stored[p.name] for p in held if p.layer == i and p.trainable) * prec.grad
         growing = 0 if (grads_exist or input_only) else layer_grad
         mlp_part = _mlp_bytes(cfg, sh, flags[i]) if full[i] else 0
         # FSDP2's gathering above what it holds at the end of forward (already counted by the caller).
-        f_mlp = fsdp.backward_at(i, order, share_mlp) - fsdp.forward() if fsdp else 0
-        f_attn = fsdp.backward_at(i, order, share_attn) - fsdp.forward() if fsdp else 0
+        f_mlp = fsdp.backward_at(i, order, share_mlp, grads_exist) - fsdp.forward() if fsdp else 0
+        f_attn = fsdp.backward_at(i, order, share_attn, grads_exist) - fsdp.forward() if fsdp else 0
         base = remaining + back + grads_now
         if input_only:  # zero-bubble's input-gradient pass keeps the graph for the weight pass
             mlp_part = 0
         peak = max(peak, base + mlp_t + int(growing * share_mlp) + f_mlp,
                    base - mlp_part + attn_t + int(growing * share_attn) + f_attn)
+        if updates:
+            peak = max(peak, base + updates.get(i, 0))
         if input_only:
             remaining += _weight_grad_inputs(cfg, sh)  # the output gradients the weight pass will need
         else:
             remaining -= saved[i]
         grads_now += growing
+    if updates and st.first:
+        peak = max(peak, remaining + grads_now + updates.get("embedding", 0))
     return peak
 
 
@@ -851,9 +907,13 @@ def _document_positions(cfg: Any) -> bool:
     return cfg.data.reset_position_ids and bool(cfg.data.train_files)
 
 
-def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, bool]]) -> dict[str, int]:
+def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, bool]],
+          logits_kept: bool) -> dict[str, int]:
     """The final norm, logits and cross-entropy of one micro-batch: what they keep until backward
-    (norm, logits, the fp32 log-softmax) and the transients above that in forward and backward."""
+    (norm, logits, the fp32 log-softmax) and the transients above that in forward and backward.
+    `logits_kept`: the plain path's logits stay referenced until backward (a pipeline's schedule
+    keeps the last stage's output; tensor parallelism's DTensor logits), else they are freed once
+    the loss is computed."""
     m = cfg.model
     bt = sh.b * sh.t
     autocast = prec.level == "O1"
@@ -861,30 +921,66 @@ def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, boo
     input_grad = any(any(f.values()) for f in flags.values())  # something before the head trains
     out_trains = cfg.lora is None and not (cfg.freeze.embeddings and m.tie_embeddings)
     saved = _norm_bytes(m, sh, input_grad, cfg.lora is None, 4 if autocast else None)
+    chunk = cfg.optimize.loss_chunk()
+    if chunk is not None:
+        return _chunked_head(sh, s, saved, out_trains, min(chunk, bt), autocast)
     if out_trains or autocast:
         saved += bt * sh.h * s  # the norm output (its 16-bit cast under autocast), kept by the output projection
-    logits = bt * sh.v * s  # referenced until the backward is done
+    logits = bt * sh.v * s  # referenced until the backward is done (see logits_kept)
     lsm = bt * sh.v * 4  # fp32 log-softmax (under loss parallel: exp of the shifted local logits)
     cast = bt * sh.v * 4 if s != 4 else 0  # .float() copy of 16-bit logits, during the loss
     loss_parallel = sh.v != m.vocab_size
     fwd_extra = cast + (bt * sh.v * 4 if loss_parallel else 0)  # loss parallel also holds logits - max
+    if not logits_kept:  # nothing references them once the loss is computed: a forward transient only
+        fwd_extra, logits = fwd_extra + logits, 0
     # Backward of cross-entropy: the gradients of the log-probabilities and of the logits (fp32) at once.
     bwd_extra = 2 * bt * sh.v * 4
     return {"saved": saved, "logits": logits, "lsm": lsm, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
 
 
-def _layer_transient(cfg: Any, sh: _Shape) -> tuple[int, int]:
+def _chunked_head(sh: _Shape, s: int, norm: int, weight_grad: bool, chunk: int, autocast: bool) -> dict[str, int]:
+    """The head under the chunked loss (`shardwise.loss.chunked_token_loss_sum`, `chunk` tokens at a
+    time): no logits are kept, only one chunk's [chunk, V] block lives at once, in forward and again in
+    backward. `s`: bytes of the hidden states and weight the loss computes with; `norm`: what the final
+    norm keeps."""
+    bt = sh.b * sh.t
+    w16 = sh.v * sh.h * 2 if autocast else 0  # under autocast the loss's own 16-bit copy of the weight
+    # Kept until backward: the hidden states (their 16-bit cast under autocast), each token's fp32
+    # log-sum-exp, the 16-bit weight copy; the labels are the batch's own.
+    saved = norm + bt * sh.h * s + bt * 4 + w16
+    # One chunk: the matmul's logits and their fp32 copy (one buffer in fp32), its target rows and mask.
+    block = chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
+    fwd_extra = block + bt * 4  # and every token's target logit
+    if autocast:
+        fwd_extra += bt * sh.h * 4  # the fp32 norm output, referenced until the loss returns
+    grad_h, grad_w = bt * sh.h * s, (sh.v * sh.h * s if weight_grad else 0)
+    if chunk < bt or s == 4:  # from the second chunk on the weight's gradient accumulates beside the block
+        bwd_extra = grad_h + grad_w + block
+    else:  # one 16-bit chunk: its fp32 copy is gone (cast back) before the weight's gradient is made
+        bwd_extra = grad_h + max(block, chunk * sh.v * s + 9 * chunk + grad_w)
+    if autocast:
+        # After the loss's backward (its saved tensors released), the casts' backward: the weight's
+        # gradient to fp32 beside its 16-bit one, then the hidden states' the same way.
+        freed = bt * sh.h * s + bt * 4 + w16
+        after = max(grad_h + grad_w + (sh.v * sh.h * 4 if weight_grad else 0), grad_h + bt * sh.h * 4)
+        bwd_extra = max(bwd_extra, after - freed)
+    return {"saved": saved, "logits": 0, "lsm": 0, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
+
+
+def _layer_transient(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> tuple[int, int]:
     """What a block's backward holds above its saved activations: (in the MLP, in attention).
 
     Gated MLP: the down projection's input is released as its gradient appears, then the gate's
-    two gradients join (+2 x [B, T, F]); plain MLP +1. Attention: the gradients of q, k, v and of
-    the output (+4 x [B, T, H*D]). Both also hold the block's output gradient and its residual sum.
+    two gradients join (+2 x [B, T, F]); plain MLP +1; a frozen down projection kept no input, so its
+    input gradient adds one more. The MLP's also holds the block's output gradient. Attention: the
+    gradients of q, k, v and of the output (+4 x [B, T, H*D]), the block's output gradient and its
+    residual sum.
     """
     bt = sh.b * sh.t
-    mlp = (2 if cfg.model.mlp == "gated" else 1) * bt * sh.f * sh.s
+    mlp = ((2 if cfg.model.mlp == "gated" else 1) + (0 if _saves_input(flags, "w2") else 1)) * bt * sh.f * sh.s
     attention = 4 * bt * sh.q * sh.s
-    residual = 2 * sh.b * sh.tn * sh.h * sh.s
-    return mlp + residual, attention + residual
+    residual = sh.b * sh.tn * sh.h * sh.s
+    return mlp + residual, attention + 2 * residual
 
 
 def _mlp_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> int:
@@ -925,19 +1021,32 @@ class _Fsdp:
     padded: dict[int, int]  # per block: the flat all-gather buffer (dim 0 padded to the shard count)
     root_grad: int  # unsharded gradients of the root's trainable parameters (reduced at the very end)
     block_grad: dict[int, int]  # per block: its unsharded gradients before their reduce-scatter
+    # Gradients accumulated unsharded (reduced once per step) in the dtype autograd makes them: a later
+    # micro-batch's gradients are added into them in place, one tensor at a time, not held as a block.
+    in_place: bool = False
 
     def forward(self) -> int:
         """Gathered at the end of forward (the loss)."""
         return self.root + (sum(self.blocks.values()) if self.keep_all else 0)
 
-    def backward_at(self, layer: int, order: list[int], grad_share: float) -> int:
-        """Gathered while `layer` runs its backward (`grad_share` of its gradients computed so far)."""
+    def backward_at(self, layer: int, order: list[int], grad_share: float, accumulated: bool = False) -> int:
+        """Gathered while `layer` runs its backward (`grad_share` of its gradients computed so far;
+        `accumulated`: earlier micro-batches' unsharded gradients exist, counted by the caller)."""
+        if accumulated and self.in_place:
+            grad_share, root_grad = 0.0, 0
+        else:
+            root_grad = self.root_grad
         if self.keep_all:
             gathered = sum(self.blocks[j] for j in order[order.index(layer):])
         else:  # this block, and the next one's all-gather buffer (backward prefetch)
             nxt = order[order.index(layer) + 1] if order.index(layer) + 1 < len(order) else None
             gathered = self.blocks[layer] + (self.padded[nxt] if nxt is not None else 0)
-        return self.root + self.root_grad + gathered + int(self.block_grad[layer] * grad_share)
+        return self.root + root_grad + gathered + int(self.block_grad[layer] * grad_share)
+
+    def head_backward(self, order: list[int]) -> int:
+        """Gathered above `forward()` while the head's backward runs: the root's pre-backward
+        prefetches the last block's all-gather buffer (ZeRO-3; ZeRO-2 kept every block gathered)."""
+        return self.padded[order[0]] if order and not self.keep_all else 0
 
 
 def _fsdp(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]],
@@ -953,33 +1062,129 @@ def _fsdp(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, t
     root_grad = sum(_numel(local[p.name]) for p in held
                     if p.layer is None and p.trainable and p.where != "embedding") * c
     keep_all = lay.zero == 2 or (lay.schedule == "zero_bubble" and lay.pp > 1)
-    return _Fsdp(keep_all, root, blocks, padded, root_grad, grads)
+    in_place = not lay.reduce_every and lay.pp == 1 and c == prec.grad
+    return _Fsdp(keep_all, root, blocks, padded, root_grad, grads, in_place)
+
+
+def _root_reduction(lay: _Layout, prec: _Precision, trainable: list[_Param], stored: dict[str, int],
+                    local: dict[str, tuple[int, ...]]) -> int:
+    """Above the static bytes at the end of the last backward, when FSDP2 (or `replicate`) reduces the
+    root's gradients (embeddings, final norm, output projection), after every block's: the blocks'
+    reduced gradients, and the root's own copied into one flat buffer in the reduce dtype (then
+    freed) and reduced into an output buffer (1/dp_shard of it; `replicate`'s world-1 "reduce-
+    scatter" copies the input divided by the divide factor, one more temporary of the whole group).
+    Reduced every micro-batch, the root's earlier gradients exist already and the output is added to
+    them. The block activations are gone by then; the root's gathered parameters are resharded."""
+    root = [p for p in trainable if p.layer is None]
+    if not root:
+        return 0
+    n = lay.dp_shard if lay.zero >= 2 else 1
+    g = prec.grad
+    unsharded = sum(_numel(local[p.name]) for p in root) * g
+    flat = sum(_fsdp_shard(local[p.name], n) * n for p in root) * g  # padded to whole shards
+    out = flat // n
+    div = flat if n == 1 else 0
+    blocks = sum(stored[p.name] for p in trainable if p.layer is not None) * g  # reduced (sharded) by now
+    earlier = sum(stored[p.name] for p in root) * g if (lay.reduce_every and lay.zero >= 2
+                                                         and lay.accumulation > 1) else 0
+    return blocks + earlier + max(unsharded + flat, flat + out + div)
 
 
 def _replicate_buffers(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]]) -> int:
-    """ZeRO 0/1 (FSDP2's `replicate`): an unsharded copy of every parameter, in the compute dtype,
-    from the first forward to the end of backward."""
+    """ZeRO 0/1 (FSDP2's `replicate`): an unsharded copy of every parameter it manages, in the compute
+    dtype, from the first forward to the end of backward. Frozen parameters already stored in 16 bits
+    it does not manage (they compute as they are)."""
     if lay.zero >= 2 or lay.dp == 1:
         return 0
-    return sum(_numel(local[p.name]) for p in held) * prec.compute
+    return sum(_numel(local[p.name]) for p in held if p.trainable or prec.frozen == 4) * prec.compute
+
+
+def _state_bytes(cfg: Any, prec: _Precision) -> int:
+    """Bytes of one element of an optimizer moment: train.optimizer_state_dtype bf16 makes them 2."""
+    return 2 if cfg.train.optimizer_state_dtype == "bf16" else prec.state
+
+
+def _8bit_state_bytes(n: int, fallback: int) -> int:
+    """One torchao 8-bit moment of a tensor of n (local) elements: a byte per element, an fp32 scale
+    per block of 256 and its 256-entry fp32 code map; under 4096 elements, or not a whole number of
+    blocks, a plain moment of the parameter's dtype (`fallback` bytes)."""
+    if n >= 4096 and n % 256 == 0:
+        return n + n // 256 * 4 + 256 * 4
+    return n * fallback
+
+
+def _update_temp(cfg: Any, prec: _Precision, groups: list[list[int]], device: str) -> int:
+    """Bytes the update allocates beyond parameters, gradients and state, for parameter groups of
+    the given (local) tensor sizes in the optimizer's order.
+
+    foreach: AdamW's square root of the second moment for a whole group; chunked (and every kernel
+    with 16-bit moments, which `build_optimizer` steps chunk by chunk): that for one chunk of at most
+    OPTIMIZER_CHUNK_ELEMENTS, plus the chunk's moments read into fp32 when they are 16-bit; fused: no
+    temporary of its own (measured), only those fp32 moments; torchao's 8-bit AdamW: its eager
+    per-tensor update (what the exact CPU count sees; the compiled kernel of a real run keeps fewer)
+    holds six fp32 temporaries of the tensor it updates, the largest one at the peak.
+    """
+    kernel = cfg.train.optimizer_kernel(device)
+    work = prec.param if prec.level == "O3" else 4  # the dtype the update computes in (the stepped weights')
+    if kernel == "torchao":
+        return 6 * max((n for g in groups for n in g), default=0) * 4
+    state16 = cfg.train.optimizer_state_dtype == "bf16" and prec.level != "O3"
+    if kernel == "foreach" and not state16:
+        largest = max((sum(g) for g in groups), default=0)
+    else:
+        largest = max((_largest_chunk(g, OPTIMIZER_CHUNK_ELEMENTS) for g in groups), default=0)
+    moments = {"adamw": 2, "adam": 2, "sgd": 1}[cfg.train.optimizer]
+    upcast = moments * largest * work if state16 else 0
+    if cfg.train.optimizer == "sgd" or kernel == "fused":
+        return upcast
+    return largest * (work if state16 else prec.state) + upcast
+
+
+def _largest_chunk(sizes: list[int], limit: int) -> int:
+    """The largest run of consecutive sizes `train.optim.chunks` makes (at most `limit`, or one tensor)."""
+    best = run = 0
+    for n in sizes:
+        if run and run + n > limit:
+            best, run = max(best, run), 0
+        run += n
+    return max(best, run)
+
+
+def _in_backward_updates(cfg: Any, lay: _Layout, prec: _Precision, trainable: list[_Param], stored: dict[str, int],
+                         local: dict[str, tuple[int, ...]], device: str) -> dict[Any, int]:
+    """The optimizer in backward, per block (and "head", "embedding"): the largest of its tensors'
+    gradient being applied (with its 16-bit copy on the way into an fp32 master at O2) and that
+    update's temporaries; a tied embedding matrix's gradient is held from the output projection's
+    backward to the embedding's."""
+    size = {p.name: stored[p.name] if lay.zero >= 2 else _numel(local[p.name]) for p in trainable}
+    tied = size.get("tok_embeddings.weight", 0) * prec.grad if cfg.model.tie_embeddings else 0
+    out: dict[Any, int] = {}
+    for p in trainable:
+        where = p.layer if p.layer is not None else p.where
+        n = size[p.name]
+        one = n * (prec.grad + (prec.compute if prec.masters else 0)) + _update_temp(cfg, prec, [[n]], device)
+        out[where] = max(out.get(where, 0), one + (tied if where != "head" else 0))
+    return out
 
 
 def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad_bytes: int, state_elems: int,
                      trainable: list[_Param], stored: dict[str, int], local: dict[str, tuple[int, ...]],
-                     offload: bool) -> int:
-    """Total during clipping and the update: parameters, gradients, state and the update's temporaries."""
+                     offload: bool, device: str = "cuda") -> int:
+    """Total during clipping and the update: parameters, gradients, state and the update's temporaries
+    (`_update_temp`: what the kernel train.optimizer_impl resolves to on `device` allocates)."""
     if offload:
         return static  # the update runs on the host
-    # foreach AdamW makes one temporary the size of a parameter group (sqrt of the second moment).
+    if cfg.train.optimizer_in_backward:
+        return static  # the updates ran in the backward: no gradient is left
     size = {p.name: stored[p.name] if lay.zero >= 2 else _numel(local[p.name]) for p in trainable}
-    group = max(sum(size[p.name] for p in trainable if len(p.shape) >= 2),  # the weight-decay group
-                sum(size[p.name] for p in trainable if len(p.shape) < 2))
+    if lay.zero == 1:  # the groups of ZeRO-1's wrapped optimizer hold this rank's parts
+        size = {p.name: math.prod(_zero1_part(p, local[p.name], lay)) for p in trainable}
+    groups = [[size[p.name] for p in trainable if len(p.shape) >= 2],  # the weight-decay group
+              [size[p.name] for p in trainable if len(p.shape) < 2]]
+    total = static + grad_bytes + _update_temp(cfg, prec, groups, device)
     if lay.zero == 1:
-        group = state_elems
-    temp = group * prec.state if cfg.train.optimizer != "sgd" else 0
-    total = static + grad_bytes + temp
-    if lay.zero == 1:
-        # Each owner broadcasts its updated parameters as one flat buffer (two alive at the switch).
-        owned = state_elems * prec.param
-        total = max(total, static + grad_bytes + 2 * owned)
+        # The all-gather of the updated parts, one bucket at a time: this rank's part of it and every
+        # rank's as received.
+        gathered = (lay.dp + 1) * _zero1_gather_elements(trainable, local, lay) * prec.param
+        total = max(total, static + grad_bytes + gathered)
     return total

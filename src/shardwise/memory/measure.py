@@ -156,6 +156,12 @@ class MemoryTracker(TorchDispatchMode):
             return
         if hasattr(t, "_local_tensor"):  # a DTensor: its memory is its local shard's
             t = t._local_tensor
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            # A wrapper subclass (torchao's 8-bit state): its memory is its plain parts'; the storage it
+            # reports itself is a stand-in of its nominal dtype and shape, never allocated.
+            for part in t.__tensor_flatten__()[0]:
+                self._track(getattr(t, part), func)
+            return
         try:
             st = t.untyped_storage()
         except Exception:  # noqa: BLE001 - tensors without a storage (e.g. functional wrappers)

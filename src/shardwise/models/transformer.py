@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardwise.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_token_loss_sum
 from shardwise.models.attention import AttentionMask, attend, document_block_mask, document_mask, flex_available
 from shardwise.models.config import ModelConfig, RopeScaling
 
@@ -327,6 +328,8 @@ class Transformer(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         document_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for tokens [B, T] (or hidden states in and out on a pipeline's middle stages).
 
@@ -335,6 +338,10 @@ class Transformer(nn.Module):
         (S = cached + new tokens); every query must be allowed at least one key. `document_ids`
         [B, T] number the documents packed into each sample: a token then attends only to earlier
         tokens of its own document. Without either the attention is causal.
+        With `labels` [B, T] the result is instead the SUM of next-token cross-entropy over the
+        positions with a label (`shardwise.loss.chunked_token_loss_sum`), computed `loss_chunk_tokens`
+        tokens at a time from the output projection's weight, never the [B*T, vocab] logits; a
+        pipeline stage without the output projection ignores the labels and returns hidden states.
         """
         past = kv_cache.length if kv_cache is not None else 0
         seqlen = tokens.shape[1]
@@ -378,6 +385,9 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
+            if labels is not None:
+                # The weight is read inside forward, so FSDP2 has gathered it and its gradient is reduced.
+                return chunked_token_loss_sum(h, self.output.weight, labels, loss_chunk_tokens)
             h = self.output(h)
         return h
 

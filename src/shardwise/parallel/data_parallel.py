@@ -20,9 +20,9 @@ What each stage keeps where, per data-parallel rank (N = data-parallel degree, P
 - zero 0 (`replicate`, DDP semantics): full parameters, full gradients (all-reduced), full optimizer
   state. Memory P + P + optimizer(P) on every rank.
 - zero 1 (`replicate` + `ZeroOneOptimizer`): full parameters and full gradients (all-reduced, as in
-  DDP), optimizer state only for the parameters this rank owns: whole tensors assigned greedily by
-  size, so about 1/N of the state (as torch's ZeroRedundancyOptimizer). After the step each owner
-  broadcasts its updated parameters. Memory P + P + optimizer(P)/N.
+  DDP), optimizer state for 1/N of every tensor (each split along a dimension into N parts, so the
+  largest tensor is spread like the others); each rank steps its parts and the updated parts are
+  all-gathered in flat buckets. Memory P + P + optimizer(P)/N (+ one bucket during the all-gather).
 - zero 2 (`fully_shard(reshard_after_forward=False)`): gradients reduce-scattered, so each rank
   keeps 1/N of the gradients and 1/N of the optimizer state. FSDP2 has no "full replica, sharded
   gradients" mode: parameters are *sharded at rest* (1/N between steps and during the optimizer
@@ -53,8 +53,13 @@ the sharded gradients and the optimizer state live in CPU memory and the optimiz
 CPU; parameters are copied to the device for each all-gather. Zero 0/1 keep full replicas on the
 device by definition, so offload is refused there with a ConfigError (use zero 3).
 
-Frozen parameters (requires_grad=False) are sharded like the others but get no gradient, take no
-part in the reduction, and (since `build_optimizer` leaves them out) have no optimizer state.
+Frozen parameters (requires_grad=False) get no gradient, take no part in the reduction, and (since
+`build_optimizer` leaves them out) have no optimizer state. With a 16-bit `param_dtype` they are
+stored in it (no fp32 copy of a weight that never trains: LoRA bases, frozen layers): zero 2/3 shard
+them like the others (FSDP2 all-gathers them, uncast, with the trainable parameters it casts to the
+same dtype), zero 0/1 leave 16-bit frozen parameters out of `replicate` (plain tensors, the same on
+every rank), whose unsharded compute copy would otherwise double them. LoRA at DP N then holds per
+device what one device holds, plus the adapters' fp32 parameters and gradients.
 """
 
 from __future__ import annotations
@@ -63,18 +68,19 @@ import contextlib
 import inspect
 import logging
 import math
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..errors import ConfigError
-from .collectives import all_reduce, broadcast_
+from .collectives import all_gather, all_reduce
 from .dims import ParallelDims
 from .dtensors import local_tensor
 
@@ -97,11 +103,13 @@ def apply_data_parallel(
     offload: bool = False,
     per_block: bool = True,
     reshard_after_forward: Optional[bool] = None,
+    reduce_every_micro_batch: bool = False,
 ) -> nn.Module:
     """Make `model` data parallel over `meshes` at ZeRO `zero_stage` (0-3); returns the same module.
 
     meshes: `ParallelDims.build_meshes(...)`'s Meshes ("dp", "dp_shard", ("dp_replicate", "dp_shard")).
-    param_dtype: bf16/fp16 turns on FSDP2 mixed precision (compute dtype; fp32 master shards);
+    param_dtype: bf16/fp16 turns on FSDP2 mixed precision (compute dtype; fp32 master shards of the
+        trainable parameters; frozen ones are stored in param_dtype, `store_frozen_in`);
         None or fp32 leaves compute in the parameters' dtype.
     reduce_dtype: dtype of gradient reduction when mixed precision is on.
     offload: keep sharded parameters, gradients and optimizer state on the CPU (zero 2/3 only).
@@ -111,6 +119,10 @@ def apply_data_parallel(
     reshard_after_forward: zero 2/3 only; None follows the stage (True for zero 3, False for zero 2).
         Pipeline stages under a zero-bubble schedule need False (see `parallel/pipeline.py`); the
         schedule still reshards at the end of each step, so parameters rest sharded as with ZeRO-3.
+    reduce_every_micro_batch: zero 2/3 only (`grad_sync` reads it): under gradient accumulation,
+        reduce-scatter every micro-batch's gradients into the sharded fp32 gradients (HSDP: defer only
+        the all-reduce across replicas) instead of accumulating full-size unsharded gradients until the
+        last micro-batch. `ParallelConfig.reduces_every_micro_batch()` resolves the run's setting.
 
     With a data-parallel degree of 1 and no offload the model is returned untouched (single-process
     precision levels then apply as usual). Gradient reduction is a SUM over data-parallel ranks.
@@ -124,6 +136,10 @@ def apply_data_parallel(
             "replica of the parameters and gradients on every device, so there is nothing sharded to offload; "
             "set parallel.zero_stage: 3 (or 2) to offload parameters, gradients and optimizer state to the CPU"
         )
+    if reduce_every_micro_batch and zero_stage < 2:
+        raise ConfigError(
+            f"reducing gradients every micro-batch needs zero_stage 2 or 3, got {zero_stage}: ZeRO 0 and 1 keep "
+            "full gradients on every rank (set parallel.reduce_gradients: auto)")
     if param_dtype is not None and param_dtype not in (torch.float32, *_HALF):
         raise ConfigError(f"param_dtype must be fp32, bf16 or fp16, got {param_dtype}")
     if dims.dp == 1 and not offload:
@@ -132,6 +148,8 @@ def apply_data_parallel(
     kwargs: dict[str, Any] = {}
     if param_dtype in _HALF:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        store_frozen_in(model, param_dtype)  # the policy then leaves them as they are
+    apart = frozen_16_bit(model) or None
     if zero_stage >= 2:
         mesh = meshes["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
         device_type = mesh.device_type
@@ -148,7 +166,9 @@ def apply_data_parallel(
         mesh = meshes["dp"]
 
         def wrap(module: nn.Module) -> None:
-            replicate(module, mesh=mesh, **kwargs)
+            # 16-bit frozen weights stay plain replicated tensors: nothing to reduce, and replicate's
+            # unsharded compute copy would double them.
+            replicate(module, mesh=mesh, ignored_params=apart, **kwargs)
 
     layers = getattr(model, "layers", None)
     if per_block and layers is not None:
@@ -163,6 +183,8 @@ def apply_data_parallel(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     model._shardwise_zero_stage = zero_stage  # read by shard_optimizer, with the mesh of ZeRO-1's group
+    model._shardwise_reduce_every_micro_batch = reduce_every_micro_batch  # read by grad_sync
+    model._shardwise_hsdp = zero_stage >= 2 and dims.dp_replicate > 1
     model._shardwise_dp_mesh = meshes["dp"]
     return model
 
@@ -172,17 +194,54 @@ def _is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+@torch.no_grad()
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store `model`'s frozen (requires_grad False) floating-point parameters in `dtype`, in place:
+    the Parameter objects stay, so tied weights stay tied. Cast once here, a frozen weight holds the
+    same 16-bit values that FSDP2's mixed-precision policy would otherwise cast it to every forward."""
+    for p in model.parameters():  # each parameter once, a tied one too
+        if p.requires_grad or not p.is_floating_point() or p.dtype == dtype:
+            continue
+        if isinstance(p, DTensor):  # `.data =` would change a DTensor's dtype but not its local tensor's
+            torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        else:
+            p.data = p.data.to(dtype)
+
+
+def frozen_16_bit(model: nn.Module) -> set[nn.Parameter]:
+    """The frozen parameters stored in 16 bits, which ZeRO 0/1 leave out of `replicate` (see
+    `apply_data_parallel`)."""
+    return {p for p in model.parameters() if not p.requires_grad and p.dtype in _HALF}
+
+
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Run forward and backward of one micro-batch with gradient sync on or off.
 
-    Use `enabled=False` for all but the last micro-batch of a step: gradients then accumulate
-    locally (FSDP2 keeps them unsharded, i.e. full size, until the synced backward) and the last
-    backward reduces the accumulated sum once. Works for FSDP2/replicate modules, DDP (`no_sync`)
-    and plain modules (a no-op). Sync is switched back on when the block ends.
+    Use `enabled=False` for all but the last micro-batch of a step. What is deferred to the last
+    follows `apply_data_parallel(reduce_every_micro_batch=...)`:
+    - False (ZeRO 0/1, or `parallel.reduce_gradients: once_per_step`): the whole reduction; gradients
+      accumulate locally (FSDP2 keeps them unsharded, full size in the reduce dtype, until the synced
+      backward) and the last backward reduces the accumulated sum once.
+    - True (ZeRO 2/3 by default): nothing under plain FSDP, which reduce-scatters each micro-batch's
+      gradients and adds them to the sharded fp32 gradients (no full-size buffer); under HSDP only the
+      all-reduce across replicas (`set_requires_all_reduce(False)`): each micro-batch is
+      reduce-scattered within its shard group and the partial shards are all-reduced once, at the last.
+    Works for FSDP2/replicate modules, DDP (`no_sync`) and plain modules (a no-op). Sync is switched
+    back on when the block ends.
     """
     if enabled:
         yield
+        return
+    if _is_fsdp(model) and getattr(model, "_shardwise_reduce_every_micro_batch", False):
+        if not getattr(model, "_shardwise_hsdp", False):
+            yield
+            return
+        model.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            model.set_requires_all_reduce(True)
         return
     if _is_fsdp(model):
         model.set_requires_gradient_sync(False)
@@ -225,21 +284,112 @@ def _ctor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-class ZeroOneOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: every rank keeps the optimizer state of the parameters it owns and steps only those.
+# ZeRO-1's all-gather of updated parameters runs in buckets of at most this many elements (gathered, over
+# all ranks; a larger tensor is split): the transient is one bucket plus this rank's share of it.
+BUCKET_ELEMENTS = 2**25
 
-    Parameters (whole tensors) are assigned to ranks greedily, largest first, to the rank with the
-    fewest elements so far (ZeroRedundancyOptimizer's rule), so each rank holds about 1/N of the
-    state. After the local step each owner broadcasts its updated parameters over `group`. Unlike
-    torch's ZeroRedundancyOptimizer this works on DTensor parameters (replicate, or replicate x
-    tensor parallel: the rank-local tensor is broadcast), keeps the wrapped optimizer's param
-    groups, and its `state_dict()` / `load_state_dict()` use the ordinary full format of the wrapped
-    optimizer (gathered from / scattered to the owners; collective), so DCP's `get_state_dict` /
-    `set_state_dict` and resharding treat it like any other optimizer. `param_groups` lists every
-    parameter (LR schedules and `zero_grad` act on them); `state` holds this rank's part only.
+
+def zero1_split(shape: tuple[int, ...], taken: Iterable[int], world: int) -> tuple[Optional[int], int]:
+    """(the dimension ZeRO-1 splits, the indices each rank owns along it, torch.chunk style) for a
+    parameter of local `shape` whose dimensions `taken` are sharded already (tensor parallel); (None,
+    0) where none is left (a 0-d tensor, a 1-d tensor-parallel bias): every rank then steps it whole."""
+    taken = set(taken)
+    for dim, size in enumerate(shape):
+        if dim not in taken:
+            return dim, -(-size // world)
+    return None, 0
+
+
+def zero1_buckets(shards: list[tuple[int, int]], world: int, bucket_elements: int = BUCKET_ELEMENTS
+                  ) -> list[list[tuple[int, int, int]]]:
+    """The all-gather buckets of ZeRO-1 over `shards`, each (indices a rank owns, elements per index):
+    per bucket its units (shard number, first index, end index) within every rank's part; a bucket
+    holds at most `bucket_elements` over all ranks (at least one index), so every bucket but the last
+    is full to within one index."""
+    room_per_rank = max(1, bucket_elements // world)
+    buckets: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = room_per_rank
+    for i, (chunk, row) in enumerate(shards):
+        start = 0
+        while start < chunk:
+            take = min(chunk - start, max(room, 0) // row) if row else chunk - start
+            if take == 0:
+                if current:
+                    buckets.append(current)
+                    current, room = [], room_per_rank
+                    continue
+                take = 1  # one index larger than a bucket: alone
+            current.append((i, start, start + take))
+            room -= take * row
+            start += take
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class _Shard:
+    """What ZeRO-1 steps of one parameter on this rank: `view`, this rank's part of the parameter's
+    local tensor (`dim` split into `chunk`-long parts, torch.chunk style; `dim` None: the whole tensor),
+    and the placements its optimizer state has on the parameter's mesh."""
+
+    param: torch.Tensor
+    dim: Optional[int]
+    chunk: int
+    rank: int
+    world: int
+    view: torch.Tensor
+    placements: tuple[Any, ...]
+
+    def extent(self, rank: int) -> tuple[int, int]:
+        """(first index, length) of `rank`'s part along `dim`."""
+        size = local_tensor(self.param).shape[self.dim]
+        start = min(rank * self.chunk, size)
+        return start, max(0, min(self.chunk, size - start))
+
+    def part(self, t: torch.Tensor, rank: Optional[int] = None) -> torch.Tensor:
+        """`rank`'s (default: this rank's) part of `t`, a local tensor shaped like the parameter's."""
+        if self.dim is None:
+            return t
+        start, length = self.extent(self.rank if rank is None else rank)
+        return t.narrow(self.dim, start, length)
+
+    @property
+    def row(self) -> int:
+        """Elements per index of `dim`."""
+        local = local_tensor(self.param)
+        return local.numel() // local.shape[self.dim] if local.shape[self.dim] else 0
+
+
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 with evenly sharded state: every rank owns 1/N of every parameter and steps only that.
+
+    Each parameter's local tensor (a replica under `replicate`; a tensor-parallel shard under DP x TP)
+    is split along its first dimension that tensor parallelism does not shard already, torch.chunk
+    style, into N parts (N = the data-parallel degree); rank r keeps optimizer state for part r only
+    and steps it in place (the wrapped optimizer's own kind and settings, over views of the
+    parameters, so the arithmetic is the one-process optimizer's, element for element). The updated
+    parts are then all-gathered in flat buckets (`zero1_buckets`: at most BUCKET_ELEMENTS gathered
+    elements each, a larger tensor split), so every replica holds the same parameters again. About
+    1/N of every tensor's state on each rank: the largest tensor (a large vocabulary's embedding)
+    is spread like the others, unlike whole-tensor assignment (ZeroRedundancyOptimizer's).
+
+    Gradients stay as `replicate` leaves them: all-reduced, full on every rank (the trainer clips and
+    checks them whole); the step reads this rank's part of each. A parameter with no dimension left
+    to split (0-d, or a 1-d tensor-parallel bias) is stepped whole on every rank.
+
+    `state` holds, per parameter, its optimizer state as DTensors sharded like that (`Shard(dim)` on
+    the data-parallel mesh dimension, with the parameter's tensor-parallel placements), views of what
+    the wrapped optimizer keeps: the ordinary per-parameter format, so `state_dict()` / DCP's
+    `get_state_dict` / the checkpointer save each rank's part, and loading (in place, or through
+    `load_state_dict` from any placement or a full tensor) fills it, in any layout. `param_groups`
+    lists every parameter (LR schedules and `zero_grad` act on them); `local` is the wrapped kind of
+    optimizer over this rank's parts.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any = None,
+                 bucket_elements: int = BUCKET_ELEMENTS) -> None:
         if optimizer.state:
             raise ValueError("ZeroOneOptimizer must wrap a fresh optimizer (it already has state)")
         self.group = group if group is not None else dist.group.WORLD
@@ -247,19 +397,40 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(self.group)
         self.optimizer_class = type(optimizer)
         super().__init__([dict(g) for g in optimizer.param_groups], optimizer.defaults)
-        params = [p for g in self.param_groups for p in g["params"]]
-        sizes = [0] * self.world
-        self.owner: dict[torch.Tensor, int] = {}
-        for p in sorted(params, key=lambda t: t.numel(), reverse=True):  # stable: same on every rank
-            r = min(range(self.world), key=sizes.__getitem__)
-            self.owner[p] = r
-            sizes[r] += p.numel()
-        self._order = params
+        self._shards = {p: self._plan(p) for g in self.param_groups for p in g["params"]}
         local_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [p for p in g["params"] if self.owner[p] == self.rank]}
-                        for g in self.param_groups]
+                         "params": [self._shards[p].view for p in g["params"]]} for g in self.param_groups]
         self.local = self.optimizer_class(local_groups, **_ctor_kwargs(optimizer))
-        self.state = self.local.state
+        self._exposed: dict[torch.Tensor, tuple[Any, dict[str, Any]]] = {}  # `state`'s DTensor views, cached
+        split = [sh for sh in self._shards.values() if sh.dim is not None]
+        self._buckets: list[list[tuple[_Shard, int, int]]] = []
+        for key in sorted({(local_tensor(sh.param).dtype, local_tensor(sh.param).device) for sh in split}, key=str):
+            same = [sh for sh in split if (local_tensor(sh.param).dtype, local_tensor(sh.param).device) == key]
+            for bucket in zero1_buckets([(sh.chunk, sh.row) for sh in same], self.world, bucket_elements):
+                self._buckets.append([(same[i], start, end) for i, start, end in bucket])
+
+    def _plan(self, p: torch.Tensor) -> _Shard:
+        """How `p` is split: along its first dimension no other mesh dimension shards."""
+        if not isinstance(p, DTensor):
+            raise ValueError("ZeroOneOptimizer steps the DTensor parameters of a data-parallel model "
+                             "(apply_data_parallel first)")
+        mesh, placements = p.device_mesh, list(p.placements)
+        names = mesh.mesh_dim_names or ()
+        dp_dim = names.index("dp") if "dp" in names else 0
+        if mesh.size(dp_dim) != self.world or not placements[dp_dim].is_replicate():
+            raise ValueError(f"ZeroOneOptimizer: a parameter on mesh {mesh} with placements {p.placements} is "
+                             f"not replicated over the data-parallel group of {self.world} ranks")
+        rank = mesh.get_local_rank(dp_dim)
+        if rank != self.rank:
+            raise ValueError(f"ZeroOneOptimizer: rank {self.rank} of the group is {rank} on the parameters' mesh")
+        local = local_tensor(p)
+        taken = [pl.dim for pl in placements if isinstance(pl, Shard)]
+        dim, chunk = zero1_split(tuple(local.shape), taken, self.world)
+        if dim is not None:
+            placements[dp_dim] = Shard(dim)
+        shard = _Shard(p, dim, chunk, rank, self.world, local.detach(), tuple(placements))
+        shard.view = shard.part(local.detach())
+        return shard
 
     def _sync_groups(self) -> None:
         for g, lg in zip(self.param_groups, self.local.param_groups):
@@ -272,83 +443,111 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOneOptimizer.step does not take a closure")
         self._sync_groups()
-        self.local.step()
-        self._broadcast_params()
+        for sh in self._shards.values():
+            # The parts as they are now (FSDP2 may have re-made a parameter's local tensor since).
+            sh.view.data = sh.part(local_tensor(sh.param).detach())
+            sh.view.grad = None if sh.param.grad is None else sh.part(local_tensor(sh.param.grad))
+        try:
+            self.local.step()
+        finally:
+            for sh in self._shards.values():
+                sh.view.grad = None
+        self._all_gather_params()
+        self._expose_state()
         return None
 
     @torch.no_grad()
-    def _broadcast_params(self) -> None:
-        """Each owner sends its updated parameters (one flat buffer per owner and dtype)."""
-
-        for r in range(self.world):
-            src = dist.get_global_rank(self.group, r)
-            owned = [local_tensor(p) for p in self._order if self.owner[p] == r]
-            for dtype in sorted({t.dtype for t in owned}, key=str):
-                tensors = [t for t in owned if t.dtype == dtype]
+    def _all_gather_params(self) -> None:
+        """Every rank's updated parts to every rank, one flat buffer per bucket."""
+        for bucket in self._buckets:
+            first = local_tensor(bucket[0][0].param)
+            sizes = [(end - start) * sh.row for sh, start, end in bucket]
+            send = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+            for (sh, start, end), segment in zip(bucket, send.split(sizes)):
+                self._slot(sh, start, end, segment, self.rank).copy_(self._slice(sh, start, end, self.rank))
+            for r, received in enumerate(all_gather(send, self.group)):
                 if r == self.rank:
-                    flat = _flatten_dense_tensors(tensors)
-                else:
-                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-                broadcast_(flat, src, self.group)
-                if r != self.rank:
-                    for t, u in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                        t.copy_(u)
+                    continue
+                for (sh, start, end), segment in zip(bucket, received.split(sizes)):
+                    self._slice(sh, start, end, r).copy_(self._slot(sh, start, end, segment, r))
 
-    def _gather_state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        """Every parameter's optimizer state, on every rank (collective; transiently the full state)."""
+    @staticmethod
+    def _slice(sh: _Shard, start: int, end: int, rank: int) -> torch.Tensor:
+        """Indices [start, end) of `rank`'s part of the parameter (as far as the part reaches)."""
+        part = sh.part(local_tensor(sh.param).detach(), rank)
+        begin = min(start, part.shape[sh.dim])
+        return part.narrow(sh.dim, begin, max(0, min(end, part.shape[sh.dim]) - begin))
 
-        index = {p: i for i, p in enumerate(self._order)}
-        meta = {index[p]: {k: (("tensor", isinstance(v, DTensor), tuple(local_tensor(v).shape), local_tensor(v).dtype)
-                               if torch.is_tensor(v) else ("value", v)) for k, v in st.items()}
-                for p, st in self.local.state.items()}
-        metas: list[Any] = [None] * self.world
-        dist.all_gather_object(metas, meta, group=self.group)
-        full: dict[torch.Tensor, dict[str, Any]] = {}
-        for r, rank_meta in enumerate(metas):
-            src = dist.get_global_rank(self.group, r)
-            for i in sorted(rank_meta):
-                p = self._order[i]
-                state: dict[str, Any] = {}
-                for key in sorted(rank_meta[i]):
-                    info = rank_meta[i][key]
-                    if info[0] == "value":
-                        state[key] = info[1]
-                        continue
-                    _, is_dt, shape, dtype = info
-                    if r == self.rank:
-                        value = self.local.state[p][key]
-                        state[key] = value
-                        buf = local_tensor(value).contiguous()
-                    else:
-                        buf = torch.empty(shape, dtype=dtype, device=local_tensor(p).device)
-                    broadcast_(buf, src, self.group)
-                    if r != self.rank:
-                        state[key] = (DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False,
-                                                         shape=p.shape, stride=p.stride())
-                                      if is_dt else buf)
-                full[p] = state
-        return full
+    @staticmethod
+    def _slot(sh: _Shard, start: int, end: int, segment: torch.Tensor, rank: int) -> torch.Tensor:
+        """Where `_slice(sh, start, end, rank)` travels in a bucket's flat buffer (`segment`: its place)."""
+        shape = list(local_tensor(sh.param).shape)
+        shape[sh.dim] = end - start
+        length = ZeroOneOptimizer._slice(sh, start, end, rank).shape[sh.dim]
+        return segment.view(shape).narrow(sh.dim, 0, length)
+
+    def _global(self, sh: _Shard, value: Any) -> Any:
+        """A state tensor of this rank's part as the DTensor of the whole parameter's state."""
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape != sh.view.shape:
+            return value
+        p = sh.param
+        return DTensor.from_local(value, p.device_mesh, sh.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    def _expose_state(self) -> None:
+        """`state`: every parameter's state, as DTensor views of the parts the wrapped optimizer keeps."""
+        state: dict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        for p, sh in self._shards.items():
+            inner = self.local.state.get(sh.view)
+            if not inner:
+                continue
+            key = tuple((k, id(v)) for k, v in inner.items())  # the same tensors: the same views
+            cached = self._exposed.get(p)
+            if cached is None or cached[0] != key:
+                cached = self._exposed[p] = (key, {k: self._global(sh, v) for k, v in inner.items()})
+            state[p] = dict(cached[1])
+        self.state = state
+
+    def _part_of(self, sh: _Shard, value: Any) -> Any:
+        """This rank's part of a loaded state value (a DTensor of any placement, or a full tensor)."""
+        if not torch.is_tensor(value) or value.dim() == 0:
+            return value
+        p = sh.param
+        if isinstance(value, DTensor):
+            if value.device_mesh == p.device_mesh:
+                return value.redistribute(p.device_mesh, sh.placements).to_local()
+            value = value.full_tensor()
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"optimizer state of shape {tuple(value.shape)} for a parameter of shape {tuple(p.shape)}")
+        return distribute_tensor(value.to(local_tensor(p).device), p.device_mesh, sh.placements,
+                                 src_data_rank=None).to_local()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's full state dict (every parameter's state; collective over the group)."""
+        """The per-parameter state dict of the wrapped kind of optimizer, each tensor this rank's DTensor part."""
         self._sync_groups()
-        local_state = self.state
-        self.state = self._gather_state()
-        try:
-            return super().state_dict()
-        finally:
-            self.state = local_state
+        self._expose_state()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (as `state_dict()` gives); each rank keeps its own parameters' part."""
+        """Load a per-parameter state dict (DTensors of any placement or full tensors); each rank keeps its part."""
         super().load_state_dict(state_dict)
-        full = self.state
-        self.local.state.clear()
-        for p, st in full.items():
-            if self.owner.get(p) == self.rank:
-                self.local.state[p] = st
-        self.state = self.local.state
+        loaded = self.state
+        for p, sh in self._shards.items():
+            saved = loaded.get(p)
+            if not saved:
+                continue
+            inner = self.local.state[sh.view]
+            for key, value in saved.items():
+                part = self._part_of(sh, value)
+                old = inner.get(key)
+                same = torch.is_tensor(old) and torch.is_tensor(part) and (old.shape, old.dtype) == (part.shape,
+                                                                                               part.dtype)
+                if same:
+                    old.copy_(part)
+                else:
+                    inner[key] = part.clone() if torch.is_tensor(part) else part
         self._sync_groups()
+        self._expose_state()
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:

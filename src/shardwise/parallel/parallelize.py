@@ -76,7 +76,8 @@ def parallelize_model(
     offload = cfg.optimize.offload_params or cfg.optimize.offload_optimizer
     if dims.dp > 1 or (offload and meshes is not None):
         model = apply_data_parallel(model, meshes, dims, cfg.parallel.zero_stage, param_dtype=fsdp_param_dtype,
-                                    offload=offload, reshard_after_forward=reshard_after_forward)
+                                    offload=offload, reshard_after_forward=reshard_after_forward,
+                                    reduce_every_micro_batch=cfg.parallel.reduces_every_micro_batch())
     return model
 
 
@@ -85,9 +86,10 @@ def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: Parallel
     """(the dtype to build the model in, the dtype FSDP2 casts it to for compute or None).
 
     Under data parallelism a precision level with fp32 master weights (O2) keeps them as FSDP2's
-    sharded fp32 parameters, cast to 16 bits for compute by its mixed-precision policy; in one
+    sharded fp32 parameters, cast to 16 bits for compute by its mixed-precision policy (frozen
+    parameters, which need no master, `apply_data_parallel` stores in the 16-bit dtype); in one
     process (or tensor- or pipeline-parallel only) the model itself is 16-bit and the fp32 masters
-    are separate copies (`memory.precision.MasterWeights`)."""
+    are separate copies (`memory.precision.MasterWeights`) of the trainable weights only."""
     if master_weights and fsdp_holds_masters(dims):
         return torch.float32, param_dtype
     return param_dtype, None

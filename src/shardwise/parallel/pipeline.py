@@ -283,14 +283,17 @@ def named_parameters(chunks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.Para
 
 class _StepLoss:
     """The schedule's loss: a micro-batch's token-loss sum over the step's global target-token count
-    (`global_tokens`, set by `pipeline_step` before each schedule step)."""
+    (`global_tokens`, set by `pipeline_step` before each schedule step). The sum is `loss_sum(logits,
+    labels)`, or, with the chunked loss (`in_stage`, also set by `pipeline_step`), the last stage's
+    own output: its forward got the labels and returned the sum without ever holding the logits."""
 
     def __init__(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.loss_sum = loss_sum
         self.global_tokens: Any = 1.0
+        self.in_stage = False
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum(output, target) / self.global_tokens
+        return (output if self.in_stage else self.loss_sum(output, target)) / self.global_tokens
 
 
 class _Stage(PipelineStage):
@@ -491,7 +494,7 @@ def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]]) -> dict[s
 def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
                   position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, global_tokens: Any = None,
-                  finish_step: bool = True) -> torch.Tensor:
+                  finish_step: bool = True, loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
     """Forward and backward of one step's batch ([micro_batch_num x micro-batch rows, T]) through the
     pipeline, accumulating gradients; return the step's loss on every pipeline rank.
 
@@ -502,6 +505,9 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     accumulation. The returned loss is sum(token losses of this batch) / global_tokens.
     To accumulate several pipeline steps into one optimizer step, pass `finish_step=False` to all but
     the last (the tied-embedding gradients are exchanged once, after the last).
+    `loss_chunk_tokens`: the chunked loss (`shardwise.loss.chunked_token_loss_sum`): the labels go to
+    the stages' forward with the other per-sample inputs, and the last stage returns the token-loss
+    sum itself instead of logits. None: the last stage's logits go to the schedule's loss function.
     """
     extras = _extras(position_ids, document_ids, attention_mask)
     _check_batch(pipe, input_ids, extras)
@@ -510,13 +516,17 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     if global_tokens is None:
         global_tokens = int((labels != IGNORE_INDEX).sum())
     extras = {k: v.to(device) for k, v in extras.items()}
+    if loss_chunk_tokens is not None:  # split into micro-batches like the inputs; stages without the head ignore it
+        extras.update(labels=labels, loss_chunk_tokens=loss_chunk_tokens)
     args = (input_ids.to(device),) if pipe.has_first else ()
-    shape = (tuple(input_ids.shape), tuple((k, tuple(v.shape)) for k, v in sorted(extras.items())))
+    shape = (tuple(input_ids.shape), tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v)
+                                           for k, v in sorted(extras.items())))
     if pipe.batch_shape is not None and shape != pipe.batch_shape:
         pipe.rebuild()  # new shapes: the next step infers them again (one extra forward and backward)
     pipe.batch_shape = shape
     losses: list[torch.Tensor] = []
     pipe.step_loss.global_tokens = global_tokens
+    pipe.step_loss.in_stage = loss_chunk_tokens is not None
     pipe.schedule.step(*args, target=labels if pipe.has_last else None, losses=losses if pipe.has_last else None,
                        **pipe.step_kwargs, **extras)
     if finish_step:
@@ -548,8 +558,10 @@ def _recv_activation(src: int, group: Any, device: torch.device) -> torch.Tensor
 @torch.no_grad()
 def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
                   position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Forward only: the SUM of token losses of the batch (any number of rows), on every pipeline rank.
+                  attention_mask: Optional[torch.Tensor] = None,
+                  loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Forward only: the SUM of token losses of the batch (any number of rows), on every pipeline rank;
+    with `loss_chunk_tokens` the last stage computes it chunk by chunk (see `pipeline_step`).
 
     Runs the stages one after the other with plain send/recv rather than through the schedule:
     torch's `schedule.eval` fails on V schedules (ZBV) in torch 2.13, and switching a schedule between
@@ -571,6 +583,9 @@ def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
                 continue
             if s > 0 and owner[s - 1] != pipe.pp_rank:
                 h = _recv_activation(owner[s - 1], pipe.group, device)
+            if s == pipe.num_stages - 1 and loss_chunk_tokens is not None:
+                local = by_stage[s](h, labels=labels.to(device), loss_chunk_tokens=loss_chunk_tokens, **extras)
+                continue
             h = by_stage[s](h, **extras)
             if s == pipe.num_stages - 1:
                 local = pipe.step_loss.loss_sum(h, labels.to(device))

@@ -16,10 +16,11 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   the vocabulary-parallel embedding and output; recompute repeats the forward's. Not overlapped.
   It also holds `tp_layer_overhead_us` of host work per layer and micro-batch (DTensor's dispatch:
   hidden behind the kernels of a GPU, paid in full by a CPU).
-- dp_comm: gradients reduced once per step (all-reduce for ZeRO 0/1, reduce-scatter for 2/3, in the
-  reduce dtype), ZeRO 1's broadcast of updated parameters, the all-gathers of ZeRO 2 (once per
-  micro-batch, FSDP2 reshards after each backward) and ZeRO 3 (forward and backward of every
-  micro-batch). The part that `overlap` of the concurrent compute can hide is hidden.
+- dp_comm: gradients reduced (all-reduce for ZeRO 0/1, once per step; reduce-scatter for 2/3, once
+  per micro-batch or, with `parallel.reduce_gradients: once_per_step`, once per step, and under a
+  pipeline once per pipeline step; in the reduce dtype), ZeRO 1's all-gather of updated parameters,
+  the all-gathers of ZeRO 2 (once per micro-batch, FSDP2 reshards after each backward) and ZeRO 3
+  (forward and backward of every micro-batch). The part that `overlap` of the concurrent compute can hide is hidden.
 - pp_comm: a point-to-point send of the stage's activations (forward) and their gradients (backward)
   per micro-batch and model chunk.
 - bubble: idle pipeline time, one micro-batch time of each rank other than the busiest (the fill and
@@ -334,9 +335,15 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         if zero <= 1:
             comm += all_reduce_time(grads, dp, dp_link)
             if zero == 1:
-                comm += gather_time(trainable_dev * b["param"], dp, dp_link)  # owners broadcast updates
+                comm += gather_time(trainable_dev * b["param"], dp, dp_link)  # updated parts all-gathered
         else:
-            comm += gather_time(grads, dp, dp_link)  # reduce-scatter
+            # Reduce-scatter: once per micro-batch (parallel.reduce_gradients, the default for ZeRO 2/3
+            # without a pipeline), or once per step (a pipeline's schedule: once per pipeline step).
+            if p.reduces_every_micro_batch():
+                reductions = ga
+            else:
+                reductions = ga // p.micro_batch_num if pp > 1 else 1
+            comm += reductions * gather_time(grads, dp, dp_link)
             gathers = (1 if (zero == 2 or pp > 1) else 2) * (1 if (zero == 2 and pp > 1) else ga)
             comm += gathers * gather_time(params_bytes, dp, dp_link)
             if cfg.optimize.offload_optimizer or cfg.optimize.offload_params:

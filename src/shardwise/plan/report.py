@@ -79,7 +79,10 @@ def candidate_table(cands: list[Candidate]) -> str:
     rows = [head]
     for i, c in enumerate(cands, 1):
         lay, s = c.layout, c.step
-        rows.append((str(i), lay.short(), f"{lay.zero}" + ("+off" if lay.offload else ""), lay.recompute,
+        # "/step": ZeRO 2/3 gradients reduced once per step (full size until then), not every micro-batch
+        zero = f"{lay.zero}" + ("+off" if lay.offload else "") + ("/step" if lay.reduce_gradients == "once_per_step"
+                                                                  else "")
+        rows.append((str(i), lay.short(), zero, lay.recompute,
                      f"{lay.micro_batch} x {lay.accumulation}", lay.schedule_name(),
                      f"{c.peak / GIB:.3g}", f"{s.total:.3g}", f"{s.tokens_per_s_per_device:,.0f}",
                      f"{100 * s.mfu:.1f}%", s.breakdown()))

@@ -48,6 +48,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     offload: bool = False
+    reduce_gradients: str = "auto"  # parallel.reduce_gradients; searched for ZeRO 2/3 with accumulation
 
     def short(self) -> str:
         """'DP4 TP2 PP1' style degrees."""
@@ -57,6 +58,9 @@ class Layout:
         """All settings in one line."""
         parts = [self.short(), f"ZeRO-{self.zero}" + ("+offload" if self.offload else ""),
                  f"recompute {self.recompute}", f"micro-batch {self.micro_batch} x {self.accumulation}"]
+        if self.reduce_gradients != "auto":
+            parts.append("gradients reduced " + self.reduce_gradients.replace("_", " ").replace("micro batch",
+                                                                                                 "micro-batch"))
         if self.pp > 1:
             parts.append(self.schedule_name())
         return ", ".join(parts)
@@ -275,10 +279,16 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
                         can_offload = req.offload and zero >= 2 and req.hardware.kind != "cpu"
                         offloads = (False, True) if can_offload else (False,)
+                        # ZeRO 2/3 accumulating without a pipeline: reduce-scatter every micro-batch
+                        # (sharded gradients) or once per step (full-size ones, fewer collectives).
+                        reductions = (("every_micro_batch", "once_per_step") if zero >= 2 and pp == 1 and ga > 1
+                                      else ("auto",))
                         for offload in offloads:
                             for recompute in _allowed(pins, "recompute", RECOMPUTE):
-                                layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload)
-                                out.append((layout, layout_config(cfg, layout)))
+                                for reduce in reductions:
+                                    layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload,
+                                                    reduce)
+                                    out.append((layout, layout_config(cfg, layout)))
     return out
 
 
@@ -287,7 +297,8 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
     parallel = ParallelConfig(data_parallel=layout.dp, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
                               zero_stage=layout.zero, micro_batch_num=layout.accumulation if layout.pp > 1 else 1,
                               schedule=layout.schedule, virtual_stages=layout.virtual_stages,
-                              sequence_parallel=base.parallel.sequence_parallel)
+                              sequence_parallel=base.parallel.sequence_parallel,
+                              reduce_gradients=layout.reduce_gradients)
     optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
                                                "gradient_accumulation_steps": None,
                                                "offload_optimizer": layout.offload, "offload_params": False})
@@ -325,7 +336,9 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
         candidates.append(Candidate(layout, cfg, step, usable=usable, lower_bound=state_lower_bound(cfg, layout, step)))
     if not candidates:
         raise ConfigError(_no_layout_message(req))
-    candidates.sort(key=lambda c: (c.step.total, c.layout.tp, c.layout.pp, c.layout.zero))
+    # Ties go to less parallelism and, at equal time, to reducing every micro-batch (less memory).
+    candidates.sort(key=lambda c: (c.step.total, c.layout.tp, c.layout.pp, c.layout.zero,
+                                   c.layout.reduce_gradients == "once_per_step"))
     device = hw.kind
     estimated = 0
 

@@ -52,7 +52,7 @@ from ..parallel.pipeline import concat_micro_batches, pipeline_eval, pipeline_st
 from ..parallel.tensor import rank_rng
 from .metrics import MetricsWriter, MfuMeter, StepTokens, Window, count_real_tokens, format_record, reset_peak_memory
 from .oom import explain_out_of_memory, is_out_of_memory
-from .optim import LRSchedule, build_optimizer
+from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of
 from .run_dir import check_host_memory, check_run_dir, prepare_run_dir
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class TrainState:
     params: list[torch.Tensor]  # what the optimizer steps (fp32 masters at O2)
     norm_exclude: list[torch.Tensor]  # stepped but not counted in the gradient norm (a tied copy)
     start: int = 0
+    in_backward: OptimizerInBackward | None = None  # train.optimizer_in_backward: the update runs in backward
 
     @property
     def device(self) -> torch.device:
@@ -197,6 +198,7 @@ class Trainer:
         ctx = init_distributed(cfg.run.device, cfg.run.timeout_s)
         dims = layout_for(cfg, ctx.world_size)
         check_offload(cfg, ctx.device, dims)
+        check_optimizer(cfg, dims, ctx.world_size, ctx.device)
         pretrained = cfg.model.init_from is not None and self.model is None
         if pretrained:
             check_pretrained(cfg.model, lora=cfg.lora is not None)  # before any data is prepared
@@ -229,9 +231,17 @@ class Trainer:
         trainable = [(names[id(p)], p) for p in parameters(parts) if p.requires_grad]
         masters = MasterWeights(trainable) if plan.master_weights and not fsdp_holds_masters(dims) else None
         opt_named = list(masters.named_masters()) if masters else trainable
-        optimizer = distribute_optimizer(build_optimizer(opt_named, cfg.train.optimizer, cfg.train.lr,
-                                                         cfg.train.weight_decay, (cfg.train.beta1, cfg.train.beta2),
-                                                         cfg.train.eps), parts)
+        t = cfg.train
+        optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
+                                                         (t.beta1, t.beta2), t.eps,
+                                                         kernel=t.optimizer_kernel(ctx.device.type),
+                                                         state_dtype=state_dtype_of(t.optimizer_state_dtype),
+                                                         in_backward=t.optimizer_in_backward), parts)
+        # The optimizer in backward steps each weight (its fp32 master at O2) from a hook that runs after the
+        # masters' own, which has moved the gradient into the master by then.
+        in_backward = None if not cfg.train.optimizer_in_backward else OptimizerInBackward(
+            optimizer, [p for _, p in trainable], target=masters.master_of if masters else (lambda p: p),
+            after=(lambda p: p.copy_(masters.master_of(p))) if masters else None)
         holder = {} if masters is None else {"grad_holder": masters.master_of,
                                              "on_weight_grads": masters.grads_to_masters}
         self.pipeline = build_pipeline(parts, cfg, dims, meshes, ctx.device, token_loss_sum, **holder)
@@ -254,7 +264,7 @@ class Trainer:
         state = TrainState(ctx=ctx, dims=dims, meshes=meshes, plan=plan, parts=parts, pipeline=self.pipeline,
                            masters=masters, optimizer=optimizer, scaler=scaler, loader=loader, schedule=schedule,
                            total_steps=total_steps, checkpointer=checkpointer, params=[p for _, p in opt_named],
-                           norm_exclude=[p for n, p in opt_named if n in excluded])
+                           norm_exclude=[p for n, p in opt_named if n in excluded], in_backward=in_backward)
         state.start = checkpointer.load(resume, overwrite) if resume is not None else 0
         if state.start == 0 and pretrained:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
@@ -278,10 +288,14 @@ class Trainer:
         tokens = StepTokens(real=int(n_real), target=int(n_tokens))
         if n_tokens == 0:
             raise TrainingError(f"step {step + 1}: the batch has no target tokens (all labels are ignored)")
+        if s.in_backward is not None:
+            s.in_backward.begin()
         total = self.forward_backward(micro_batches, n_tokens)
         if s.dims.dp > 1:
             total = all_reduce(total, s.meshes["dp"])
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
+        if s.in_backward is not None:
+            return self._stepped_in_backward(step, total, tokens)
         if s.masters is not None:
             s.masters.grads_to_masters()
         if s.scaler is not None:
@@ -303,6 +317,23 @@ class Trainer:
         if s.scaler is not None:
             s.scaler.update(found_inf=False)
         return StepResult(loss, norm, False, tokens)
+
+    def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens) -> StepResult:
+        """The end of a step whose updates ran in backward (train.optimizer_in_backward): its gradient norm,
+        and a stop if a gradient was not finite (the updates stopped at the first such gradient)."""
+        hooks = self.state.in_backward
+        loss, norm = float(total), float(hooks.finish())
+        if hooks.finite and math.isfinite(loss) and math.isfinite(norm):
+            return StepResult(loss, norm, False, tokens)
+        touched = ("no weight was touched (a non-finite loss makes the first gradient non-finite)"
+                   if not math.isfinite(loss) else "the parameters whose gradients came before it (nearest the "
+                   "output) were updated, the others not")
+        raise TrainingError(
+            f"step {step + 1}: loss is {loss} and gradient norm {norm}. With train.optimizer_in_backward each "
+            f"parameter is updated as its gradient arrives and the updates stopped at the first non-finite gradient: "
+            f"{touched}. Training stopped; the last checkpoint is as it was. Lower train.lr or raise warmup, and "
+            "resume from that checkpoint"
+        )
 
     def _not_finite(self, step: int, loss: float, norm: float) -> None:
         """A skipped step: lower the fp16 loss scale, or stop (nan_policy stop), saying why."""
@@ -333,6 +364,7 @@ class Trainer:
         s = self.state
         scale = s.scaler.scale if s.scaler else 1.0
         total = torch.zeros((), device=s.device)
+        chunk = self.config.optimize.loss_chunk()  # None: the full logits, then token_loss_sum
         if s.pipeline is not None:
             # micro_batch_num micro-batches per schedule step: the schedule splits the concatenated batch
             # back into them and reduces data-parallel gradients at its end.
@@ -346,7 +378,7 @@ class Trainer:
                     # scale also applies the fp16 loss scale to the backward.
                     total += pipeline_step(s.pipeline, batch["input_ids"], batch["labels"],
                                            global_tokens=n_tokens / scale, finish_step=r == rounds - 1,
-                                           **_model_extras(batch, s.device))
+                                           loss_chunk_tokens=chunk, **_model_extras(batch, s.device))
             return total / scale if s.scaler else total
         model, last = s.parts[0], len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
@@ -354,7 +386,10 @@ class Trainer:
             labels = mb["labels"].to(s.device, non_blocking=True)
             with grad_sync(model, i == last), s.plan.autocast(s.device.type):  # gradient sync on the last only
                 self._enter("forward")
-                loss = token_loss_sum(model(ids, **_model_extras(mb, s.device)), labels) / n_tokens
+                if chunk is not None:  # the model's forward returns the token-loss sum
+                    loss = model(ids, labels=labels, loss_chunk_tokens=chunk, **_model_extras(mb, s.device)) / n_tokens
+                else:
+                    loss = token_loss_sum(model(ids, **_model_extras(mb, s.device)), labels) / n_tokens
                 self._enter("backward")
                 (loss * scale if s.scaler else loss).backward()
             total += loss.detach()
@@ -395,11 +430,15 @@ class Trainer:
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens = 0
+        chunk = cfg.optimize.loss_chunk()  # the loss sum is all evaluation needs: no logits either
         for mb in sequential_batches(self.eval_dataset, cfg.train.micro_batch_size, cfg.train.eval_batches):
             ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
             with plan.autocast(device.type):
                 if pipe is not None:
-                    loss_sum += pipeline_eval(pipe, ids, labels, **_model_extras(mb, device)).double()
+                    loss_sum += pipeline_eval(pipe, ids, labels, loss_chunk_tokens=chunk,
+                                              **_model_extras(mb, device)).double()
+                elif chunk is not None:
+                    loss_sum += model(ids, labels=labels, loss_chunk_tokens=chunk, **_model_extras(mb, device)).double()
                 else:
                     loss_sum += token_loss_sum(model(ids, **_model_extras(mb, device)), labels).double()
             tokens += int((mb["labels"] != IGNORE_INDEX).sum())

@@ -1,0 +1,206 @@
+"""The token-loss sum: the chunked path (`chunked_token_loss_sum`, the model's forward with labels)
+against the plain one (full logits, then `token_loss_sum`), and that it never holds the logits.
+
+The layouts (TP, PP, ZeRO-3, tied embeddings through the Trainer) are in tests/parallel/test_chunked_loss.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from shardwise.loss import IGNORE_INDEX, chunked_token_loss_sum, token_loss_sum
+from shardwise.memory.measure import MemoryTracker
+from shardwise.models.config import ModelConfig
+from shardwise.models.registry import get_preset
+from shardwise.models.transformer import build_model
+
+from .parallel.harness import GRAD_RTOL, assert_tensors_close, make_steps, tiny_config
+
+LOSS_RTOL = 1e-6  # the issue's bar for the loss of the same maths in fp32
+
+
+def _head_inputs(n: int = 300, hidden: int = 32, vocab: int = 97, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, n // 3, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (3, n // 3), generator=g)
+    labels[0, :10] = IGNORE_INDEX  # ignored positions carry no loss and no gradient
+    labels[2, -3:] = IGNORE_INDEX
+    return h, w, labels
+
+
+def _grads(loss: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, tensors))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 300, 4096])
+def test_chunked_loss_equals_the_plain_loss_and_gradients_in_fp32(chunk: int) -> None:
+    h, w, labels = _head_inputs()
+    ref = token_loss_sum(h @ w.t(), labels)
+    ref_h, ref_w = _grads(ref, h, w)
+    got = chunked_token_loss_sum(h, w, labels, chunk)
+    got_h, got_w = _grads(got, h, w)
+    assert abs(float(got) - float(ref)) <= LOSS_RTOL * abs(float(ref))
+    assert _rel(got_h, ref_h) <= GRAD_RTOL and _rel(got_w, ref_w) <= GRAD_RTOL
+    # Ignored positions get exactly no gradient.
+    assert not got_h[0, :10].any() and not got_h[2, -3:].any()
+
+
+def test_all_labels_ignored_gives_zero_loss_and_gradient() -> None:
+    h, w, labels = _head_inputs()
+    labels[:] = IGNORE_INDEX
+    loss = chunked_token_loss_sum(h, w, labels, 16)
+    gh, gw = _grads(loss, h, w)
+    assert float(loss) == 0.0 and not gh.any() and not gw.any()
+
+
+def test_the_loss_scales_with_its_upstream_gradient() -> None:
+    """backward multiplies by the incoming gradient (the trainer's 1 / n_tokens and fp16 loss scale)."""
+    h, w, labels = _head_inputs()
+    g1 = _grads(chunked_token_loss_sum(h, w, labels, 32), h, w)
+    g2 = _grads(chunked_token_loss_sum(h, w, labels, 32) * 0.125 * 1024.0, h, w)
+    for a, b in zip(g1, g2):
+        assert _rel(b, a * 128.0) <= 1e-6
+
+
+def test_16_bit_weights_give_the_plain_loss_and_close_gradients() -> None:
+    """bf16 / fp16 weights (precision O2/O3): the logits are computed and upcast as the plain path
+    does, so the loss is the plain one; the hidden-state gradient matches to the last bits (the
+    softmax is exp(logits - lse) rather than exp(log_softmax)); the weight's gradient accumulates
+    chunk by chunk in the weight's dtype, a few roundings more than one matmul (measured 3e-3 bf16,
+    4e-4 fp16 relative with 5 chunks)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        h, w, labels = _head_inputs(dtype=dtype)
+        ref = token_loss_sum(h @ w.t(), labels)
+        ref_h, ref_w = _grads(ref, h, w)
+        got = chunked_token_loss_sum(h, w, labels, 64)
+        got_h, got_w = _grads(got, h, w)
+        assert got.dtype == torch.float32
+        assert abs(float(got) - float(ref)) <= LOSS_RTOL * abs(float(ref)), dtype
+        assert got_h.dtype == dtype and _rel(got_h, ref_h) <= 1e-5, (dtype, _rel(got_h, ref_h))
+        assert got_w.dtype == dtype and _rel(got_w, ref_w) <= 1e-2, (dtype, _rel(got_w, ref_w))
+
+
+def test_under_autocast_the_loss_computes_like_the_autocast_matmul() -> None:
+    """Precision O1: fp32 weights and hidden states, cast to bf16 as autocast's matmul would; the
+    gradients come back in fp32."""
+    h, w, labels = _head_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = token_loss_sum(torch.nn.functional.linear(h, w), labels)
+        got = chunked_token_loss_sum(h, w, labels, 64)
+    ref_h, ref_w = _grads(ref, h, w)
+    got_h, got_w = _grads(got, h, w)
+    assert abs(float(got) - float(ref)) <= LOSS_RTOL * abs(float(ref))
+    assert got_h.dtype == got_w.dtype == torch.float32
+    assert _rel(got_h, ref_h) <= 1e-2 and _rel(got_w, ref_w) <= 1e-2
+
+
+def test_a_bad_chunk_size_is_refused() -> None:
+    h, w, labels = _head_inputs()
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunked_token_loss_sum(h, w, labels, 0)
+
+
+# --- through the model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
+def test_the_model_with_labels_returns_the_plain_loss_sum(name: str) -> None:
+    """Transformer.forward(tokens, labels=...) is token_loss_sum(forward(tokens), labels), with the
+    same gradient for every parameter (GPT-2's tied embedding matrix included), chunk by chunk."""
+    cfg = tiny_config() if name == "llama" else ModelConfig(**{**get_preset("tiny_gpt2"), "vocab_size": 64})
+    assert (name == "gpt2_tied") == cfg.tie_embeddings
+    torch.manual_seed(0)
+    plain = build_model(cfg)
+    chunked = copy.deepcopy(plain)
+    chunked.tie_weights()
+    for mb in make_steps(2, vocab=cfg.vocab_size)[0] + make_steps(1, vocab=cfg.vocab_size, seed=5)[0]:
+        ref = token_loss_sum(plain(mb["input_ids"]), mb["labels"])
+        got = chunked(mb["input_ids"], labels=mb["labels"], loss_chunk_tokens=5)
+        assert abs(float(got) - float(ref)) <= LOSS_RTOL * abs(float(ref))
+        ref.backward()
+        got.backward()
+    assert_tensors_close({n: p.grad for n, p in chunked.named_parameters()},
+                         {n: p.grad for n, p in plain.named_parameters()}, label=name)
+    with torch.no_grad():  # evaluation: the loss only, nothing kept for a backward
+        mb = make_steps(1, vocab=cfg.vocab_size)[0][0]
+        assert float(chunked(mb["input_ids"], labels=mb["labels"])) == pytest.approx(
+            float(token_loss_sum(plain(mb["input_ids"]), mb["labels"])), rel=LOSS_RTOL)
+
+
+# --- the logits are never held -----------------------------------------------------------------------
+
+# A vocabulary-dominated model: its logits [B*T, V] dwarf everything else of a step.
+VOCAB_HEAVY = dict(vocab_size=4096, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                   intermediate_size=64, max_position_embeddings=128)
+ROWS, SEQ, CHUNK = 4, 128, 64
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunked: bool) -> None:
+    if chunked:
+        loss = model(batch["input_ids"], labels=batch["labels"], loss_chunk_tokens=CHUNK)
+    else:
+        loss = token_loss_sum(model(batch["input_ids"]), batch["labels"])
+    loss.backward()
+
+
+def test_no_tensor_of_tokens_times_vocab_is_ever_made() -> None:
+    cfg = ModelConfig(**VOCAB_HEAVY)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    batch = make_steps(1, batch=ROWS, seq=SEQ, vocab=cfg.vocab_size)[0][0]
+    n, v = ROWS * SEQ, cfg.vocab_size
+    seen = {}
+    for chunked in (False, True):
+        with _LargestTensor() as mode:
+            _step(model, batch, chunked)
+        seen[chunked] = mode.largest
+    assert seen[False] >= n * v  # the plain path holds the logits (the check can fail)
+    assert seen[True] == CHUNK * v  # one chunk's block is the largest tensor of the step
+
+
+def test_the_peak_of_a_step_drops_by_the_logits_and_their_gradients() -> None:
+    """Measured exactly (MemoryTracker): the plain path's backward holds the fp32 log-softmax and
+    two fp32 [N, V] gradients at once; the chunked one one [chunk, V] block, the output weight's
+    gradient and the hidden states' (plus every token's log-sum-exp)."""
+    cfg = ModelConfig(**VOCAB_HEAVY)
+    torch.manual_seed(0)
+    batch = make_steps(1, batch=ROWS, seq=SEQ, vocab=cfg.vocab_size)[0][0]
+    n, v, h = ROWS * SEQ, cfg.vocab_size, cfg.hidden_size
+    peaks = {}
+    for chunked in (False, True):
+        model = build_model(cfg)
+        with MemoryTracker() as tracker:
+            tracker.track_existing(list(model.parameters()))
+            tracker.start_recording()
+            _step(model, batch, chunked)
+        peaks[chunked] = tracker.peak
+    drop = peaks[False] - peaks[True]
+    expected = 3 * n * v * 4 - (CHUNK * v * 4 + v * h * 4 + n * h * 4 + n * 4)
+    assert drop >= 0.99 * expected, (peaks, drop, expected)
+    assert peaks[True] < peaks[False] / 4
