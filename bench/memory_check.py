@@ -62,11 +62,13 @@ def _train(mbs: int = 8, **train: Any) -> dict[str, Any]:
 IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
 BF16 = {"mixed_precision": "bf16"}
 LORA = {"r": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+QLORA = {"r": 8, "target_modules": "all-linear", "quantize_base": "nf4"}
 FROZEN = {"layers": 2, "embeddings": True}
 DP2 = {"data_parallel": 2}
 HSDP = {"data_parallel": 4, "data_parallel_replicate": 2}
 ONCE = {"reduce_gradients": "once_per_step"}
 PP2 = {"pipeline_parallel": 2, "micro_batch_num": 4}
+OFFLOAD = {"offload_optimizer": True}
 
 # name -> (processes, config sections). Every run: 2 optimizer steps, then a checkpoint.
 CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -83,6 +85,16 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
                                                                              "recompute_every": 2})),
     "small-vocab recompute selective": (1, _run(SMALL_VOCAB, 8, optimize={"recompute": "selective"})),
     "small-vocab bf16 O2 selective": (1, _run(SMALL_VOCAB, 8, optimize={**BF16, "recompute": "selective"})),
+    # Selective recompute (issue 13): attention and every other matmul kept; LoRA's matmuls recomputed;
+    # a per-layer plan as recompute: auto chooses one (none, then selective, then full).
+    "small-vocab LoRA selective": (1, _run(SMALL_VOCAB, 8, optimize={"recompute": "selective"}, lora=LORA)),
+    "small-vocab mixed recompute plan": (1, _run(SMALL_VOCAB, 8, optimize={
+        "recompute": "auto", "recompute_layers": ["full", "selective", "selective", "none"]})),
+    "TP2 SP selective": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2}, optimize={"recompute": "selective"})),
+    "PP2 1F1B selective": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "1f1b"},
+                                   optimize={"recompute": "selective"})),
+    "PP2 1F1B mixed recompute plan": (2, _run(SMALL_VOCAB, 2, parallel={**PP2, "schedule": "1f1b"}, optimize={
+        "recompute": "auto", "recompute_layers": ["full", "selective", "selective", "none"]})),
     "small-vocab accumulation 2": (1, _run(SMALL_VOCAB, 4, optimize={"gradient_accumulation_steps": 2})),
     "small-vocab bf16 O2 accumulation 4": (1, _run(SMALL_VOCAB, 2,
                                                    optimize={**BF16, "gradient_accumulation_steps": 4})),
@@ -91,6 +103,7 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "small-vocab frozen 2 layers + embeddings": (1, _run(SMALL_VOCAB, 8, freeze={"layers": 2, "embeddings": True})),
     "bench fp32": (1, _run(BENCH, 8, {"seq_length": 512})),
     "bench recompute full": (1, _run(BENCH, 8, {"seq_length": 512}, optimize={"recompute": "full"})),
+    "bench recompute selective": (1, _run(BENCH, 8, {"seq_length": 512}, optimize={"recompute": "selective"})),
     "bench bf16 O2": (1, _run(BENCH, 8, {"seq_length": 512}, optimize=BF16)),
     "DP2 ZeRO-0": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0})),
     "DP2 ZeRO-1": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 1})),
@@ -187,6 +200,31 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
                                        train=_train(4, optimizer="adamw_8bit"))),
     "TP2 SP foreach bf16 moments": (2, _run(SMALL_VOCAB, parallel={"tensor_parallel": 2},
                                             train=_train(4, optimizer_impl="foreach", optimizer_state_dtype="bf16"))),
+    # Offload (issue 13): the optimizer's masters, gradients and state on the host (the step on the CPU),
+    # the saved activations on the host. Host memory is this CPU's too: the estimate's device and host
+    # figures together against the count.
+    "demo offload optimizer fp32": (1, _run(DEMO, optimize=OFFLOAD)),
+    "demo offload optimizer bf16 O2": (1, _run(DEMO, optimize={**BF16, **OFFLOAD})),
+    "small-vocab offload optimizer accumulation 2": (1, _run(SMALL_VOCAB, 4, optimize={
+        **OFFLOAD, "gradient_accumulation_steps": 2})),
+    "DP2 ZeRO-3 offload optimizer": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3}, optimize=OFFLOAD)),
+    "DP2 ZeRO-3 offload optimizer bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
+                                                     optimize={**BF16, **OFFLOAD})),
+    "small-vocab offload activations": (1, _run(SMALL_VOCAB, 8, optimize={"offload_activations": True})),
+    "small-vocab offload activations recompute full": (1, _run(SMALL_VOCAB, 8, optimize={
+        "offload_activations": True, "recompute": "full"})),
+    # QLoRA (issue 13): every block linear's base in 4 bits (torchao NF4) or 8 bits, adapters on top; the
+    # dequantisation of one weight at a time in forward and backward.
+    "small-vocab QLoRA nf4 fp32": (1, _run(SMALL_VOCAB, 8, lora=QLORA)),
+    "small-vocab QLoRA nf4 bf16 O2": (1, _run(SMALL_VOCAB, 8, optimize=BF16, lora=QLORA)),
+    "small-vocab QLoRA int8 fp32": (1, _run(SMALL_VOCAB, 8, lora={**QLORA, "quantize_base": "int8"})),
+    "bench QLoRA nf4 bf16 O2 batch 2": (1, _run(BENCH, 2, {"seq_length": 512}, optimize=BF16, lora=QLORA)),
+    # Short sequences: one weight's dequantisation, not the activations, sets the peak.
+    "bench QLoRA nf4 fp32 batch 1 seq 32": (1, _run(BENCH, 1, {"seq_length": 32}, lora=QLORA)),
+    "bench QLoRA int8 bf16 O2 batch 1 seq 32": (1, _run(BENCH, 1, {"seq_length": 32}, optimize=BF16,
+                                                        lora={**QLORA, "quantize_base": "int8"})),
+    "DP2 ZeRO-0 QLoRA nf4 bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 0}, optimize=BF16,
+                                             lora=QLORA)),
 }
 
 
@@ -237,11 +275,14 @@ def run_one(name: str, world: int, sections: dict[str, Any], threads: int) -> li
     records = []
     for rank, meas in enumerate(measured):
         est = estimates[rank // per_stage]
-        predicted = est.detail["tensor_peak"]
+        # All of it is this CPU's memory: the device's figure and the host's (CPU offload) together.
+        totals = {p: est.detail["device_phases"][p] + est.host_phases.get(p, 0) for p in est.phases}
+        predicted = max(totals.values())
         records.append({
             "config": name, "rank": rank, "processes": world, "estimate": predicted, "measured": meas["peak"],
             "error": (predicted - meas["peak"]) / meas["peak"], "estimate_phase": est.peak_phase,
-            "measured_phase": meas["peak_phase"], "estimate_phases": est.phases, "measured_phases": meas["phases"],
+            "measured_phase": meas["peak_phase"], "estimate_phases": totals, "estimate_host": est.host,
+            "measured_phases": meas["phases"],
             "measure_s": round(seconds, 1),
         })
     return records

@@ -21,6 +21,7 @@ Published references (their memory is measured on their hardware, ours is estima
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -57,9 +58,13 @@ LEVERS: dict[str, list[str]] = {
     "+ fused AdamW": FUSED,
     "+ optimizer in backward": IN_BACKWARD,
     "+ 16-bit optimizer states": IN_BACKWARD + ["train.optimizer_state_dtype=bf16"],
-    "+ 8-bit AdamW": CHUNKED + ["train.optimizer=adamw8bit", "train.optimizer_in_backward=true",
+    "+ 8-bit AdamW": CHUNKED + ["train.optimizer=adamw_8bit", "train.optimizer_in_backward=true",
                                 "train.max_grad_norm=null"],
     "+ offload optimizer": CHUNKED + ["optimize.offload_optimizer=true"],
+    "+ offload optimizer, activations": CHUNKED + ["optimize.offload_optimizer=true",
+                                                   "optimize.offload_activations=true"],
+    "+ offload optimizer, activations, loss chunks of 256": CHUNKED + [
+        "optimize.offload_optimizer=true", "optimize.offload_activations=true", "optimize.loss_chunk_tokens=256"],
     "full recompute, O3 (pure bf16)": FULL + ["optimize.precision_level=O3"],
 }
 
@@ -93,8 +98,16 @@ TARGETS = [
            reference="torchtune 18.9 GiB (RTX 4090)"),
     Target("Llama-3-8B LoRA r=16, 1 GPU, seq 2048, mbs 2", _run(LLAMA3_8B, 2048, 2, lora=LORA), 1, "RTX4090", 15.0,
            reference="torchtune 16.2 GiB"),
+    # As torchtune's QLoRA: adapters (and the 4-bit base) on every block linear; offload is refused with a
+    # quantised base, so it is not among the levers.
     Target("Llama-3-8B QLoRA r=16, 1 GPU, seq 2048, mbs 2",
-           _run(LLAMA3_8B, 2048, 2, lora={**LORA, "quantize_base": "nf4"}), 1, "RTX4090", 7.0,
+           _run(LLAMA3_8B, 2048, 2, lora={**LORA, "target_modules": "all-linear", "quantize_base": "nf4"}), 1,
+           "RTX4090", 7.0, levers=[name for name in LEVERS if "offload" not in name],
+           reference="torchtune 7.4 GiB"),
+    Target("Llama-3-8B QLoRA r=16, 1 GPU, seq 2048, mbs 2, activations offloaded, pure bf16 (O3)",
+           _run(LLAMA3_8B, 2048, 2, lora={**LORA, "target_modules": "all-linear", "quantize_base": "nf4"},
+                optimize={"offload_activations": True, "precision_level": "O3"}), 1,
+           "RTX4090", 7.0, levers=["defaults", "full recompute", "+ 16-bit optimizer states", "+ 8-bit AdamW"],
            reference="torchtune 7.4 GiB"),
     Target("Llama-3-8B LoRA r=16, DP8 ZeRO-0 (per GPU)",
            _run(LLAMA3_8B, 2048, 2, lora=LORA, parallel={"data_parallel": 8}), 8, "H100", 0.0,
@@ -118,7 +131,7 @@ def estimate(raw: dict[str, Any], overrides: list[str], devices: int, kind: str)
 
 def single_device_rows() -> list[dict[str, Any]]:
     rows = []
-    one_gpu_lora: float | None = None
+    one_gpu_lora: dict[str, float] = {}
     for t in TARGETS:
         hw = get_hardware(t.hardware)
         results = {name: estimate(t.raw, LEVERS[name], t.devices, hw.kind) for name in t.levers}
@@ -126,9 +139,9 @@ def single_device_rows() -> list[dict[str, Any]]:
         best = min(numbers, key=numbers.get) if numbers else None
         limit = t.limit_gib
         if t.name.startswith("Llama-3-8B LoRA r=16, 1 GPU"):
-            one_gpu_lora = numbers.get(best) if best else None
-        if limit == 0.0 and one_gpu_lora is not None:  # the DP8 LoRA target is relative to one GPU
-            limit = 1.05 * one_gpu_lora
+            one_gpu_lora = numbers
+        if limit == 0.0 and best in one_gpu_lora:  # DP8 LoRA: against one GPU with the same levers
+            limit = 1.05 * one_gpu_lora[best]
         rows.append({"target": t.name, "device": f"{t.devices} x {t.hardware}", "limit_gib": round(limit, 2),
                      "reference": t.reference, "results": {k: (round(v, 2) if isinstance(v, float) else v)
                                                           for k, v in results.items()},
@@ -147,11 +160,18 @@ def planner_rows() -> list[dict[str, Any]]:
          _run(LLAMA3_405B, 8192, 1, train={"global_batch_size": 2048}), 8192, "H100",
          {"tp": [8], "pp": [16], "dp": [64], "recompute": ["none", "selective"]}, True),
     ]
-    for name, raw, devices, hw_name, pins, offload in cases:
+    # The single-device full fine-tune: what the planner picks on the 24 GB card with the target as its memory.
+    cases.append(("Llama-3-8B full fine-tune, 1 RTX4090, seq 2048, mbs 2: the planner finds a layout within 18 GiB",
+                  _run(LLAMA3_8B, 2048, 2, train={"global_batch_size": 2}), 1, "RTX4090", {}, True, 18.0))
+    for name, raw, devices, hw_name, pins, offload, *limit in cases:
         try:
             cfg = resolve_config(raw)
-            result = plan(PlanRequest(cfg=cfg, devices=devices, hardware=get_hardware(hw_name), pins=pins,
-                                      offload=offload, top=3), advise=False)
+            hw = get_hardware(hw_name)
+            margin = 0.10
+            if limit:  # the device as large as the target: usable memory (less the margin and reserve) = limit
+                hw = dataclasses.replace(hw, memory_gib=(limit[0] + hw.reserved_gib) / (1 - margin))
+            result = plan(PlanRequest(cfg=cfg, devices=devices, hardware=hw, pins=pins, memory_margin=margin,
+                                      offload=offload, top=3), advise=bool(limit))
             best = result.best
             found = (f"fits: {best.memory.peak / GIB:.1f} GiB ({best.layout.describe()})" if best is not None else
                      f"does not fit: the smallest needs {result.smallest.memory.peak / GIB:.1f} GiB"

@@ -2,7 +2,7 @@
 
 Runs real `Trainer` steps of one small model under several layouts on 1-4 local CPU processes
 (`shardwise.plan.profile.measure_layout`: forked gloo processes, random tokens, one metrics record
-per step), predicts each step with the cost model (`shardwise.plan.cost.predict_step`) using the
+per step), predicts each step with the cost model (`shardwise.step_time.predict_step`) using the
 catalogue's `cpu` entry, fits the entry's machine-dependent fields to all runs (compute and
 communication efficiency, the cores' worth for several processes, tensor parallelism's host work:
 `shardwise.plan.profile.calibrate`), and prints, per layout, the prediction before and after the
@@ -36,9 +36,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from shardwise.hardware import get_hardware
 from shardwise.plan.calibrate import measure_cpu
-from shardwise.plan.cost import predict_step
 from shardwise.plan.profile import Run, calibrate, measure_layout
 from shardwise.resolve import resolve_config as validate
+from shardwise.step_time import predict_step
 
 # name -> (processes, parallel section, micro-batch size)
 LAYOUTS: dict[str, tuple[int, dict[str, Any], int]] = {

@@ -29,11 +29,12 @@ LAYERS = {
     "hardware": 4, "builder": 4,
     "parallel": 5,
     "memory": 6, "checkpoint": 6,
-    "train": 7,
-    "resolve": 8,
-    "inference": 9, "export": 9, "plan": 9,
-    "api": 10, "cli": 10,
-    "__main__": 11, "__init__": 11,
+    "step_time": 7,
+    "train": 8,
+    "resolve": 9,
+    "inference": 10, "export": 10, "plan": 10,
+    "api": 11, "cli": 11,
+    "__main__": 12, "__init__": 12,
 }
 # Imported inside functions on purpose: extras a user may not have installed, or device libraries.
 OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft", "torchao")

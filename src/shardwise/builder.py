@@ -64,7 +64,8 @@ def describe_finetuning(model: nn.Module, lora: LoraConfig | None, freeze: Freez
     "frozen embeddings and bottom 12 layers"); None when every weight trains."""
     if lora is not None:
         wrapped = sum(isinstance(m, LoRALinear) for m in model.modules())
-        return f"LoRA r={lora.r} alpha={lora.alpha:g} on {wrapped} projections"
+        base = "" if lora.quantize_base == "none" else f", their base in {lora.quantize_base} (QLoRA)"
+        return f"LoRA r={lora.r} alpha={lora.alpha:g} on {wrapped} projections{base}"
     if freeze is not None and freeze.active():
         parts = (["embeddings"] if freeze.embeddings else []) + (
             [f"bottom {freeze.layers} layers"] if freeze.layers else [])

@@ -90,9 +90,11 @@ def halved_gradient(layout: Layout, rank: int) -> Optional[Installer]:
 
     def install(trainer: Trainer) -> contextlib.AbstractContextManager:
         def halve(_optimizer: torch.optim.Optimizer) -> None:
+            masters = trainer.state.masters  # what the optimizer steps (host masters under offload_optimizer)
             for name, p in named_params(trainer.model_parts):
-                if name == target and p.grad is not None:
-                    p.grad.mul_(0.5)  # a DTensor's local shard, in place
+                stepped = masters.master_of(p) if masters is not None else p
+                if name == target and stepped.grad is not None:
+                    stepped.grad.mul_(0.5)  # a DTensor's local shard, in place
 
         return step_pre_hook(outer_optimizer_hook(halve))
 

@@ -203,9 +203,11 @@ def first_step_grads(trainer: Trainer, out: dict) -> contextlib.AbstractContextM
     """Fill `out` with every parameter's full gradient (None: no gradient) right before the first
     optimizer step (gathering DTensors: a collective, in the same order on every rank of a mesh)."""
     def capture(_optimizer: torch.optim.Optimizer) -> None:
+        masters = trainer.state.masters  # where the optimizer reads it (offload_optimizer: the host master)
         if not out:
-            out.update({n: None if p.grad is None else full_tensor(p.grad)
-                        for n, p in named_params(trainer.model_parts)})
+            out.update({n: None if g is None else full_tensor(g) for n, g in
+                        ((n, (masters.master_of(p) if masters else p).grad)
+                         for n, p in named_params(trainer.model_parts))})
 
     return step_pre_hook(outer_optimizer_hook(capture))
 

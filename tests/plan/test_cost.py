@@ -7,7 +7,8 @@ import pytest
 from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import run_flops
 from shardwise.models import flops_per_token
-from shardwise.plan.cost import (
+from shardwise.resolve import resolve_config as validate
+from shardwise.step_time import (
     all_reduce_time,
     gather_time,
     lora_adapter_params,
@@ -16,7 +17,6 @@ from shardwise.plan.cost import (
     predict_step,
     rank_loads,
 )
-from shardwise.resolve import resolve_config as validate
 
 
 def config(preset: str = "llama_7b", seq: int = 2048, gbs: int = 64, mbs: int = 1, lora: bool = False,

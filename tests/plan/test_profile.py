@@ -6,9 +6,9 @@ import pytest
 
 from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import estimate_memory
-from shardwise.plan.cost import predict_step
 from shardwise.plan.profile import Run, calibrate, measure_layout
 from shardwise.resolve import resolve_config as validate
+from shardwise.step_time import predict_step
 
 
 def config(**parallel: int):  # noqa: ANN201

@@ -134,8 +134,9 @@ def test_offload_is_refused_on_an_accelerator_and_harmless_on_cpu(tmp_path, data
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.trainer import check_offload
 
-    cfg = with_changes(tiny_config(tmp_path, max_steps=1), optimize={"offload_optimizer": True})
-    with pytest.raises(ConfigError, match="optimize.offload_optimizer"):
+    # offload_params is FSDP2's (data parallelism); offload_optimizer runs on one device (tests/train/test_offload.py)
+    cfg = with_changes(tiny_config(tmp_path, max_steps=1), optimize={"offload_params": True})
+    with pytest.raises(ConfigError, match="optimize.offload_params"):
         check_offload(cfg, torch.device("cuda"), ParallelDims())
     assert _run(cfg, dataset).step == 1
 

@@ -125,15 +125,32 @@ class OptimizeConfig(_Section):
         "dynamic", description="fp16 loss scaling: 'dynamic' or a fixed scale"
     )
     initial_loss_scale: float = Field(2.0**16, gt=0, description="starting dynamic loss scale")
-    recompute: Literal["none", "full", "selective"] = Field(
-        "none", description="activation recomputation: none, full blocks, or selective (keep matmuls)"
+    recompute: Literal["none", "full", "selective", "auto"] = Field(
+        "none", description="activation recomputation: none; full blocks; selective (keep attention and every "
+        "other matmul output, recompute the rest); auto: per layer the least recompute that fits the device's "
+        "memory by the estimator (none, then selective, then full), chosen at launch into recompute_layers"
     )
     recompute_every: int = Field(1, ge=1, description="recompute every k-th layer (full recompute)")
+    recompute_layers: Optional[list[Literal["none", "selective", "full"]]] = Field(
+        None, description="recompute auto: the per-layer plan, one mode per model layer from the bottom (null: "
+        "chosen at launch from the device's memory; the config in force records the choice)"
+    )
     gradient_accumulation_steps: Optional[int] = Field(
         None, ge=1, description="micro-batches per optimizer step (derived from global_batch_size if unset)"
     )
-    offload_optimizer: bool = Field(False, description="keep optimizer state in CPU memory")
-    offload_params: bool = Field(False, description="keep parameters in CPU memory between uses")
+    offload_optimizer: bool = Field(
+        False, description="ZeRO-Offload: fp32 masters and optimizer state in host memory, gradients streamed to "
+        "it during backward, the step on the CPU, 16-bit weights copied back; parameters and activations stay "
+        "on the device (one device, or ZeRO 2/3)"
+    )
+    offload_params: bool = Field(
+        False, description="FSDP2's CPU offload (ZeRO 2/3): sharded parameters, gradients and optimizer state in "
+        "host memory, each block's parameters copied to the device for its all-gather; the step on the CPU"
+    )
+    offload_activations: bool = Field(
+        False, description="move the tensors saved for backward to host memory during the forward and back for "
+        "the backward (with recompute: only what recompute keeps, the blocks' inputs); not under a pipeline"
+    )
     chunked_loss: bool = Field(
         True, description="cross-entropy straight from the hidden states, loss_chunk_tokens at a time: the "
         "[tokens, vocab] logits and their gradient are never held (false: full logits, then the loss)"
@@ -159,6 +176,25 @@ class OptimizeConfig(_Section):
         if v is False or v is None:
             return "none"
         return v
+
+    @model_validator(mode="after")
+    def _layers_need_auto(self) -> "OptimizeConfig":
+        if self.recompute_layers is not None and self.recompute != "auto":
+            raise ValueError(f"optimize.recompute_layers is a per-layer plan for recompute: auto, but recompute is "
+                             f"{self.recompute}; set optimize.recompute: auto or drop recompute_layers")
+        return self
+
+    def layer_recompute(self, layers: list[int]) -> list[str]:
+        """The recompute mode of each of `layers` (global indices of one model part, in order): the
+        auto plan's entry, full for every `recompute_every`-th layer of the part, or the one mode."""
+        if self.recompute == "auto":
+            if self.recompute_layers is None:
+                raise ConfigError("optimize.recompute auto has no per-layer plan yet: it is chosen at launch from "
+                                  "the device's memory (shardwise.memory.auto_recompute.resolve_auto_recompute)")
+            return [self.recompute_layers[i] for i in layers]
+        if self.recompute == "full":
+            return ["full" if k % self.recompute_every == 0 else "none" for k in range(len(layers))]
+        return [self.recompute] * len(layers)
 
     def level(self) -> str:
         """The precision level in force."""
@@ -334,12 +370,19 @@ class LoraConfig(_Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="projections to adapt: names (ours wq.. or HF q_proj..; suffix match) or regexes",
     )
+    quantize_base: Literal["none", "nf4", "int8"] = Field(
+        "none", description="QLoRA: store the adapted projections' frozen base weights in 4 bits (nf4, torchao's "
+        "NF4Tensor) or 8 bits (int8); needs torchao (pip install 'shardwise[lowbit]'); one device or ZeRO 0/1")
 
     @model_validator(mode="before")
     @classmethod
     def _peft_names(cls, v: Any) -> Any:
         # peft and the documents' LoRAConfig call them lora_alpha / lora_dropout (and rank lora_rank).
         if isinstance(v, dict):
+            if set(v) == {"quantize_base"} and v["quantize_base"] != "none":  # e.g. --set on a full fine-tune
+                raise ValueError("lora.quantize_base alone: QLoRA quantises the frozen base under LoRA adapters, "
+                                 "so give the LoRA settings too, e.g. lora: {r: 16, alpha: 32, quantize_base: nf4}; "
+                                 "a full fine-tune cannot train quantised weights")
             v = dict(v)
             for theirs, ours in (("lora_alpha", "alpha"), ("lora_dropout", "dropout"), ("lora_rank", "r")):
                 if theirs in v:
@@ -439,6 +482,10 @@ class RunConfig(_Section):
                 f"fp16 level O3 keeps the optimizer state in fp16, where train.eps {self.train.eps:g} rounds "
                 "to 0 and Adam divides by zero; set train.eps: 1.0e-4, or use precision_level O2 or bf16"
             )
+        layers = self.optimize.recompute_layers
+        if layers is not None and len(layers) != m.num_layers:
+            raise ValueError(f"optimize.recompute_layers has {len(layers)} entries for model.num_layers "
+                             f"{m.num_layers}: give one mode per layer, or null to choose them at launch")
         if p.stage_layers is not None and sum(p.stage_layers) != m.num_layers:
             raise ValueError(
                 f"parallel.stage_layers sums to {sum(p.stage_layers)}, not model.num_layers {m.num_layers}"

@@ -12,9 +12,11 @@ The counts follow what shardwise itself allocates, not a paper's formula:
   copy, SwiGLU saves both branches, SDPA's fused kernel saves q, k, v, the output and the log-sum-exp,
   GQA saves the repeated k and v, an explicit document mask becomes a float [B, 1, T, T] per layer),
   per micro-batch and layer, scaled by the tensor-parallel split (heads, MLP width, vocabulary) and
-  the sequence split of sequence parallelism (norms, residuals); recompute keeps each wrapped
-  block's input (full) or its input plus every matmul and attention output (selective), and adds one
-  block's activations back during its backward;
+  the sequence split of sequence parallelism (norms, residuals); recompute (per layer, as
+  `optimize.layer_recompute` says) keeps each wrapped block's input (full) or its input plus the
+  outputs of attention and of q, v and gate (selective, `parallel.recompute`; the down projection's
+  too where a dropout or adapter after it takes the recompute that far), and adds one block's
+  activations back during its backward;
 - the head: logits [B, T, V] stay referenced through backward, cross-entropy saves an fp32
   log-softmax, and its backward holds two more fp32 [B, T, V] buffers at once (the largest transient
   of small models and of large vocabularies);
@@ -55,7 +57,9 @@ from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
 from ..parallel.data_parallel import zero1_buckets, zero1_split
 from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
+from ..parallel.recompute import down_output_needed, selective_saved_matmuls
 from ..parallel.tensor import check_tensor_parallel
+from ..peft.quantize import dequantized_transient, quantized_bytes
 from ..units import gib
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
@@ -78,7 +82,8 @@ class MemoryEstimate:
     peak: int  # the largest phase total
     phases: dict[str, int]  # "forward", "backward", "optimizer", "checkpoint" -> total bytes
     detail: dict[str, Any] = field(default_factory=dict)
-    host: int = 0  # bytes kept in host memory by CPU offload (not on the device)
+    host: int = 0  # bytes kept in host memory by CPU offload at most (not on an accelerator's figures)
+    host_phases: dict[str, int] = field(default_factory=dict)  # host bytes by phase (the CPU's own: see below)
 
     @property
     def peak_phase(self) -> str:
@@ -107,7 +112,10 @@ class MemoryEstimate:
                          f"full recompute: {gib(d['layer_activation_bytes_full_recompute'], 3)}); "
                          f"{d.get('layers_on_rank')} layers on this device")
         if self.host:
-            lines.append(f"  in host memory (CPU offload): {gib(self.host, 3)}")
+            by = ", ".join(f"{p} {gib(self.host_phases[p], 3)}" for p in PHASES if p in self.host_phases)
+            lines.append(f"  in host memory (CPU offload): {gib(self.host, 3)}" + (f" (by phase: {by})" if by else ""))
+            if d.get("device") == "cpu":
+                lines.append("  (a CPU run: host memory is the device's, so the figures above include it)")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,6 +123,7 @@ class MemoryEstimate:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "buffers": self.buffers, "overhead": self.overhead,
                 "peak": self.peak, "peak_phase": self.peak_phase, "phases": dict(self.phases), "host": self.host,
+                "host_phases": dict(self.host_phases),
                 "detail": self.detail}
 
 
@@ -168,8 +177,8 @@ def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
                                 p.micro_batch_num)
     else:
         counts = [m.num_layers]
-    offload = cfg.optimize.offload_params or cfg.optimize.offload_optimizer
-    if offload and dp > 1 and p.zero_stage < 2:
+    offload = cfg.optimize.offload_params  # FSDP2's CPU offload; offload_optimizer alone: `_offloads_optimizer`
+    if (offload or cfg.optimize.offload_optimizer) and dp > 1 and p.zero_stage < 2:
         raise ConfigError(f"CPU offload needs zero_stage 2 or 3, got {p.zero_stage}: ZeRO 0 and 1 keep full "
                           "replicas on every device; set parallel.zero_stage: 3 to offload")
     return _Layout(dp=dp, dp_shard=dp // p.data_parallel_replicate, tp=p.tensor_parallel, pp=p.pipeline_parallel,
@@ -203,15 +212,23 @@ def _precision(cfg: Any, lay: _Layout) -> _Precision:
         return _Precision(level, 4, 4, 4, 4, False)
     if level == "O3":
         return _Precision(level, 2, 2, 2, 2, False, frozen=2)
-    if lay.dp > 1:  # O2 under data parallelism: FSDP2's fp32 parameters are the masters of what trains
-        return _Precision(level, 4, 2, 4, 4, False, frozen=2)
+    if lay.dp > 1 and not _offloads_optimizer(cfg):  # O2 under data parallelism: FSDP2's fp32 parameters
+        return _Precision(level, 4, 2, 4, 4, False, frozen=2)  # are the masters of what trains
     # O2 in one process (or TP/PP only): 16-bit weights, gradients accumulated in the fp32 masters.
     return _Precision(level, 2, 2, 4, 4, True, frozen=2)
 
 
 def _param_bytes(params: Iterable[Any], elems: dict[str, int], prec: _Precision) -> int:
-    """Bytes of `params` stored with `elems[name]` elements each, trainable and frozen in their own dtypes."""
-    return sum(elems[p.name] * (prec.param if p.trainable else prec.frozen) for p in params)
+    """Bytes of `params` stored with `elems[name]` elements each, trainable and frozen in their own dtypes
+    (a quantised base weight, which is never sharded: torchao's inner tensors, `peft.quantize`)."""
+    return sum(quantized_bytes(p.quant, p.shape, prec.frozen) if p.quant else
+               elems[p.name] * (prec.param if p.trainable else prec.frozen) for p in params)
+
+
+def _dequantized_transient(held: list[_Param], prec: _Precision, backward: bool = False) -> int:
+    """QLoRA: the largest dequantisation of one quantised base weight in forward (its 16-bit copy and
+    temporaries) or backward (one row block's); one weight at a time."""
+    return max((dequantized_transient(p.quant, p.shape, prec.frozen, backward) for p in held if p.quant), default=0)
 
 
 # --- parameters --------------------------------------------------------------------------------------
@@ -227,6 +244,7 @@ class _Param:
     layer: Optional[int]  # block index, None for embeddings / head
     where: str  # "embedding", "layer", "head"
     tp_dim: Optional[int]  # dimension tensor parallel splits, None = replicated
+    quant: Optional[str] = None  # lora.quantize_base of a LoRA base weight stored quantised (QLoRA)
 
 
 def _tp_dim(name: str) -> Optional[int]:
@@ -254,11 +272,14 @@ def _param_table(key: str) -> tuple[_Param, ...]:
     spec = json.loads(key)
     lora = LoraConfig(**spec["lora"]) if spec["lora"] is not None else None
     model = build_adapted_model(ModelConfig(**spec["model"]), lora, FreezeConfig(**spec["freeze"]), "meta")
+    quantized = {f"{n.split('.lora_A.')[0]}.weight" for n, _ in model.named_parameters() if ".lora_A." in n} \
+        if lora is not None and lora.quantize_base != "none" else set()
     out = []
     for name, p in model.named_parameters():
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
         where = "layer" if layer is not None else ("head" if name.startswith(("norm.", "output.")) else "embedding")
-        out.append(_Param(name, tuple(p.shape), p.requires_grad, layer, where, _tp_dim(name)))
+        out.append(_Param(name, tuple(p.shape), p.requires_grad, layer, where, _tp_dim(name),
+                          lora.quantize_base if name in quantized else None))
     return tuple(out)
 
 
@@ -353,11 +374,8 @@ def _norm_bytes(m: Any, sh: _Shape, input_grad: bool, weight_grad: bool, s: Opti
     s = s or sh.s
     bt = sh.b * sh.tn
     if m.norm == "rmsnorm":
-        # x.float() (the residual itself in fp32), rsqrt, and x * rsqrt cast back when the weight trains.
-        saved = (bt * sh.h * 4 + bt * 4) if input_grad else 0
-        if weight_grad:
-            saved += bt * sh.h * s
-        return saved
+        # models/lean_ops.rms_norm: the input in its own dtype and the rsqrt (fp32, one per token).
+        return bt * sh.h * s + bt * 4 if (input_grad or weight_grad) else 0
     # native_layer_norm saves its input, mean and rstd (fp32 on CUDA, the input dtype on CPU).
     return bt * sh.h * s + 2 * bt * 4 if (input_grad or weight_grad) else 0
 
@@ -403,8 +421,7 @@ def _layer_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool], device: str, leve
         total += 2 * sh.b * sh.tn * sh.h * _MASK_BYTES.get(device, 1)  # residual dropouts
     # MLP.
     if m.mlp == "gated":
-        act_keeps_input = m.activation != "relu"
-        total += bt * sh.f * s * (3 if act_keeps_input else 2)  # act input, act output, up projection
+        total += bt * sh.f * s * 2  # models/lean_ops.gated_activation: the gate and up projections
     else:
         total += bt * sh.f * s * (1 if m.activation != "relu" else 0)
     if _saves_input(flags, "w2"):
@@ -429,19 +446,22 @@ def _linear_inputs(flags: dict[str, bool], names: tuple[str, ...], each: int) ->
     return sum(each for n in names if _saves_input(flags, n))
 
 
-def _recompute_bytes(cfg: Any, sh: _Shape, mode: str, full: int) -> int:
-    """Bytes a recomputed block keeps between its forward and backward (full: what it would keep without)."""
+def _recompute_bytes(cfg: Any, sh: _Shape, mode: str, full: int, flags: Optional[dict[str, bool]] = None) -> int:
+    """Bytes a recomputed block keeps between its forward and backward (full: what it would keep without;
+    `flags`: the block's, for whether selective recompute reaches the down projection)."""
     bt, s = sh.b * sh.t, sh.s
     inputs = sh.b * sh.tn * sh.h * s  # the block's input, kept to run it again
     if mode == "full":
         return inputs
-    # Selective: every matmul and attention output is kept (ours/_SAVE_OPS in parallel/recompute.py).
-    m = cfg.model
-    mm = bt * sh.q + 2 * bt * sh.kv + bt * sh.h  # q, k, v, o
-    mm += bt * sh.f * (2 if m.mlp == "gated" else 1) + bt * sh.h  # w1 (w3), w2
-    if cfg.lora is not None:
-        mm += 7 * bt * cfg.lora.r  # rank-r outputs of the adapters (upper bound)
-    attention = bt * sh.q * s + sh.b * sh.heads * sh.t * 4
+    # Selective (parallel/recompute.py): the outputs of attention and of every other block linear in
+    # call order (q, v, gate; down only where the recompute reaches it); LoRA's matmuls are recomputed.
+    width = {"wq": sh.q, "wk": sh.kv, "wv": sh.kv, "wo": sh.h, "w1": sh.f, "w3": sh.f, "w2": sh.h}
+    reached = down_output_needed(cfg.model.dropout, bool((flags or {}).get("lora_w2")))
+    mm = sum(width[n] for n in selective_saved_matmuls(cfg.model.mlp == "gated", reached)) * bt
+    if cfg.model.dropout > 0:  # attention's math path: both batched matmuls (scores and output)
+        attention = (sh.b * sh.heads * sh.t * sh.t + bt * sh.q) * s
+    else:  # the fused kernel's output and log-sum-exp
+        attention = bt * sh.q * s + sh.b * sh.heads * sh.t * 4
     return min(full, inputs + mm * s + attention) if full else inputs
 
 
@@ -581,6 +601,17 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             + counters
     master_bytes = sum(full_elems) * 4 if prec.masters else 0
     grad_bytes = sum(stored[p.name] for p in trainable) * prec.grad
+    # optimize.offload_optimizer (memory.offload.HostMasters): this rank's masters, their pinned buffers in
+    # the weights' dtype, the masters' gradients and the state are host memory. On an accelerator they
+    # leave the device figure; on the CPU (one memory) it keeps them and `host_phases` says which they are.
+    host_opt = _offloads_optimizer(cfg)
+    dev_view = device != "cpu"
+    if host_opt:
+        master_bytes = state_elems * ((4 if prec.masters else prec.param) + prec.param)
+    host_static = master_bytes + optimizer_bytes if host_opt else 0
+    host_grads = grad_bytes if host_opt else 0
+    if host_opt and dev_view:
+        master_bytes = optimizer_bytes = grad_bytes = 0
     host = 0
     offload = lay.offload and device != "cpu"  # on a CPU run host memory is the device's memory
     if lay.offload:
@@ -595,15 +626,22 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
                 f=m.intermediate_size // tp, v=_chunk(m.vocab_size, tp), s=prec.compute,
                 mask=_document_mask(cfg, device))
     flags = _layer_flags(cfg, params)
-    mode, every = cfg.optimize.recompute, cfg.optimize.recompute_every
     hidden = sh.b * sh.tn * sh.h * sh.s  # one micro-batch of hidden states between blocks / stages
     full: dict[int, int] = {}
     saved: dict[int, int] = {}
-    for st in stages.values():
-        for k, i in enumerate(st.layers):
+    for st in stages.values():  # each model part's blocks get their modes in order (full every k-th: per part)
+        for i, mode in zip(st.layers, cfg.optimize.layer_recompute(st.layers)):
             full[i] = _layer_bytes(cfg, sh, flags[i], device, prec.level)
-            wrapped = mode == "selective" or (mode == "full" and k % every == 0)  # counted per model part
-            saved[i] = _recompute_bytes(cfg, sh, mode, full[i]) if (mode != "none" and wrapped) else full[i]
+            saved[i] = _recompute_bytes(cfg, sh, mode, full[i], flags[i]) if mode != "none" else full[i]
+    # optimize.offload_activations: what the blocks save goes to host memory in the forward; each block's
+    # saved tensors come back whole for its backward (as a recomputed block's do).
+    act_host = sum(saved.values()) * max(_in_flight(lay, pp_rank, stage_ids).values()) \
+        if cfg.optimize.offload_activations else 0
+    # The block running its forward holds the tensors it saves on the device while their copies go to the
+    # host: at most its MLP's (the widest), until the MLP is done.
+    act_live = max((_mlp_bytes(cfg, sh, flags[i]) for i in full), default=0) if act_host else 0
+    if act_host and dev_view:
+        saved = {i: 0 for i in saved}
     head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1) if last else None
     for st in stages.values():
         st.act = sum(saved[i] for i in st.layers) + _stage_bytes(cfg, sh, st.first, device)
@@ -615,7 +653,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         else:
             st.act += hidden  # the stage output, kept by the schedule for its backward
         st.grads = sum(stored[p.name] for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
-        if offload:
+        if offload or (host_opt and dev_view):
             st.grads = 0
 
     # --- what the layout adds
@@ -623,6 +661,8 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     pipe_buffers = _pipeline_buffers(lay, stage_ids, hidden)
     fsdp = _fsdp(lay, prec, held, local, layers)
     gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
+    dequant = _dequantized_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's
+    dequant_back = _dequantized_transient(held, prec, backward=True)
     if prec.level == "O1":
         # Autocast caches the 16-bit copy of every trainable weight a matmul uses until the
         # micro-batch's forward and backward are done.
@@ -642,6 +682,8 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             st.grads = sum(_numel(local[p.name]) for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
     in_backward = cfg.train.optimizer_in_backward
     updates = _in_backward_updates(cfg, lay, prec, trainable, stored, local, device) if in_backward else None
+    if host_opt and dev_view:  # each gradient leaves the device once it is final: one tensor at a time
+        in_backward, updates = True, _gradients_in_transit(lay, prec, trainable, stored, local)
     if in_backward:  # each gradient is used and freed as it arrives (`updates`: the one being applied)
         for st in stages.values():
             st.grads = 0
@@ -664,21 +706,32 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             + sum(stages[s].grads for s in stages if has_grads[s])
         if kind == "F":
             fwd_extra = head["fwd_extra"] if st.last else 0
+            if st.last and fsdp is not None:
+                fwd_extra += fsdp.head_forward(st.layers, cfg.optimize.chunked_loss)
             forward = max(forward, static + gathered + others + st.act + fwd_extra)
+            if dequant:  # the last block's largest matmul, before the head's tensors exist
+                head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
+                forward = max(forward, static + gathered + others + st.act - head_part + dequant)
+            if act_live:  # the last block's MLP, before the head's tensors exist
+                head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
+                forward = max(forward, static + gathered + others + st.act - head_part + act_live)
             held_mb[st_id] += 1
         elif kind in ("B", "I"):
             rest = others - st.act - (st.grads if has_grads[st_id] else 0)
             key = (st_id, has_grads[st_id], kind == "I")
             if key not in walks:
                 walks[key] = _backward_walk(cfg, sh, st, saved, full, flags, held, stored, prec, head, fsdp,
-                                            has_grads[st_id] or in_backward, kind == "I", updates)
+                                            has_grads[st_id] or in_backward, kind == "I", updates,
+                                            dequant=dequant_back)
             walk = walks[key]
             backward = max(backward, static + gathered + rest + walk)
             if keeps_sends and not st.first:
                 sent[st_id] = min(sent[st_id] + 1, lay.micro_batch_num)
             if kind == "B":
                 held_mb[st_id] -= 1
-                has_grads[st_id] = True
+                # offload_optimizer: a micro-batch's gradients wait in the host buffers, the masters'
+                # gradients are made during the next backward (or after the last).
+                has_grads[st_id] = not host_opt
             else:
                 pending_w[st_id] += 1
         elif kind == "W":
@@ -690,7 +743,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     elif lay.dp > 1 and lay.pp == 1 and not offload:
         backward = max(backward, static + _root_reduction(lay, prec, trainable, stored, local))
     optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored, local,
-                                       offload, device)
+                                       offload or (host_opt and dev_view), "cpu" if host_opt else device)
     checkpoint = static
 
     # --- the estimate
@@ -698,6 +751,16 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     tensor_peak = max(phases.values())
     frac = ALLOCATOR_OVERHEAD if device in ("cuda", "npu") else 0.0
     phases = {k: int(v * (1 + frac)) for k, v in phases.items()}
+    host_phases = {"forward": host_static + act_host,
+                   "backward": host_static + host_grads + act_host, "optimizer": host_static + host_grads,
+                   "checkpoint": host_static}
+    if lay.offload:  # FSDP2's CPU offload: shards and state all along, gradients from backward to the step
+        fsdp_grads = sum(stored[p.name] for p in trainable) * prec.grad
+        host_phases = {k: v + host - (fsdp_grads if k in ("forward", "checkpoint") else 0)
+                       for k, v in host_phases.items()}
+    host = max(host_phases.values())
+    # On the CPU (one memory) `phases` hold it all; on an accelerator they are the device's alone.
+    device_phases = {k: max(0, v - host_phases[k]) for k, v in phases.items()} if not dev_view else dict(phases)
     peak_phase = max(phases, key=phases.get)
     flight = _in_flight(lay, pp_rank, stage_ids)
     block_acts = sum((sum(saved[i] for i in stages[s].layers)) * flight[s] for s in stages)
@@ -714,6 +777,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         "pp_rank": pp_rank,
         "stages": stage_ids,
         "layers_on_rank": len(layers),
+        "layers_with_activations": [i for i in sorted(full) if full[i]],  # what recompute: auto may wrap
         "in_flight": max(flight.values()),
         "in_flight_per_stage": flight,
         "layer_activation_bytes": saved.get(one, 0),
@@ -734,10 +798,13 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
                    "schedule": lay.schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages},
         "device": device,
         "tensor_peak": tensor_peak,
+        "device_phases": device_phases,  # without what is in host memory (on an accelerator: `phases`)
+        "host_offload": {"optimizer": host_static + host_grads, "activations": act_host},
     }
     return MemoryEstimate(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes + master_bytes,
                           activations=activations, buffers=buffers, overhead=int(tensor_peak * frac),
-                          peak=max(phases.values()), phases=phases, detail=detail, host=host)
+                          peak=max(phases.values()), phases=phases, detail=detail, host=host,
+                          host_phases=host_phases)
 
 
 def _in_flight(lay: _Layout, pp_rank: int, stage_ids: list[int]) -> dict[int, int]:
@@ -791,17 +858,18 @@ def _zero_bubble_leftovers(lay: _Layout, stage_ids: list[int], hidden: int) -> i
 def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full: dict[int, int],
                    flags: dict[int, dict[str, bool]], held: list[_Param], stored: dict[str, int], prec: _Precision,
                    head: Optional[dict[str, int]], fsdp: Optional["_Fsdp"], grads_exist: bool,
-                   input_only: bool, updates: Optional[dict[Any, int]] = None) -> int:
+                   input_only: bool, updates: Optional[dict[Any, int]] = None, dequant: int = 0) -> int:
     """Peak of one micro-batch's backward through stage st, above everything else on the rank: the
     head's cross-entropy transients first, then block by block (its saved activations shrink, its
     gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join).
     `updates` (the optimizer in backward; no gradients accumulate): per block, "head" and
-    "embedding", what updating its largest tensor holds while that part's activations are alive."""
+    "embedding", what updating its largest tensor holds while that part's activations are alive.
+    `dequant` (QLoRA): one base weight's dequantisation, inside each block's backward."""
     remaining = st.act
     grads_now = st.grads if grads_exist else 0
     peak = remaining + grads_now
     if st.last and head is not None:
-        prefetch = fsdp.head_backward(list(reversed(st.layers))) if fsdp else 0
+        prefetch = fsdp.head_backward(list(reversed(st.layers)), cfg.optimize.chunked_loss) if fsdp else 0
         peak = max(peak, remaining + head["bwd_extra"] + grads_now + prefetch)
         remaining -= head["lsm"] + head["saved"]  # released once the head's backward has run; the logits stay
         if not grads_exist and not input_only and fsdp is None:  # FSDP2 reduces the root's at the very end
@@ -810,7 +878,8 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
             peak = max(peak, remaining + grads_now + updates.get("head", 0))
     order = list(reversed(st.layers))
     for i in order:
-        back = full[i] - saved[i]  # a recomputed block's activations come back for its backward
+        # A recomputed block's activations come back for its backward.
+        back = full[i] - saved[i]
         mlp_t, attn_t = _layer_transient(cfg, sh, flags[i])
         share_mlp, share_attn = _grad_shares(held, i)
         layer_grad = sum(stored[p.name] for p in held if p.layer == i and p.trainable) * prec.grad
@@ -826,6 +895,8 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
                    base - mlp_part + attn_t + int(growing * share_attn) + f_attn)
         if updates:
             peak = max(peak, base + updates.get(i, 0))
+        if dequant:
+            peak = max(peak, base + dequant)
         if input_only:
             remaining += _weight_grad_inputs(cfg, sh)  # the output gradients the weight pass will need
         else:
@@ -988,7 +1059,7 @@ def _mlp_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> int:
     bt = sh.b * sh.t
     s = sh.s
     if cfg.model.mlp == "gated":
-        mlp = bt * sh.f * s * (3 if cfg.model.activation != "relu" else 2)
+        mlp = bt * sh.f * s * 2
     else:
         mlp = bt * sh.f * s * (1 if cfg.model.activation != "relu" else 0)
     if _saves_input(flags, "w2"):
@@ -1043,10 +1114,17 @@ class _Fsdp:
             gathered = self.blocks[layer] + (self.padded[nxt] if nxt is not None else 0)
         return self.root + root_grad + gathered + int(self.block_grad[layer] * grad_share)
 
-    def head_backward(self, order: list[int]) -> int:
-        """Gathered above `forward()` while the head's backward runs: the root's pre-backward
-        prefetches the last block's all-gather buffer (ZeRO-3; ZeRO-2 kept every block gathered)."""
-        return self.padded[order[0]] if order and not self.keep_all else 0
+    def head_backward(self, order: list[int], loss_in_root: bool) -> int:
+        """Gathered above `forward()` while the head's backward runs: with the loss inside the root's
+        forward (the chunked loss), the root's pre-backward has already prefetched the last block's
+        all-gather buffer (ZeRO-3; ZeRO-2 kept every block gathered). The plain path's cross-entropy
+        backward runs before the gradient reaches the root."""
+        return self.padded[order[0]] if order and loss_in_root and not self.keep_all else 0
+
+    def head_forward(self, layers: list[int], loss_in_root: bool) -> int:
+        """Above `forward()` while a loss inside the root's forward runs: the last block's all-gather
+        buffer, which FSDP2 frees only at the root's post-forward."""
+        return self.padded[layers[-1]] if layers and loss_in_root else 0
 
 
 def _fsdp(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]],
@@ -1096,7 +1174,8 @@ def _replicate_buffers(lay: _Layout, prec: _Precision, held: list[_Param], local
     it does not manage (they compute as they are)."""
     if lay.zero >= 2 or lay.dp == 1:
         return 0
-    return sum(_numel(local[p.name]) for p in held if p.trainable or prec.frozen == 4) * prec.compute
+    return sum(_numel(local[p.name]) for p in held if p.trainable or (prec.frozen == 4 and not p.quant)) \
+        * prec.compute
 
 
 def _state_bytes(cfg: Any, prec: _Precision) -> int:
@@ -1188,3 +1267,21 @@ def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad
         gathered = (lay.dp + 1) * _zero1_gather_elements(trainable, local, lay) * prec.param
         total = max(total, static + grad_bytes + gathered)
     return total
+
+
+def _offloads_optimizer(cfg: Any) -> bool:
+    """optimize.offload_optimizer's own engine (`memory.offload.HostMasters`); with offload_params on as well,
+    FSDP2's CPU offload steps the optimizer on the host instead."""
+    return cfg.optimize.offload_optimizer and not cfg.optimize.offload_params
+
+
+def _gradients_in_transit(lay: _Layout, prec: _Precision, trainable: list[_Param], stored: dict[str, int],
+                          local: dict[str, tuple[int, ...]]) -> dict[Any, int]:
+    """optimize.offload_optimizer on an accelerator, per block (and "head", "embedding"): its largest
+    gradient, in the weights' dtype, which stays on the device until it is copied to the host."""
+    out: dict[Any, int] = {}
+    for p in trainable:
+        where = p.layer if p.layer is not None else p.where
+        n = stored[p.name] if lay.zero >= 2 else _numel(local[p.name])
+        out[where] = max(out.get(where, 0), n * prec.param)
+    return out

@@ -25,10 +25,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shardwise.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_token_loss_sum
 from shardwise.models.attention import AttentionMask, attend, document_block_mask, document_mask, flex_available
 from shardwise.models.config import ModelConfig, RopeScaling
+from shardwise.models.lean_ops import gated_activation, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 as in Hugging Face LLaMA so logits match."""
+    """Root-mean-square norm, computed in fp32 as in Hugging Face LLaMA so logits match (saving only
+    its input and the rsqrt for backward: `lean_ops.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -37,10 +39,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension."""
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Set the scale to one."""
@@ -203,10 +202,12 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Gated MLP (w2(act(w1 x) * w3 x), SwiGLU) or plain MLP (w2(act(w1 x)), GPT-2)."""
+    """Gated MLP (w2(act(w1 x) * w3 x), SwiGLU; `lean_ops.gated_activation` saves w1 x and w3 x only)
+    or plain MLP (w2(act(w1 x)), GPT-2)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.activation = cfg.activation
         self.act = _ACTIVATIONS[cfg.activation]
         self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
@@ -215,9 +216,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to x [B, T, hidden]."""
-        h = self.act(self.w1(x))
         if self.w3 is not None:
-            h = h * self.w3(x)
+            h = gated_activation(self.w1(x), self.w3(x), self.activation)
+        else:
+            h = self.act(self.w1(x))
         return self.dropout(self.w2(h))
 
     def init_weights(self, std: float, out_std: float) -> None:

@@ -607,17 +607,48 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
 
 
 def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
-    """CPU offload is FSDP2's (the multi-device engine); on one CPU everything already lives in CPU memory."""
-    asked = [name for name in ("offload_optimizer", "offload_params") if getattr(cfg.optimize, name)]
-    if not asked or dims.dp > 1:
+    """What the layout allows of the offload levers (before anything is built).
+
+    optimize.offload_params is FSDP2's CPU offload (sharded parameters, gradients and the optimizer on the
+    host), which runs under data parallelism with ZeRO 2/3; on one CPU everything already lives in CPU
+    memory. optimize.offload_optimizer on its own is the ZeRO-Offload optimizer (`memory.offload.HostMasters`):
+    one device, or ZeRO 2/3, without tensor or pipeline parallelism. optimize.offload_activations: anything
+    but a pipeline (whose schedule runs forwards and backwards of several micro-batches interleaved)."""
+    o = cfg.optimize
+    if getattr(o, "offload_activations", False) and dims.pp > 1:
+        raise ConfigError("optimize.offload_activations does not run under pipeline parallelism (the schedule "
+                          "interleaves the micro-batches' forwards and backwards); use optimize.recompute there")
+    problem = _offload_optimizer_problem(cfg, dims)
+    if problem:
+        raise ConfigError(f"optimize.offload_optimizer cannot run here: {problem}")
+    if not o.offload_params or dims.dp > 1:
         return
     if device.type == "cpu":
-        log.info("optimize.%s: the run is on the CPU, so everything already lives in CPU memory",
-                 " and optimize.".join(asked))
+        log.info("optimize.offload_params: the run is on the CPU, so everything already lives in CPU memory")
         return
     raise ConfigError(
-        f"optimize.{asked[0]} needs the sharded (FSDP2) engine, which runs under data parallelism: "
-        "use several processes (--nproc N) with parallel.zero_stage 2 or 3; on one device lower memory "
-        "with optimize.recompute, optimize.mixed_precision or a smaller train.micro_batch_size with more "
-        "gradient accumulation"
+        "optimize.offload_params is FSDP2's CPU offload, which needs the sharded engine under data parallelism: "
+        "use several processes (--nproc N) with parallel.zero_stage 2 or 3; on one device use "
+        "optimize.offload_optimizer (masters and optimizer state in host memory, the step on the CPU)"
     )
+
+
+def _offload_optimizer_problem(cfg: Any, dims: ParallelDims) -> Optional[str]:
+    """Why optimize.offload_optimizer cannot run in this layout (None: it can, or it is off). With
+    offload_params on as well, FSDP2's CPU offload already steps the optimizer on the host."""
+    o, t = cfg.optimize, cfg.train
+    if not o.offload_optimizer or o.offload_params:
+        return None
+    if dims.tp > 1 or dims.pp > 1:
+        return ("each gradient goes to its host master from a post-accumulate-grad hook, which tensor "
+                "parallelism's partial gradients and a pipeline's hand-written weight gradients bypass; use data "
+                "parallelism with parallel.zero_stage 2 or 3, or optimize.offload_params (FSDP2's CPU offload)")
+    if dims.dp > 1 and cfg.parallel.zero_stage < 2:
+        return (f"parallel.zero_stage {cfg.parallel.zero_stage} keeps full gradients and the whole optimizer on "
+                "every rank, so each rank would hold every master and all the state in host memory (one copy per "
+                "device of the machine); use parallel.zero_stage 2 or 3, whose ranks offload their own shards")
+    if t.optimizer_in_backward:
+        return "the update runs on the host after the backward; set train.optimizer_in_backward: false"
+    if t.optimizer == "adamw_8bit":
+        return "torchao's 8-bit AdamW is not stepped on the host; use train.optimizer adamw"
+    return None

@@ -69,11 +69,11 @@ def parallelize_model(
     """
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
-    apply_recompute(model, cfg.optimize.recompute, cfg.optimize.recompute_every)
+    apply_recompute(model, cfg.optimize.layer_recompute([int(name) for name in model.layers]))
     if cfg.run.compile:
         for block in model.layers.values():
             block.compile()
-    offload = cfg.optimize.offload_params or cfg.optimize.offload_optimizer
+    offload = cfg.optimize.offload_params  # FSDP2's CPU offload; offload_optimizer alone is memory.offload's
     if dims.dp > 1 or (offload and meshes is not None):
         model = apply_data_parallel(model, meshes, dims, cfg.parallel.zero_stage, param_dtype=fsdp_param_dtype,
                                     offload=offload, reshard_after_forward=reshard_after_forward,
@@ -81,7 +81,7 @@ def parallelize_model(
     return model
 
 
-def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: ParallelDims
+def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: ParallelDims, host_masters: bool = False
                   ) -> tuple[torch.dtype, Optional[torch.dtype]]:
     """(the dtype to build the model in, the dtype FSDP2 casts it to for compute or None).
 
@@ -89,7 +89,11 @@ def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: Parallel
     sharded fp32 parameters, cast to 16 bits for compute by its mixed-precision policy (frozen
     parameters, which need no master, `apply_data_parallel` stores in the 16-bit dtype); in one
     process (or tensor- or pipeline-parallel only) the model itself is 16-bit and the fp32 masters
-    are separate copies (`memory.precision.MasterWeights`) of the trainable weights only."""
+    are separate copies (`memory.precision.MasterWeights`) of the trainable weights only. `host_masters`
+    (optimize.offload_optimizer): the masters live in host memory (`memory.offload.HostMasters`), so under
+    data parallelism FSDP2 keeps 16-bit shards and only reduces in fp32."""
+    if host_masters:
+        return param_dtype, (param_dtype if dims.dp > 1 and param_dtype != torch.float32 else None)
     if master_weights and fsdp_holds_masters(dims):
         return torch.float32, param_dtype
     return param_dtype, None

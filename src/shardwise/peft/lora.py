@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, open_safetensors, save_safetensors
+from shardwise.peft.quantize import is_quantized, linear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -116,8 +116,8 @@ class LoRALinear(nn.Linear):
         self.train(base.training)  # new modules start in training mode; follow the model's (eval: no dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base linear plus the scaled low-rank update."""
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        """The base linear (its weight plain or quantised, `quantize_base`) plus the scaled low-rank update."""
+        return linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
         """Shapes, rank and scaling for print(model)."""
@@ -418,7 +418,16 @@ def apply_lora(
 
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight (W += scaling * B @ A in fp32) and put back plain
-    nn.Linear modules holding the same base Parameters, so the model has exactly the base names."""
+    nn.Linear modules holding the same base Parameters, so the model has exactly the base names.
+    A quantised base (QLoRA) is refused: merge into the full-precision base the adapter was trained on
+    (load the adapter onto it, `load_adapter`), not into its 4- or 8-bit copy."""
+    quantized = [name for name, m in model.named_modules() if isinstance(m, LoRALinear) and is_quantized(m.weight)]
+    if quantized:
+        raise ConfigError(
+            f"merge_lora: {len(quantized)} base weights are quantised (lora.quantize_base, e.g. {quantized[0]}); "
+            "merging into them would need a dequantised copy of the whole base. Merge the run's adapter "
+            "(CHECKPOINT/adapter, peft's format) into the full-precision base it was trained on: load_adapter onto "
+            "that base, then merge_lora (or peft's PeftModel.from_pretrained(...).merge_and_unload())")
     _unwrap(model, merge=True)
 
 

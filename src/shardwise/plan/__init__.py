@@ -7,7 +7,7 @@ into text; `profile` runs the best ones for real and calibrates the prediction; 
 measures this machine's links. The device catalogue is `shardwise.hardware`.
 """
 
-from .cost import StepTime, physical_limit, predict_step
+from ..step_time import StepTime, physical_limit, predict_step
 from .report import format_plan
 from .search import Candidate, Layout, PlanRequest, PlanResult, plan, workload_config
 

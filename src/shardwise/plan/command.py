@@ -61,7 +61,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     for flag, what in (("--dp", "data-parallel degrees"), ("--tp", "tensor-parallel degrees"),
                        ("--pp", "pipeline stages"), ("--zero", "ZeRO stages"), ("--micro-batch", "micro-batch sizes")):
         s.add_argument(flag, metavar="LIST", help=what)
-    s.add_argument("--recompute", metavar="LIST", help="none, selective, full")
+    s.add_argument("--recompute", metavar="LIST", help="none, selective, full, auto (per layer, the least that fits)")
     s.add_argument("--schedule", metavar="LIST", help="1f1b, interleaved_1f1b, zero_bubble, gpipe")
     s.add_argument("--no-offload", action="store_true", help="leave CPU offload out of the search")
     s.add_argument("--memory-margin", type=float, default=0.10, metavar="F",

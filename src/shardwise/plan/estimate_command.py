@@ -6,12 +6,18 @@ import argparse
 import json
 from typing import Any
 
+import torch
+
 from ..config import RunConfig, apply_overrides
 from ..errors import ConfigError
+from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
 from ..memory.estimate import estimate_all_ranks
 from ..models import get_preset
 from ..resolve import load_run_config, resolve_config
 from ..train.dry_run import describe_run
+from ..train.oom import device_memory_bytes
+from ..train.run_dir import available_host_memory
+from ..units import GIB
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +29,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "npu", "cpu"], default=None,
                    help="device kind (default: the config's run.device, cuda for auto); cpu counts tensors only")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
+                   help="recompute auto: memory of one device to plan for (default: this machine's device)")
     flags = p.add_argument_group("without a config file")
     flags.add_argument("--model", metavar="PRESET", help="model preset, e.g. llama_7b")
     flags.add_argument("--seq-length", type=int, default=2048)
@@ -33,8 +41,12 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     flags.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     flags.add_argument("--level", choices=["O0", "O1", "O2", "O3"], default=None, help="precision level")
-    flags.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    flags.add_argument("--offload", action="store_true", help="CPU offload of optimizer state and parameters")
+    flags.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default="none")
+    flags.add_argument("--offload", action="store_true",
+                       help="optimize.offload_optimizer: masters and optimizer state on the host, the step on the CPU")
+    flags.add_argument("--offload-params", action="store_true", help="optimize.offload_params: FSDP2's CPU offload")
+    flags.add_argument("--offload-activations", action="store_true",
+                       help="optimize.offload_activations: saved activations in host memory")
     flags.add_argument("--lora-r", type=int, default=None, metavar="R", help="LoRA rank (attention projections)")
     flags.add_argument("--freeze-layers", type=int, default=0, metavar="N", help="freeze the bottom N blocks")
 
@@ -55,7 +67,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "parallel": {"data_parallel": args.dp, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
                      "zero_stage": args.zero, **({"micro_batch_num": max(2, args.pp)} if args.pp > 1 else {})},
         "optimize": {"mixed_precision": args.precision, "recompute": args.recompute,
-                     "offload_optimizer": args.offload, "offload_params": args.offload,
+                     "offload_optimizer": args.offload, "offload_params": args.offload_params,
+                     "offload_activations": args.offload_activations,
                      **({"precision_level": args.level} if args.level else {})},
     }
     model = raw["model"]
@@ -75,9 +88,34 @@ def device_kind(cfg: RunConfig, given: str | None) -> str:
     return cfg.run.device if cfg.run.device in ("cuda", "npu", "cpu") else "cuda"
 
 
-def describe_memory(cfg: RunConfig, devices: int | None, device: str) -> str:
+def local_capacity(device: str) -> int | None:
+    """Memory of one device of kind `device` on this machine (a CPU: its free memory), None if it has none."""
+    if device == "cpu":
+        return available_host_memory()
+    module = getattr(torch, device, None)
+    if module is None or not module.is_available():
+        return None
+    return device_memory_bytes(torch.device(device, 0))
+
+
+def resolve_recompute(cfg: RunConfig, devices: int | None, device: str, memory_gib: float | None = None) -> RunConfig:
+    """recompute auto: `cfg` with its per-layer plan for devices of `memory_gib` GiB (default: this machine's)."""
+    if cfg.optimize.recompute != "auto" or cfg.optimize.recompute_layers is not None:
+        return cfg
+    capacity = int(memory_gib * GIB) if memory_gib else local_capacity(device)
+    if capacity is None:
+        raise ConfigError(f"optimize.recompute auto plans for a device's memory: this machine has no {device} "
+                          "device, so give --memory-gib (one device's memory in GiB)")
+    return resolve_auto_recompute(cfg, devices, device, capacity)
+
+
+def describe_memory(cfg: RunConfig, devices: int | None, device: str, memory_gib: float | None = None) -> str:
     """The estimate as text: one table per pipeline stage (one table without a pipeline)."""
+    note = ""
     try:
+        if cfg.optimize.recompute == "auto" and cfg.optimize.recompute_layers is None:
+            cfg = resolve_recompute(cfg, devices, device, memory_gib)
+            note = f"recompute auto: {describe_plan(cfg.optimize.recompute_layers)}\n"
         estimates = estimate_all_ranks(cfg, devices, device)
     except ConfigError as exc:  # e.g. a seed file's pipeline layout that the run itself would refuse
         return f"memory estimate: none, the layout cannot run as given: {exc}"
@@ -85,7 +123,7 @@ def describe_memory(cfg: RunConfig, devices: int | None, device: str) -> str:
     if len(estimates) > 1:
         worst = max(range(len(estimates)), key=lambda i: estimates[i].peak)
         blocks.append(f"the busiest device is pipeline rank {worst}")
-    return f"memory estimate for {device}:\n" + "\n".join(blocks)
+    return f"{note}memory estimate for {device}:\n" + "\n".join(blocks)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -93,10 +131,11 @@ def run_estimate(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     device = device_kind(cfg, args.device)
     devices = args.nproc or cfg.parallel.world_size()
-    estimate_all_ranks(cfg, devices, device)  # raises the ConfigError that says why
+    planned = resolve_recompute(cfg, devices, device, args.memory_gib)
+    estimate_all_ranks(planned, devices, device)  # raises the ConfigError that says why
     if args.json:
-        print(json.dumps([e.as_dict() for e in estimate_all_ranks(cfg, devices, device)], indent=1))
+        print(json.dumps([e.as_dict() for e in estimate_all_ranks(planned, devices, device)], indent=1))
         return 0
     print(describe_run(cfg, devices))
-    print(describe_memory(cfg, devices, device))
+    print(describe_memory(cfg, devices, device, args.memory_gib))
     return 0

@@ -44,10 +44,10 @@ from ..data.shards import token_dtype
 from ..errors import ConfigError, DeviceError
 from ..hardware import Hardware
 from ..parallel.launch import shutdown
+from ..step_time import StepTime, predict_step
 from ..train.probe import measure_training
 from ..train.trainer import Trainer
 from ..units import GIB
-from .cost import StepTime, predict_step
 from .report import candidate_table
 from .search import PlanResult, plan
 

@@ -15,7 +15,7 @@ from .search import Candidate, PlanResult
 
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
               "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends", "bubble": "the pipeline bubble",
-              "optimizer": "the optimizer step"}
+              "optimizer": "the optimizer step", "offload": "host transfers (CPU offload)"}
 
 
 def format_plan(result: PlanResult) -> str:
@@ -80,8 +80,8 @@ def candidate_table(cands: list[Candidate]) -> str:
     for i, c in enumerate(cands, 1):
         lay, s = c.layout, c.step
         # "/step": ZeRO 2/3 gradients reduced once per step (full size until then), not every micro-batch
-        zero = f"{lay.zero}" + ("+off" if lay.offload else "") + ("/step" if lay.reduce_gradients == "once_per_step"
-                                                                  else "")
+        zero = (f"{lay.zero}" + ("+off" if lay.offload else "") + ("+act" if lay.offload_activations else "")
+                + ("/step" if lay.reduce_gradients == "once_per_step" else ""))
         rows.append((str(i), lay.short(), zero, lay.recompute,
                      f"{lay.micro_batch} x {lay.accumulation}", lay.schedule_name(),
                      f"{c.peak / GIB:.3g}", f"{s.total:.3g}", f"{s.tokens_per_s_per_device:,.0f}",

@@ -18,15 +18,17 @@ from typing import Any, Callable, Iterable, Optional
 from ..config import ParallelConfig, RunConfig, validate
 from ..errors import ConfigError
 from ..hardware import CATALOGUE, Hardware
+from ..memory.auto_recompute import choose_recompute_layers, with_recompute_layers
 from ..memory.estimate import estimate_memory
 from ..models import get_preset, preset_names
 from ..parallel.pipeline import check_pipeline
+from ..step_time import StepTime, physical_limit, predict_step, work_of
 from ..units import GIB, gib
-from .cost import StepTime, physical_limit, predict_step, work_of
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
 
 RECOMPUTE = ("none", "selective", "full")
+AUTO = ("auto",)  # recompute per layer, the least that fits (the estimator's plan): searched when pinned
 # Schedules tried for pipelines of each depth: (schedule, virtual stages). GPipe is left out: it has
 # 1F1B's bubble and keeps every micro-batch's activations.
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 1),
@@ -49,6 +51,7 @@ class Layout:
     virtual_stages: int = 1
     offload: bool = False
     reduce_gradients: str = "auto"  # parallel.reduce_gradients; searched for ZeRO 2/3 with accumulation
+    offload_activations: bool = False  # tried with offload_optimizer where no pipeline runs
 
     def short(self) -> str:
         """'DP4 TP2 PP1' style degrees."""
@@ -56,7 +59,8 @@ class Layout:
 
     def describe(self) -> str:
         """All settings in one line."""
-        parts = [self.short(), f"ZeRO-{self.zero}" + ("+offload" if self.offload else ""),
+        offload = ("+offload" if self.offload else "") + (" and activations" if self.offload_activations else "")
+        parts = [self.short(), f"ZeRO-{self.zero}" + offload,
                  f"recompute {self.recompute}", f"micro-batch {self.micro_batch} x {self.accumulation}"]
         if self.reduce_gradients != "auto":
             parts.append("gradients reduced " + self.reduce_gradients.replace("_", " ").replace("micro batch",
@@ -229,8 +233,8 @@ def check_request(req: PlanRequest) -> None:
         if sched not in SCHEDULES:
             raise ConfigError(f"--schedule {sched!r}: use one of {', '.join(SCHEDULES)}")
     for r in req.pins.get("recompute", []):
-        if r not in RECOMPUTE:
-            raise ConfigError(f"--recompute {r!r}: use one of {', '.join(RECOMPUTE)}")
+        if r not in RECOMPUTE + AUTO:
+            raise ConfigError(f"--recompute {r!r}: use one of {', '.join(RECOMPUTE + AUTO)}")
     gbs = req.cfg.train.global_batch_size
     if gbs is not None and not any(gbs % dp == 0 for dp in _allowed(req.pins, "dp", divisors(n))):
         raise ConfigError(f"--global-batch {gbs} cannot be split over any data-parallel degree allowed on {n} devices")
@@ -277,17 +281,23 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                         except ConfigError:
                             continue
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
-                        can_offload = req.offload and zero >= 2 and req.hardware.kind != "cpu"
+                        # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
+                        can_offload = req.offload and req.hardware.kind != "cpu" and (
+                            zero >= 2 or (dp == 1 and tp == 1 and pp == 1))
                         offloads = (False, True) if can_offload else (False,)
                         # ZeRO 2/3 accumulating without a pipeline: reduce-scatter every micro-batch
                         # (sharded gradients) or once per step (full-size ones, fewer collectives).
                         reductions = (("every_micro_batch", "once_per_step") if zero >= 2 and pp == 1 and ga > 1
                                       else ("auto",))
-                        for offload in offloads:
-                            for recompute in _allowed(pins, "recompute", RECOMPUTE):
+                        # With the optimizer offloaded, the saved activations may go to the host too.
+                        offloads = [(o, acts) for o in offloads for acts in ((False, True) if o and pp == 1
+                                                                             else (False,))]
+                        for offload, acts in offloads:
+                            for recompute in _allowed(pins, "recompute", RECOMPUTE + AUTO * ("auto" in pins.get(
+                                    "recompute", []))):
                                 for reduce in reductions:
                                     layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload,
-                                                    reduce)
+                                                    reduce, acts)
                                     out.append((layout, layout_config(cfg, layout)))
     return out
 
@@ -300,8 +310,10 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
                               sequence_parallel=base.parallel.sequence_parallel,
                               reduce_gradients=layout.reduce_gradients)
     optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
+                                               "recompute_layers": None,
                                                "gradient_accumulation_steps": None,
-                                               "offload_optimizer": layout.offload, "offload_params": False})
+                                               "offload_optimizer": layout.offload, "offload_params": False,
+                                               "offload_activations": layout.offload_activations})
     train = base.train.model_copy(update={"micro_batch_size": layout.micro_batch,
                                           "global_batch_size": layout.dp * layout.micro_batch * layout.accumulation})
     return base.model_copy(update={"parallel": parallel, "optimize": optimize, "train": train})
@@ -332,6 +344,11 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
     work = work_of(req.cfg)  # the same FLOPs and adapters in every layout
     candidates = []
     for layout, cfg in enumerate_layouts(req):
+        if layout.recompute == "auto":  # the least recompute per layer that fits this layout in `usable`
+            try:
+                cfg = with_recompute_layers(cfg, choose_recompute_layers(cfg, n, hw.kind, usable))
+            except ConfigError:  # even full recompute does not fit: the full-recompute layout says so
+                continue
         step = predict_step(cfg, n, hw, nodes, work=work)
         candidates.append(Candidate(layout, cfg, step, usable=usable, lower_bound=state_lower_bound(cfg, layout, step)))
     if not candidates:
@@ -381,10 +398,10 @@ def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
     state = 4 if cfg.optimize.level() == "O3" else 8
     dp, tp, pp = layout.dp, layout.tp, layout.pp
     tokens = layout.micro_batch * cfg.data.seq_length
-    if layout.recompute == "full":  # each block keeps its input
+    if layout.recompute in ("full", "auto"):  # each block keeps its input (auto: at least that)
         per_layer = tokens * m.hidden_size * elem / tp
-    else:  # at least the matmul outputs: q, k, v, attention projection, MLP branches and output
-        widths = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 2 * m.hidden_size + 2 * m.intermediate_size
+    else:  # at least selective's: the input, q, v, the attention output and the gate (or the MLP's input)
+        widths = m.hidden_size + (2 * m.num_heads + m.num_kv_heads) * m.head_dim + m.intermediate_size
         per_layer = tokens * widths * elem / tp
     bound = 0.0
     for rank, load in enumerate(step.detail["loads"]):

@@ -13,6 +13,7 @@ from ..memory.estimate import estimate_memory
 from ..models.flops import count_parameters
 from ..parallel.launch import DistContext
 from ..units import gib
+from .fit_search import describe_fits, find_fits, hardware_for, usable_bytes
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,13 @@ def check_host_memory(cfg: RunConfig, ctx: DistContext) -> None:
     if need <= available:
         return
     m = cfg.model
+    hw = hardware_for("cpu")
+    found = find_fits(cfg, ctx.world_size, "cpu", hw, usable_bytes(available, hw, ctx.local_world_size))
     raise ConfigError(
         f"this run needs about {gib(need, 1)} of memory (estimate: {ctx.local_world_size} process(es) on this "
         f"machine, a {count_parameters(m):,}-parameter model: {m.preset or 'no model.preset'}, hidden_size "
         f"{m.hidden_size}, {m.num_layers} layers, vocab {m.vocab_size}) but the machine has {gib(available, 1)} "
         "free. Choose a smaller model (model.preset), lower train.micro_batch_size or data.seq_length, or turn on "
-        "optimize.recompute; `shardwise estimate CONFIG` shows where the memory goes"
+        "optimize.recompute; `shardwise estimate CONFIG` shows where the memory goes. Per process:\n"
+        + "\n".join(describe_fits(found))
     )

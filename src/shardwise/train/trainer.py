@@ -14,6 +14,7 @@ sums, so every layout computes one device's gradient. Tools follow a step throug
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -34,9 +35,11 @@ from ..data.loader import StatefulLoader, sequential_batches
 from ..errors import TrainingError
 from ..hardware import device_peak
 from ..loss import IGNORE_INDEX, count_target_tokens, token_loss_sum
+from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
 from ..memory.estimate import run_flops
+from ..memory.offload import ActivationOffload, HostMasters, master_dtype_for
 from ..memory.precision import LossScaler, MasterWeights, PrecisionPlan, loss_scaler_for, precision_plan
-from ..parallel.collectives import all_reduce, rank0_first, replicas_problem, sum_over
+from ..parallel.collectives import all_reduce, max_over, rank0_first, replicas_problem, sum_over
 from ..parallel.data_parallel import check_offload, clip_grad_norm, grad_sync
 from ..parallel.dims import describe_layout, layout_for
 from ..parallel.launch import init_distributed
@@ -50,10 +53,11 @@ from ..parallel.parallelize import (
 )
 from ..parallel.pipeline import concat_micro_batches, pipeline_eval, pipeline_step
 from ..parallel.tensor import rank_rng
+from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
 from .metrics import MetricsWriter, MfuMeter, StepTokens, Window, count_real_tokens, format_record, reset_peak_memory
-from .oom import explain_out_of_memory, is_out_of_memory
+from .oom import device_memory_bytes, explain_out_of_memory, is_out_of_memory
 from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of
-from .run_dir import check_host_memory, check_run_dir, prepare_run_dir
+from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ class TrainState:
     plan: PrecisionPlan
     parts: list[nn.Module]
     pipeline: Any  # parallel.pipeline.Pipeline, or None
-    masters: MasterWeights | None
+    masters: MasterWeights | HostMasters | None  # HostMasters: optimize.offload_optimizer
     optimizer: torch.optim.Optimizer
     scaler: LossScaler | None
     loader: StatefulLoader
@@ -107,6 +111,23 @@ class TrainState:
     def device(self) -> torch.device:
         """This rank's device."""
         return self.ctx.device
+
+
+def _resolve_recompute(cfg: RunConfig, ctx: Any) -> RunConfig:
+    """recompute: auto -> a per-layer plan for this device's memory (a GPU/NPU's total, a CPU's free memory
+    shared by this machine's ranks), the least over the ranks so that every rank builds the same model."""
+    if ctx.device.type == "cpu":
+        free = available_host_memory()
+        capacity = free // ctx.local_world_size if free else 0
+    else:
+        capacity = device_memory_bytes(ctx.device) or 0
+    if ctx.world_size > 1:
+        capacity = int(-max_over(-float(capacity)))
+    resolved = resolve_auto_recompute(cfg, ctx.world_size, ctx.device.type, capacity)
+    if ctx.is_main:
+        log.info("recompute auto: %s (for %.1f GiB a device)", describe_plan(resolved.optimize.recompute_layers),
+                 capacity / 2**30)
+    return resolved
 
 
 class Trainer:
@@ -182,7 +203,7 @@ class Trainer:
                 raise
             pp_rank = s.meshes["pp"].get_local_rank() if s.dims.pp > 1 else 0
             raise TrainingError(explain_out_of_memory(cfg, s.ctx.world_size, s.ctx.rank, self.phase, s.device,
-                                                      pp_rank)) from exc
+                                                      pp_rank, s.ctx.local_world_size)) from exc
         finally:
             s.loader.close()
             bar.close()
@@ -199,6 +220,7 @@ class Trainer:
         dims = layout_for(cfg, ctx.world_size)
         check_offload(cfg, ctx.device, dims)
         check_optimizer(cfg, dims, ctx.world_size, ctx.device)
+        check_quantize_base(cfg, dims)
         pretrained = cfg.model.init_from is not None and self.model is None
         if pretrained:
             check_pretrained(cfg.model, lora=cfg.lora is not None)  # before any data is prepared
@@ -211,6 +233,8 @@ class Trainer:
             if ctx.is_main:
                 log.warning("restart %d of the process group: resuming from the newest checkpoint", ctx.restart_count)
         rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank)
+        if cfg.optimize.recompute == "auto" and cfg.optimize.recompute_layers is None:
+            cfg = self.config = _resolve_recompute(cfg, ctx)  # before the model is built; config.yaml records it
         check_host_memory(cfg, ctx)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
@@ -229,12 +253,13 @@ class Trainer:
         parts = self._model_parts(ctx.device, plan, dims, meshes, meta=pretrained)
         names = canonical_param_names(parts)  # as checkpoints name them: no wrapper prefixes
         trainable = [(names[id(p)], p) for p in parameters(parts) if p.requires_grad]
-        masters = MasterWeights(trainable) if plan.master_weights and not fsdp_holds_masters(dims) else None
+        masters = self._masters(trainable, plan, dims, ctx.device)
         opt_named = list(masters.named_masters()) if masters else trainable
         t = cfg.train
+        step_on = "cpu" if isinstance(masters, HostMasters) else ctx.device.type  # offload_optimizer: the host
         optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
                                                          (t.beta1, t.beta2), t.eps,
-                                                         kernel=t.optimizer_kernel(ctx.device.type),
+                                                         kernel=t.optimizer_kernel(step_on),
                                                          state_dtype=state_dtype_of(t.optimizer_state_dtype),
                                                          in_backward=t.optimizer_in_backward), parts)
         # The optimizer in backward steps each weight (its fp32 master at O2) from a hook that runs after the
@@ -265,8 +290,14 @@ class Trainer:
                            masters=masters, optimizer=optimizer, scaler=scaler, loader=loader, schedule=schedule,
                            total_steps=total_steps, checkpointer=checkpointer, params=[p for _, p in opt_named],
                            norm_exclude=[p for n, p in opt_named if n in excluded], in_backward=in_backward)
+        quantized = quantizes_base(cfg.lora)
+        if quantized:  # QLoRA: a quantised base is in no checkpoint; it is loaded and quantised on every start
+            if pretrained:
+                checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
+            for part in parts:
+                quantize_base(part, cfg.lora.quantize_base)
         state.start = checkpointer.load(resume, overwrite) if resume is not None else 0
-        if state.start == 0 and pretrained:
+        if state.start == 0 and pretrained and not quantized:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
         if ctx.is_main:
             (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
@@ -386,14 +417,22 @@ class Trainer:
             labels = mb["labels"].to(s.device, non_blocking=True)
             with grad_sync(model, i == last), s.plan.autocast(s.device.type):  # gradient sync on the last only
                 self._enter("forward")
-                if chunk is not None:  # the model's forward returns the token-loss sum
-                    loss = model(ids, labels=labels, loss_chunk_tokens=chunk, **_model_extras(mb, s.device)) / n_tokens
-                else:
-                    loss = token_loss_sum(model(ids, **_model_extras(mb, s.device)), labels) / n_tokens
+                with self._saved_activations():
+                    if chunk is not None:  # the model's forward returns the token-loss sum
+                        loss = model(ids, labels=labels, loss_chunk_tokens=chunk,
+                                     **_model_extras(mb, s.device)) / n_tokens
+                    else:
+                        loss = token_loss_sum(model(ids, **_model_extras(mb, s.device)), labels) / n_tokens
                 self._enter("backward")
                 (loss * scale if s.scaler else loss).backward()
             total += loss.detach()
         return total
+
+    def _saved_activations(self) -> Any:
+        """Where the forward's saved activations go: host memory (optimize.offload_activations), or nowhere new."""
+        if self.config.optimize.offload_activations:
+            return ActivationOffload(self.state.device)
+        return contextlib.nullcontext()
 
     def save(self, step: int) -> Path:
         """Checkpoint the run at `step` (every rank calls it)."""
@@ -464,7 +503,8 @@ class Trainer:
         rank), split into pipeline chunks when there is a pipeline, each parallelised. `meta`: the
         weights are read later onto this rank's shards (init_from), so no rank holds the whole model."""
         cfg = self.config
-        dtype, fsdp_dtype = weight_dtypes(plan.param_dtype, plan.master_weights, dims)
+        dtype, fsdp_dtype = weight_dtypes(plan.param_dtype, plan.master_weights, dims,
+                                          host_masters=self._offloads_optimizer())
         if self.model is None:
             model = build_run_model(cfg, "meta" if meta else device, dtype)
         else:
@@ -481,6 +521,20 @@ class Trainer:
         self.model, self.model_parts = parts[0], parts
         return parts
 
+    def _offloads_optimizer(self) -> bool:
+        """optimize.offload_optimizer's own engine (with offload_params FSDP2's CPU offload steps on the host)."""
+        o = self.config.optimize
+        return o.offload_optimizer and not o.offload_params
+
+    def _masters(self, trainable: list[tuple[str, nn.Parameter]], plan: PrecisionPlan, dims: Any,
+                 device: torch.device) -> MasterWeights | HostMasters | None:
+        """What the optimizer steps instead of the model's parameters: host masters (offload_optimizer),
+        fp32 masters on the device (O2, unless FSDP2's fp32 shards are the masters), or nothing."""
+        if self._offloads_optimizer():
+            return HostMasters(trainable, master_dtype_for(plan.param_dtype, plan.master_weights), device)
+        if plan.master_weights and not fsdp_holds_masters(dims):
+            return MasterWeights(trainable)
+        return None
 
 
 def _model_extras(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -9,8 +9,10 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   scores; split over tensor-parallel ranks and counted per pipeline stage (the last stage also runs
   the output projection, so stages are rarely equal).
 - recompute: full recompute runs the forward of each recomputed layer again; selective recompute
-  keeps the matmul outputs and redoes the element-wise work, taken as `SELECTIVE_COST` of a layer's
-  forward.
+  (`parallel.recompute`) runs again the block linears whose outputs it does not keep and that its
+  recompute reaches (k, o and the up projection of a gated MLP; LoRA's low-rank matmuls) plus the
+  element-wise work, taken as `SELECTIVE_COST` of a layer's forward; per layer as
+  `optimize.layer_recompute` says (recompute auto: its plan).
 - tp_comm: per layer and micro-batch, forward and backward, two all-reduces of the [b, s, h]
   activations (or the same volume as all-gather + reduce-scatter with sequence parallelism), plus
   the vocabulary-parallel embedding and output; recompute repeats the forward's. Not overlapped.
@@ -28,7 +30,15 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   stages (interleaving) and by 3 for the zero-bubble schedules, whose weight-gradient work fills
   most of it (the zero-bubble paper's ZB-H1 estimate).
 - optimizer: AdamW streams parameters, gradients and both moments (and fp32 masters) through memory
-  once per step: bytes / memory bandwidth. With CPU offload: over PCIe and at host speed instead.
+  once per step: bytes / memory bandwidth. With CPU offload it runs at host speed (HOST_ADAM_GBPS).
+- offload: what crosses the host link (`host_bandwidth_gbps`) and no compute hides.
+  `offload_optimizer` (memory.offload.HostMasters): each micro-batch's gradients go to the host as
+  backward makes them (hidden behind that backward's compute up to `comm_overlap`), the host steps
+  AdamW, then the 16-bit weights come back before the next forward (not hidden: it waits for them).
+  `offload_params` (FSDP2's CPU offload): the shards are copied to the device before every all-gather
+  (forward and backward; counted with dp_comm, which hides it like the gathers), the sharded gradients
+  go back and the updated shards come back with the step. `offload_activations`: the saved tensors
+  go to the host in the forward and come back in the backward, on the compute stream (not hidden).
 
 Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latencies, all-gather
 and reduce-scatter half that; a group that spans nodes uses the inter-node link. On a CPU, a device
@@ -42,14 +52,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RunConfig
-from ..hardware import Hardware
-from ..memory.estimate import run_flops, trainable_shapes
-from ..models.config import ModelConfig
-from ..models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
-from ..parallel.pipeline import schedule_style, stage_layer_counts
+from .config import RunConfig
+from .hardware import Hardware
+from .memory.estimate import estimate_memory, run_flops, trainable_shapes
+from .models.config import ModelConfig
+from .models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
+from .parallel.pipeline import schedule_style, stage_layer_counts
+from .parallel.recompute import BLOCK_MATMULS, down_output_needed, selective_saved_matmuls
 
-SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone (element-wise ops)
+SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone in element-wise ops
 ZERO_BUBBLE_FACTOR = 3.0  # zero-bubble schedules leave about 1/3 of 1F1B's bubble
 ADAM_BYTES = 32  # AdamW per fp32 parameter: read p, g, m, v, write p, m, v, and the clipping norm reads g
 MASTER_BYTES = 8  # O2 without FSDP2: read the fp32 master, write the 16-bit copy
@@ -67,13 +78,14 @@ class StepTime:
     pp_comm: float = 0.0
     bubble: float = 0.0
     optimizer: float = 0.0
+    offload: float = 0.0
     tokens_per_step: int = 0
     devices: int = 1
     model_flops_per_token: float = 0.0
     peak_flops: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
-    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
+    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer", "offload")
 
     @property
     def total(self) -> float:
@@ -120,6 +132,7 @@ class RankLoad:
     flops_per_token: float = 0.0          # forward + backward, with frozen weights' savings
     recompute_flops_per_token: float = 0.0
     selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
+    recompute_collectives: float = 0.0  # tensor-parallel collective volumes the recomputed forwards repeat
     params: int = 0
     trainable: int = 0
 
@@ -151,6 +164,27 @@ def work_of(cfg: RunConfig) -> Work:
     return Work(run_flops(cfg), lora_adapter_params(cfg))
 
 
+def selective_recompute_flops(cfg: RunConfig, layer: int, shapes: dict[str, tuple[int, ...]]) -> float:
+    """Forward FLOPs per token that selective recompute runs again in block `layer`: the block linears
+    whose outputs it does not keep, up to the down projection (the recompute stops at the last tensor
+    backward needs, its input, unless a dropout or an adapter after it saves one), and LoRA's matmuls
+    (`shapes`: the trainable parameters, adapters among them)."""
+    m = cfg.model
+    h, q, kv, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
+    dims = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w1": (h, f), "w3": (h, f), "w2": (f, h)}
+    gated = m.mlp == "gated"
+    prefix = f"layers.{layer}."
+    adapters = {n: s for n, s in shapes.items() if n.startswith(prefix) and ".lora_" in n}
+    w2_reached = down_output_needed(m.dropout, any(".feed_forward.w2." in n for n in adapters))
+    kept = selective_saved_matmuls(gated, w2_reached)
+    total = 0.0
+    for name in BLOCK_MATMULS:
+        if name in kept or (name == "w3" and not gated) or (name == "w2" and not w2_reached):
+            continue
+        total += 2 * dims[name][0] * dims[name][1]
+    return total + sum(2 * math.prod(s) for s in adapters.values())
+
+
 def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
     """Per pipeline rank: layers, embedding/head ownership, training FLOPs per token, parameters."""
     m, p = cfg.model, cfg.parallel
@@ -162,6 +196,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         owner = [s % pp for s in range(pp * v)]
     work = work or work_of(cfg)
     flops, adapters = work.flops, work.adapter_params
+    shapes = trainable_shapes(cfg) if cfg.lora is not None else {}  # the adapters selective recompute reruns
     layer_params = _layer_params(m)
     embed = m.vocab_size * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.position == "learned" else 0)
     head_weights = m.vocab_size * m.hidden_size
@@ -176,11 +211,16 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         for i in here:
             load.params += layer_params + adapters
             load.trainable += adapters if cfg.lora is not None else (0 if i < cfg.freeze.layers else layer_params)
-        # Full recompute wraps every `recompute_every`-th block of each chunk, starting with its first.
-        if cfg.optimize.recompute == "full":
-            load.recompute_flops_per_token += sum(flops.layers_forward[i] for i in here[::cfg.optimize.recompute_every])
-        if cfg.optimize.recompute == "selective":
-            load.selective_flops_per_token += sum(flops.layers_forward[i] for i in here)
+        # Per layer of the chunk (full every `recompute_every`-th block of each chunk, from its first).
+        for i, mode in zip(here, cfg.optimize.layer_recompute(list(here))):
+            if mode == "full":
+                load.recompute_flops_per_token += flops.layers_forward[i]
+                load.recompute_collectives += 2
+            elif mode == "selective":
+                load.recompute_flops_per_token += selective_recompute_flops(cfg, i, shapes)
+                load.selective_flops_per_token += flops.layers_forward[i]
+                # Sequence parallel: the two all-gathers and o's reduce-scatter of the four; else o's all-reduce.
+                load.recompute_collectives += 1.5 if p.sequence_parallel and p.tensor_parallel > 1 else 1
         first_layer += n_layers
         if stage == 0:
             load.embedding = True
@@ -289,15 +329,14 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     dp_link = _link(hw, dp * tp > per_node, slowdown)
     pp_link = _link(hw, nodes > 1, slowdown)
     act_bytes = tokens_mb * m.hidden_size * b["activation"]
-    recompute_mode = cfg.optimize.recompute
 
     def rank_times(load: RankLoad) -> dict[str, float]:
         """Per micro-batch times of one pipeline rank."""
         compute = tokens_mb * load.flops_per_token / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
-        # Forward and backward: two all-reduce volumes per layer each; recompute repeats the forward's.
-        ar_per_layer = 4 + (2 if recompute_mode == "full" else 1 if recompute_mode == "selective" else 0)
+        # Forward and backward: two all-reduce volumes per layer each; recompute repeats (some of) the forward's.
+        ar_per_layer = 4 + load.recompute_collectives / max(1, load.layers)
         volumes = load.layers * ar_per_layer + 2 * (int(load.embedding) + int(load.head))
         tp_comm = volumes * all_reduce_time(act_bytes, tp, tp_link)
         # DTensor's per-op dispatch: host work, so on a CPU it competes with compute (counted as busy).
@@ -346,7 +385,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
             comm += reductions * gather_time(grads, dp, dp_link)
             gathers = (1 if (zero == 2 or pp > 1) else 2) * (1 if (zero == 2 and pp > 1) else ga)
             comm += gathers * gather_time(params_bytes, dp, dp_link)
-            if cfg.optimize.offload_optimizer or cfg.optimize.offload_params:
+            if cfg.optimize.offload_params:
                 # FSDP2's CPU offload copies each shard to the device before every all-gather.
                 comm += gathers * params_bytes / dp / (hw.host_bandwidth_gbps * 1e9 / slowdown)
         # Reductions overlap the last backward; gathers are prefetched under each micro-batch's compute.
@@ -354,13 +393,22 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
     # The optimizer step on this device's (ZeRO-sharded) trainable parameters.
     shard = trainable_dev / (dp if zero >= 1 else 1)
-    offload = cfg.optimize.offload_optimizer or cfg.optimize.offload_params
-    if offload and zero >= 2:
-        host = hw.host_bandwidth_gbps * 1e9
+    o = cfg.optimize
+    host = hw.host_bandwidth_gbps * 1e9 / slowdown
+    if o.offload_params and zero >= 2:
         # Gradient shards go to the host, updated parameters come back, and the host runs AdamW.
-        step.optimizer = shard * (b["grad"] + b["param"]) / host + shard * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9)
+        step.offload = shard * (b["grad"] + b["param"]) / host
+        step.optimizer = shard * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9)
+    elif o.offload_optimizer:
+        # Gradients (16-bit at O2) stream to the host during each backward; the weights come back once.
+        grads_out = ga * shard * b["param"] / host
+        backward = (t["compute"] + t["recompute"]) * 2 / 3  # a micro-batch's backward: 2/3 of its compute
+        step.offload = max(0.0, grads_out - hw.comm_overlap * ga * backward) + shard * b["param"] / host
+        step.optimizer = shard * (ADAM_BYTES + MASTER_BYTES) / (HOST_ADAM_GBPS * 1e9)
     else:
         step.optimizer = shard * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
+    if o.offload_activations:  # out in the forward, back in the backward, each micro-batch
+        step.offload += 2 * ga * _offloaded_activation_bytes(cfg, devices, hw) / host
     step.detail = {"dp": dp, "tp": tp, "pp": pp, "virtual_stages": v, "gradient_accumulation": ga,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
@@ -369,6 +417,13 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                    "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
                    + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
     return step
+
+
+def _offloaded_activation_bytes(cfg: RunConfig, devices: int, hw: Hardware) -> int:
+    """Bytes of saved activations one micro-batch sends to the host on the busiest rank (the estimator's count)."""
+    estimate = estimate_memory(cfg, devices, "cpu" if hw.kind == "cpu" else hw.kind)
+    flight = max(estimate.detail.get("in_flight", 1), 1)
+    return estimate.detail["host_offload"]["activations"] // flight
 
 
 def physical_limit(cfg: RunConfig, hw: Hardware) -> dict[str, float]:
