@@ -11,6 +11,7 @@ from shardwise.errors import ConfigError
 from shardwise.hardware import get_hardware
 from shardwise.plan import PlanRequest, format_plan, plan, workload_config
 from shardwise.plan.search import enumerate_layouts
+from shardwise.resolve import resolve_config
 
 GIB = 2**30
 
@@ -136,3 +137,16 @@ def test_the_planner_chooses_when_zero_2_3_reduce_gradients() -> None:
                          memory_margin=1 - (every.peak + 2 * GIB) / (80 * GIB) - 0.001))
     assert tight.best.layout.reduce_gradients == "every_micro_batch"
     assert tight.faster_not_fitting[0].layout.reduce_gradients == "once_per_step"
+
+
+def test_a_quantised_base_gets_only_layouts_that_can_hold_it() -> None:
+    """QLoRA's base cannot be split by TP or PP, sharded by ZeRO 2/3 or offloaded: the planner skips those."""
+    cfg = resolve_config({"model": {"preset": "llama3_8b"}, "data": {"seq_length": 2048},
+                          "optimize": {"mixed_precision": "bf16"},
+                          "train": {"max_steps": 1, "micro_batch_size": 2, "global_batch_size": 16},
+                          "lora": {"r": 16, "quantize_base": "nf4"}})
+    result = plan(PlanRequest(cfg=cfg, devices=8, hardware=get_hardware("H100"), top=50))
+    assert result.ranked
+    for c in result.ranked:
+        lay = c.layout
+        assert lay.tp == 1 and lay.pp == 1 and lay.zero < 2 and not lay.offload, lay.describe()

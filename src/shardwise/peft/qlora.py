@@ -8,7 +8,7 @@ embeddings, the output projection, norms and the block linears LoRA does not tar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -62,6 +62,33 @@ def _forgive_quantized_weight(module: nn.Module, incompatible: Any) -> None:
             incompatible.missing_keys.remove(key)
 
 
+def quantized_layout_problem(cfg: Any, dims: Any) -> Optional[str]:
+    """Why a run's layout cannot hold its quantised base (the end of a message after "lora.quantize_base
+    KIND with "), or None; the planner skips such layouts. `dims`: the run's ParallelDims."""
+    if not quantizes_base(cfg.lora):
+        return None
+    kind = cfg.lora.quantize_base
+    if dims.tp > 1:
+        return (f"tensor_parallel {dims.tp}: tensor parallelism would shard the quantised base weights into "
+                "DTensors, which torchao's quantised tensors do not support here; use tensor_parallel 1 (data "
+                "parallelism with zero_stage 0 or 1 works)")
+    if dims.pp > 1:
+        return (f"pipeline_parallel {dims.pp} is not supported yet (the stages' checkpoints and schedules are "
+                "untested with quantised weights); use pipeline_parallel 1")
+    if dims.dp > 1 and cfg.parallel.zero_stage >= 2:
+        return (f"zero_stage {cfg.parallel.zero_stage}: FSDP2 sharding of the quantised base is not supported yet; "
+                f"use zero_stage 0 or 1 (each rank keeps the whole base in {'4' if kind == 'nf4' else '8'} bits, a "
+                "fraction of a 16-bit one)")
+    if dims.dp > 1 and (cfg.optimize.mixed_precision == "fp32" or cfg.optimize.level() in ("O0", "O1")):
+        return (f"data_parallel {dims.dp}: it needs a 16-bit frozen base (fp32 frozen weights are replicated by "
+                "FSDP2's replicate, which cannot hold quantised ones): use mixed_precision bf16 at precision_level "
+                "O2 or O3, or one device")
+    if cfg.optimize.offload_params or cfg.optimize.offload_optimizer:
+        return ("CPU offload (optimize.offload_params / offload_optimizer) is not supported; the quantised base is "
+                "already small: turn offload off")
+    return None
+
+
 def check_quantize_base(cfg: Any, dims: Any) -> None:
     """ConfigError, before anything is built, for a quantised base the run cannot have: a layout that
     would split or re-wrap the quantised tensors, torch.compile, no torchao, or a targeted weight whose
@@ -70,24 +97,9 @@ def check_quantize_base(cfg: Any, dims: Any) -> None:
         return
     kind = cfg.lora.quantize_base
     key = f"lora.quantize_base {kind}"
-    if dims.tp > 1:
-        raise ConfigError(f"{key} with tensor_parallel {dims.tp}: tensor parallelism would shard the quantised "
-                          "base weights into DTensors, which torchao's quantised tensors do not support here; use "
-                          "tensor_parallel 1 (data parallelism with zero_stage 0 or 1 works)")
-    if dims.pp > 1:
-        raise ConfigError(f"{key} with pipeline_parallel {dims.pp} is not supported yet (the stages' checkpoints "
-                          "and schedules are untested with quantised weights); use pipeline_parallel 1")
-    if dims.dp > 1 and cfg.parallel.zero_stage >= 2:
-        raise ConfigError(f"{key} with zero_stage {cfg.parallel.zero_stage}: FSDP2 sharding of the quantised base "
-                          "is not supported yet; use zero_stage 0 or 1 (each rank keeps the whole base in "
-                          f"{'4' if kind == 'nf4' else '8'} bits, a fraction of a 16-bit one)")
-    if dims.dp > 1 and (cfg.optimize.mixed_precision == "fp32" or cfg.optimize.level() in ("O0", "O1")):
-        raise ConfigError(f"{key} with data_parallel {dims.dp} needs a 16-bit frozen base (fp32 frozen weights are "
-                          "replicated by FSDP2's replicate, which cannot hold quantised ones): use mixed_precision "
-                          "bf16 at precision_level O2 or O3, or one device")
-    if cfg.optimize.offload_params or cfg.optimize.offload_optimizer:
-        raise ConfigError(f"{key} with CPU offload (optimize.offload_params / offload_optimizer) is not supported; "
-                          "the quantised base is already small: turn offload off")
+    problem = quantized_layout_problem(cfg, dims)
+    if problem:
+        raise ConfigError(f"{key} with {problem}")
     if cfg.run.compile:
         raise ConfigError(f"{key} with run.compile is not supported yet; set run.compile: false")
     torchao_import()

@@ -22,6 +22,7 @@ from ..memory.auto_recompute import choose_recompute_layers, with_recompute_laye
 from ..memory.estimate import estimate_memory
 from ..models import get_preset, preset_names
 from ..parallel.pipeline import check_pipeline
+from ..peft.qlora import quantized_layout_problem
 from ..step_time import StepTime, physical_limit, predict_step, work_of
 from ..units import GIB, gib
 
@@ -344,6 +345,8 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
     work = work_of(req.cfg)  # the same FLOPs and adapters in every layout
     candidates = []
     for layout, cfg in enumerate_layouts(req):
+        if quantized_layout_problem(cfg, layout):  # QLoRA's base cannot be split, sharded or offloaded
+            continue
         if layout.recompute == "auto":  # the least recompute per layer that fits this layout in `usable`
             try:
                 cfg = with_recompute_layers(cfg, choose_recompute_layers(cfg, n, hw.kind, usable))
