@@ -7,7 +7,8 @@ attention (the fused kernel's output and log-sum-exp) and of every other matmul 
 recompute reaches it, `selective_saved_matmuls`), and recomputes the rest (k, o, up,
 the norms, RoPE, activations, element-wise ops). LoRA's low-rank matmuls are always recomputed (a
 rank-r matmul is cheap, its B output as large as the base one's) and do not count in the alternation,
-so LoRA saves what the plain block saves. `selective_saved_matmuls` says which block linears a
+so LoRA saves what the plain block saves (and, on the down projection, that projection's output,
+which its recompute then reaches). `selective_saved_matmuls` says which block linears a
 selective block keeps the outputs of; the estimator and the step-time model read it.
 
 `apply_recompute(model, modes)` takes one mode per block of `model.layers` (a pipeline chunk's blocks in
