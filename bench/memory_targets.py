@@ -65,6 +65,10 @@ LEVERS: dict[str, list[str]] = {
                                                    "optimize.offload_activations=true"],
     "+ offload optimizer, activations, loss chunks of 256": CHUNKED + [
         "optimize.offload_optimizer=true", "optimize.offload_activations=true", "optimize.loss_chunk_tokens=256"],
+    # FSDP2's CPU offload, on one device a one-process group: parameters (LoRA's bf16 base too), gradients
+    # and optimizer state in host memory, each block copied in for its forward and backward.
+    "+ offload params": CHUNKED + ["optimize.offload_params=true"],
+    "+ offload params, activations": CHUNKED + ["optimize.offload_params=true", "optimize.offload_activations=true"],
     "full recompute, O3 (pure bf16)": FULL + ["optimize.precision_level=O3"],
 }
 

@@ -40,6 +40,7 @@ import contextlib
 import datetime
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -81,6 +82,21 @@ from shardwise.train.optim import LRSchedule, build_optimizer, state_dtype_of
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def capture_compile_reports() -> list[str]:
+    """The Trainer's "torch.compile: ..." lines (its cold-compile cost), as they are logged."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("torch.compile:"):
+                lines.append(record.getMessage())
+
+    logger = logging.getLogger("shardwise")
+    logger.addHandler(Keep(logging.INFO))
+    logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
+    return lines
 
 
 # --- measuring hooks --------------------------------------------------------------------------------
@@ -283,8 +299,9 @@ def run_shardwise(base: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync
     return out
 
 
-def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # noqa: ANN201
-    """The loop an engineer writes by hand, doing the same work as the Trainer.
+def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device, compiled: bool = False):  # noqa: ANN201
+    """The loop an engineer writes by hand, doing the same work as the Trainer; `compiled`: the whole model
+    under `torch.compile(model)`, as a hand-written loop compiles it.
 
     A generator: yields (optimizer, loader) once set up, then each step's loss after the step.
     """
@@ -297,7 +314,16 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
     torch.manual_seed(t.seed)
     model = builder.build_run_model(cfg, device, plan.param_dtype)  # the Trainer's model, LoRA / freezing included
     model.train()
+    if cfg.optimize.float8:  # torchao's float8 linears, converted by hand as a torchtitan-style loop does
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        for block in model.layers.values():  # the blocks only: the output head stays bf16
+            convert_to_float8_training(block, config=Float8LinearConfig(), module_filter_fn=lambda m, fqn:
+                                       m.weight.requires_grad and all(d % 16 == 0 for d in m.weight.shape))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if compiled:
+        torch._dynamo.config.suppress_errors = True  # as the Trainer's compile: a failing graph runs eagerly
+        model = torch.compile(model)
     params = [p for _, p in named]
     masters = None
     if plan.master_weights:  # O2: 16-bit model, fp32 copies stepped by the optimizer
@@ -344,9 +370,10 @@ def plain_loop(cfg: RunConfig, ds: Any, n_steps: int, device: torch.device):  # 
 
 
 def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
-              cuda_peak_at: int | None, device: torch.device, on_step: Any = None) -> dict[str, Any]:
+              cuda_peak_at: int | None, device: torch.device, on_step: Any = None,
+              compiled: bool = False) -> dict[str, Any]:
     """The plain loop for n_steps, timed by the same optimizer post-hook as the Trainer."""
-    gen = plain_loop(cfg, ds, n_steps, device)
+    gen = plain_loop(cfg, ds, n_steps, device, compiled)
     opt, loader = next(gen)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -362,13 +389,13 @@ def run_plain(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: 
 
 
 def run_lockstep(cfg: RunConfig, ds: Any, n_steps: int, clock: StepClock, sync_at: set[int],
-                 device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
+                 device: torch.device, compiled: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both sides alternating step by step: the Trainer runs, and its loader runs one plain step first.
 
     A plain step is timed from resuming the generator to its yield (after its loss sync); a Trainer
     step is its optimizer-hook interval minus the plain step run inside it. Both models live at once.
     """
-    gen = plain_loop(cfg, ds, n_steps, device)
+    gen = plain_loop(cfg, ds, n_steps, device, compiled)
     plain_opt, plain_loader = next(gen)
     plain_s: list[float] = []
     plain_losses: list[float] = []
@@ -517,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="round: each round runs N steps of shardwise, then N of plain (default); step: "
                     "both sides alternate step by step within a round (paired, robust to a shared CPU)")
     ap.add_argument("--no-memory", action="store_true", help="skip the (untimed) memory probe")
+    ap.add_argument("--plain-compile", choices=["auto", "on", "off"], default="auto",
+                    help="the plain loop under torch.compile(model): on, off, or auto (when shardwise compiles, "
+                    "i.e. run.compile resolves to true on this device)")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--warmup, --steps and --rounds must be at least 1 (the first step's end starts the clock)")
@@ -528,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     device = resolve_device(cfg.run.device)
+    plain_compiled = cfg.compiles(device.type) if args.plain_compile == "auto" else args.plain_compile == "on"
+    compile_lines = capture_compile_reports()
     plan = precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level())
     n_steps = args.warmup + args.steps
     tokens_per_step = cfg.global_batch_size() * cfg.data.seq_length
@@ -554,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         gc.collect()
         if args.interleave == "step":
-            sw_run, plain_run = run_lockstep(cfg, ds, n_steps, clock, sync_at, device)
+            sw_run, plain_run = run_lockstep(cfg, ds, n_steps, clock, sync_at, device, plain_compiled)
             runs = {"shardwise": sw_run, "plain": plain_run}
             paired += [p / w for p, w in zip(plain_run["step_s"][args.warmup:], sw_run["step_s"][args.warmup:])]
         else:
@@ -564,10 +596,13 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "shardwise":
                     runs[side] = run_shardwise(cfg, ds, n_steps, clock, sync_at, n_steps - 1)
                 else:
-                    runs[side] = run_plain(cfg, ds, n_steps, clock, sync_at, n_steps - 1, device)
+                    runs[side] = run_plain(cfg, ds, n_steps, clock, sync_at, n_steps - 1, device,
+                                           compiled=plain_compiled)
         if args.interleave == "round":  # in step mode the Trainer's own window includes the plain steps
             metrics_tps += [runs["shardwise"]["metrics_tps"][k] for k in range(args.warmup + 1, n_steps + 1)
                             if k in runs["shardwise"]["metrics_tps"]]
+        if r == 0:
+            plain_first_step = runs["plain"]["step_s"][0]  # the first plain step: with compile, its compile
         for side, run in runs.items():
             s = summarize(run, args.warmup, args.steps, tokens_per_step)
             s["mfu"] = s["tokens_per_s"] * flops_tok / peak if peak and math.isfinite(peak) else None
@@ -638,6 +673,12 @@ def main(argv: list[str] | None = None) -> int:
         "peak_flops": peak if math.isfinite(peak) else None,
         "peak_flops_source": peak_note,
         "interleave": args.interleave,
+        "shardwise_compiled": cfg.compiles(device.type),
+        "plain_compiled": plain_compiled,
+        # the cold-compile cost: shardwise's own report (first step against the second), the plain loop's
+        # first step of the first round (its compile) against its median step
+        "shardwise_compile_report": compile_lines,
+        "plain_first_step_s": round(plain_first_step, 3) if math.isfinite(plain_first_step) else None,
         "warmup": args.warmup,
         "steps": args.steps,
         "rounds": args.rounds,

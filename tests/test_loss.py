@@ -56,6 +56,19 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients_in_fp32(chunk: int) ->
     assert not got_h[0, :10].any() and not got_h[2, -3:].any()
 
 
+def test_the_compiled_chunks_give_the_plain_loss_and_gradients_in_fp32() -> None:
+    # run.compile: each chunk's forward and backward work through torch.compile (a last chunk of another size
+    # compiles once more); fused kernels reorder the sums, so the bar is the gradients' one.
+    h, w, labels = _head_inputs()
+    ref = token_loss_sum(h @ w.t(), labels)
+    ref_h, ref_w = _grads(ref, h, w)
+    got = chunked_token_loss_sum(h, w, labels, 64, compiled=True)
+    got_h, got_w = _grads(got, h, w)
+    assert abs(float(got) - float(ref)) <= GRAD_RTOL * abs(float(ref))
+    assert _rel(got_h, ref_h) <= GRAD_RTOL and _rel(got_w, ref_w) <= GRAD_RTOL
+    assert not got_h[0, :10].any() and not got_h[2, -3:].any()
+
+
 def test_all_labels_ignored_gives_zero_loss_and_gradient() -> None:
     h, w, labels = _head_inputs()
     labels[:] = IGNORE_INDEX

@@ -53,17 +53,21 @@ log = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s per device (no sparsity) by dtype family: "16" for bf16/fp16, "32" for fp32
 # (on NVIDIA: TF32 tensor cores, which torch uses for fp32 matmuls only when allowed, so we take
-# the plain fp32 figure). Sources: vendor data sheets.
+# the plain fp32 figure). Sources: vendor data sheets. "8": dense float8 (e4m3/e5m2) tensor-core peak
+# with fp32 accumulation, where the device has float8 tensor cores (optimize.float8): half the
+# "with sparsity" figure of the data sheets: H100 SXM and H200 3,958 -> 1,979, H100 PCIe 3,026 -> 1,513
+# (NVIDIA H100 and H200 Tensor Core GPU data sheets; H800 has H100's compute), L40S 1,466 -> 733 (L40S
+# data sheet), RTX 4090 330.3 with fp32 accumulate (NVIDIA Ada Lovelace architecture whitepaper, appendix A).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"16": 989.0, "32": 67.0},
-    "H100": {"16": 989.0, "32": 67.0},
-    "H800": {"16": 989.0, "32": 67.0},
+    "H200": {"16": 989.0, "32": 67.0, "8": 1979.0},
+    "H100": {"16": 989.0, "32": 67.0, "8": 1979.0},
+    "H800": {"16": 989.0, "32": 67.0, "8": 1979.0},
     "A100": {"16": 312.0, "32": 19.5},
     "A800": {"16": 312.0, "32": 19.5},
-    "L40S": {"16": 362.0, "32": 91.6},
+    "L40S": {"16": 362.0, "32": 91.6, "8": 733.0},
     "A10": {"16": 125.0, "32": 31.2},
     "V100": {"16": 125.0, "32": 15.7},
-    "RTX 4090": {"16": 165.2, "32": 82.6},
+    "RTX 4090": {"16": 165.2, "32": 82.6, "8": 330.3},
     "Ascend910B1": {"16": 414.0, "32": 103.5},
     "Ascend910B2": {"16": 376.0, "32": 94.0},
     "Ascend910B3": {"16": 313.0, "32": 78.3},
@@ -96,6 +100,7 @@ class Hardware:
     inter_latency_us: float = 15.0        # per collective step between nodes
     devices_per_node: int = 8
     host_bandwidth_gbps: float = 25.0     # device <-> host (PCIe), for CPU offload
+    tflops_8: float = 0.0                 # dense float8 peak (optimize.float8); 0: no float8 tensor cores
     reserved_gib: float = 1.0             # taken by the runtime (CUDA context, CANN workspace) before any tensor
     compute_efficiency: float = 0.45      # achievable fraction of peak FLOP/s for training matmuls
     comm_efficiency: float = 0.8          # achievable fraction of link bandwidth for collectives
@@ -130,7 +135,8 @@ class Hardware:
 
 
 def _peaks(table_key: str) -> dict[str, float]:
-    return {"tflops_16": PEAK_TFLOPS[table_key]["16"], "tflops_32": PEAK_TFLOPS[table_key]["32"]}
+    return {"tflops_16": PEAK_TFLOPS[table_key]["16"], "tflops_32": PEAK_TFLOPS[table_key]["32"],
+            "tflops_8": PEAK_TFLOPS[table_key].get("8", 0.0)}
 
 
 # Link figures: NVLink 4 (H100/H200 SXM) 900 GB/s both directions = 450 each way; NVLink 3 (A100 SXM)
@@ -147,7 +153,7 @@ _ASCEND = "Huawei Atlas 800T A2 / 910B public specifications (approximate); fit 
 CATALOGUE: dict[str, Hardware] = {h.name: h for h in (
     Hardware("H100", memory_gib=80, **_peaks("H100"), memory_bandwidth_gbps=3350, intra_bandwidth_gbps=450,
              inter_bandwidth_gbps=50, host_bandwidth_gbps=64, compute_efficiency=0.42, source=_NVIDIA + "; SXM5"),
-    Hardware("H100-PCIe", memory_gib=80, tflops_16=756, tflops_32=51, memory_bandwidth_gbps=2000,
+    Hardware("H100-PCIe", memory_gib=80, tflops_16=756, tflops_32=51, tflops_8=1513, memory_bandwidth_gbps=2000,
              intra_bandwidth_gbps=64, inter_bandwidth_gbps=25, intra_latency_us=10, host_bandwidth_gbps=64,
              compute_efficiency=0.42, source=_NVIDIA + "; PCIe Gen5 between GPUs, one 400 Gb/s NIC per 2 GPUs"),
     Hardware("H200", memory_gib=141, **_peaks("H200"), memory_bandwidth_gbps=4800, intra_bandwidth_gbps=450,
@@ -227,7 +233,8 @@ def custom_hardware(memory_gb: float, tflops: float, bandwidth_gbps: float, base
         changes["memory_gib"] = memory_gb
     if tflops is not None:
         changes.update(tflops_16=tflops,
-                       tflops_32=base.tflops_32 * tflops / base.tflops_16 if base.tflops_16 else tflops)
+                       tflops_32=base.tflops_32 * tflops / base.tflops_16 if base.tflops_16 else tflops,
+                       tflops_8=base.tflops_8 * tflops / base.tflops_16 if base.tflops_16 else 0.0)
     if bandwidth_gbps is not None:
         changes["intra_bandwidth_gbps"] = bandwidth_gbps
     return base.with_changes(**changes)

@@ -99,7 +99,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                           chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, labels)` without materialising the [tokens, vocab] logits
     or their gradient: `chunk_tokens` tokens at a time, in forward and again in backward.
 
@@ -114,6 +114,10 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     on its V/tp rows; `hidden` (a DTensor, e.g. sequence-sharded, or a plain tensor every TP rank
     holds alike) is gathered whole, and only per-token log-sum-exps and target logits are reduced
     across ranks. The result is the same plain scalar on every TP rank, differentiable.
+
+    `compiled`: each chunk's work (the matmul, then log-sum-exp and target logit in forward, the
+    logits' gradient in backward) runs through `torch.compile`, which fuses the passes over the
+    [chunk, vocab] block into one or two kernels (run.compile; a new chunk shape compiles again).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
@@ -144,7 +148,7 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start)
+        return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start, compiled)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -163,22 +167,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                mesh: Any, start: int) -> torch.Tensor:  # noqa: D102
+                mesh: Any, start: int, compiled: bool) -> torch.Tensor:  # noqa: D102
         n, n_local = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         target = torch.zeros(n, dtype=torch.float32, device=h.device)
+        chunk_forward = _compiled("forward") if compiled else _chunk_forward
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
             if n_local == 0:  # a TP rank past the end of an uneven vocabulary
                 lse[s:e] = float("-inf")
                 continue
-            idx, mine = _local_targets(labels[s:e], start, n_local)
-            logits = _chunk_logits(h[s:e], weight)
-            target[s:e] = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
-            # log-sum-exp in place: max, exp(logits - max), sum; one [c, V] buffer.
-            top = logits.amax(dim=1)
-            lse[s:e] = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top)
-            del logits
+            lse[s:e], target[s:e] = chunk_forward(h[s:e], weight, labels[s:e], start, n_local)
         if mesh is not None:
             top = _all_reduce(lse, mesh, "max")
             both = _all_reduce(torch.stack([lse.sub_(top).exp_(), target]), mesh, "sum")
@@ -188,7 +187,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.where(valid, lse - target, 0.0).sum()
         lse.masked_fill_(~valid, float("inf"))
         ctx.save_for_backward(h, weight, labels, lse)
-        ctx.chunk_tokens, ctx.start = chunk_tokens, start
+        ctx.chunk_tokens, ctx.start, ctx.compiled = chunk_tokens, start, compiled
         return loss
 
     @staticmethod
@@ -199,6 +198,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = None
         g = grad_loss.float()
+        logit_grad = _compiled("backward") if ctx.compiled else _chunk_logit_grad
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_tokens):
                 e = min(s + ctx.chunk_tokens, n)
@@ -206,13 +206,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     if need_h:
                         grad_h[s:e] = 0
                     continue
-                idx, mine = _local_targets(labels[s:e], ctx.start, n_local)
-                # d loss / d logits = g * (softmax - one_hot(label)), 0 on ignored tokens.
-                p = _chunk_logits(h[s:e], weight)
-                p.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(g)
-                p.scatter_add_(1, idx.unsqueeze(1), torch.where(mine, -g, 0.0).unsqueeze(1))
-                if p.dtype != weight.dtype:
-                    p = p.to(weight.dtype)  # the plain path's gradient reaches the matmul in its dtype too
+                p = logit_grad(h[s:e], weight, labels[s:e], lse[s:e], g, ctx.start, n_local)
                 if need_h:
                     torch.mm(p, weight, out=grad_h[s:e])
                 if need_w:
@@ -223,7 +217,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del p
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, start: int, n_local: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's log-sum-exp and target logit per token (the target 0 where the label is another rank's)."""
+    idx, mine = _local_targets(labels, start, n_local)
+    logits = _chunk_logits(h, weight)
+    target = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
+    # log-sum-exp in place: max, exp(logits - max), sum; one [c, V] buffer.
+    top = logits.amax(dim=1)
+    return logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top), target
+
+
+def _chunk_logit_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                      g: torch.Tensor, start: int, n_local: int) -> torch.Tensor:
+    """d loss / d logits of one chunk = g * (softmax - one_hot(label)), 0 on ignored tokens (their lse is
+    +inf), in the weight's dtype: the plain path's gradient reaches the matmul in that dtype too."""
+    idx, mine = _local_targets(labels, start, n_local)
+    p = _chunk_logits(h, weight)
+    p.sub_(lse.unsqueeze(1)).exp_().mul_(g)
+    p.scatter_add_(1, idx.unsqueeze(1), torch.where(mine, -g, 0.0).unsqueeze(1))
+    return p if p.dtype == weight.dtype else p.to(weight.dtype)
+
+
+_COMPILED_CHUNKS: dict[str, Any] = {}
+
+
+def _compiled(which: str) -> Any:
+    """The chunk function `which` ("forward", "backward") under torch.compile, made once per process."""
+    if which not in _COMPILED_CHUNKS:
+        fn = _chunk_forward if which == "forward" else _chunk_logit_grad
+        _COMPILED_CHUNKS[which] = torch.compile(fn)
+    return _COMPILED_CHUNKS[which]
 
 
 def _local_targets(labels: torch.Tensor, start: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,11 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   the trainer's MFU uses): 6 per trainable weight per token, 4 per frozen weight (LoRA, freeze) whose
   input needs a gradient, 2 per frozen weight with nothing trainable below it, plus the attention
   scores; split over tensor-parallel ranks and counted per pipeline stage (the last stage also runs
-  the output projection, so stages are rarely equal).
+  the output projection, so stages are rarely equal). With `optimize.float8` on hardware with float8
+  tensor cores (`tflops_8`), the block linears it converts (`parallel.float8.converts`) run at the
+  float8 peak instead, and their casts (inputs, output gradients, weights) cost FLOAT8_CAST_BYTES per
+  element at the memory bandwidth (fused under run.compile, several passes eager); under ZeRO 2/3 their
+  weights are all-gathered in 1 byte.
 - recompute: full recompute runs the forward of each recomputed layer again; selective recompute
   (`parallel.recompute`) runs again the block linears whose outputs it does not keep and that its
   recompute reaches (k, o and the up projection of a gated MLP; LoRA's low-rank matmuls) plus the
@@ -37,8 +41,10 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   AdamW, then the 16-bit weights come back before the next forward (not hidden: it waits for them).
   `offload_params` (FSDP2's CPU offload): the shards are copied to the device before every all-gather
   (forward and backward; counted with dp_comm, which hides it like the gathers), the sharded gradients
-  go back and the updated shards come back with the step. `offload_activations`: the saved tensors
-  go to the host in the forward and come back in the backward, on the compute stream (not hidden).
+  go back and the updated shards come back with the step. On one accelerator the same, without the
+  collectives: every block's weights cross the host link for its forward and again for its backward.
+  `offload_activations`: the saved tensors go to the host in the forward and come back in the backward,
+  on the compute stream (not hidden).
 
 Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latencies, all-gather
 and reduce-scatter half that; a group that spans nodes uses the inter-node link. On a CPU, a device
@@ -57,6 +63,8 @@ from .hardware import Hardware
 from .memory.estimate import estimate_memory, run_flops, trainable_shapes
 from .models.config import ModelConfig
 from .models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
+from .parallel.data_parallel import ONE_PROCESS_ZERO_STAGE
+from .parallel.float8 import converts, float8_all_gather, float8_on
 from .parallel.pipeline import schedule_style, stage_layer_counts
 from .parallel.recompute import BLOCK_MATMULS, down_output_needed, selective_saved_matmuls
 
@@ -65,6 +73,10 @@ ZERO_BUBBLE_FACTOR = 3.0  # zero-bubble schedules leave about 1/3 of 1F1B's bubb
 ADAM_BYTES = 32  # AdamW per fp32 parameter: read p, g, m, v, write p, m, v, and the clipping norm reads g
 MASTER_BYTES = 8  # O2 without FSDP2: read the fp32 master, write the 16-bit copy
 HOST_ADAM_GBPS = 10.0  # offloaded optimizer: host memory rate per device for CPU AdamW
+# optimize.float8: bytes moved per element of each dynamic float8 cast (torchao, tensorwise): compiled, the
+# amax pass reads the bf16 tensor (2) and the fused scale-and-cast reads it again and writes float8 (2 + 1);
+# eager, abs, max, the fp32 copy, the scaling, the clamp and the cast each go through memory (33).
+FLOAT8_CAST_BYTES = {"compiled": 5, "eager": 33}
 
 
 @dataclass
@@ -133,6 +145,10 @@ class RankLoad:
     recompute_flops_per_token: float = 0.0
     selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
     recompute_collectives: float = 0.0  # tensor-parallel collective volumes the recomputed forwards repeat
+    float8_flops_per_token: float = 0.0  # optimize.float8: the part of flops_per_token in float8 matmuls
+    float8_recompute_flops_per_token: float = 0.0  # ... and of recompute_flops_per_token
+    float8_cast_elements_per_token: float = 0.0  # elements cast to float8 per token (inputs, output gradients)
+    float8_params: int = 0  # converted weights: cast twice per micro-batch, all-gathered in 1 byte under ZeRO 2/3
     params: int = 0
     trainable: int = 0
 
@@ -157,11 +173,41 @@ class Work:
 
     flops: TrainingFlops  # per token, by layer and head (`memory.estimate.run_flops`)
     adapter_params: int  # LoRA parameters per layer
+    float8: tuple["Float8Layer", ...] = ()  # per layer, what optimize.float8 converts (empty when off)
+
+
+@dataclass(frozen=True)
+class Float8Layer:
+    """What optimize.float8 converts in one block (`parallel.float8.converts`), per token."""
+
+    flops: float = 0.0  # forward + backward FLOPs of the converted linears (6 per weight)
+    forward_flops: float = 0.0
+    cast_elements: float = 0.0  # each converted linear casts its input twice and its output gradient twice
+    params: int = 0  # converted weight elements
+    every_linear: bool = False  # every block linear converted (selective recompute's matmuls are float8)
+
+
+def float8_layers(cfg: RunConfig) -> tuple[Float8Layer, ...]:
+    """Per block, what optimize.float8 converts (empty when it is off)."""
+    if not float8_on(cfg):
+        return ()
+    weights: dict[int, list[tuple[int, ...]]] = {i: [] for i in range(cfg.model.num_layers)}
+    for name, shape in trainable_shapes(cfg).items():
+        if name.startswith("layers.") and name.endswith(".weight") and len(shape) == 2:
+            weights[int(name.split(".")[1])].append(shape)
+    out = []
+    for i in range(cfg.model.num_layers):
+        kept = [s for s in weights[i] if converts(s, True)]
+        elems = sum(out_f * in_f for out_f, in_f in kept)
+        out.append(Float8Layer(flops=6.0 * elems, forward_flops=2.0 * elems,
+                               cast_elements=float(sum(2 * (out_f + in_f) for out_f, in_f in kept)), params=elems,
+                               every_linear=bool(kept) and len(kept) == len(weights[i])))
+    return tuple(out)
 
 
 def work_of(cfg: RunConfig) -> Work:
     """The layout-independent work of a run config."""
-    return Work(run_flops(cfg), lora_adapter_params(cfg))
+    return Work(run_flops(cfg), lora_adapter_params(cfg), float8_layers(cfg))
 
 
 def selective_recompute_flops(cfg: RunConfig, layer: int, shapes: dict[str, tuple[int, ...]]) -> float:
@@ -209,6 +255,11 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         here = range(first_layer, first_layer + n_layers)
         load.flops_per_token += sum(flops.layers[i] for i in here)
         for i in here:
+            if work.float8:
+                f8 = work.float8[i]
+                load.float8_flops_per_token += f8.flops
+                load.float8_cast_elements_per_token += f8.cast_elements
+                load.float8_params += f8.params
             load.params += layer_params + adapters
             load.trainable += adapters if cfg.lora is not None else (0 if i < cfg.freeze.layers else layer_params)
         # Per layer of the chunk (full every `recompute_every`-th block of each chunk, from its first).
@@ -216,8 +267,12 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
             if mode == "full":
                 load.recompute_flops_per_token += flops.layers_forward[i]
                 load.recompute_collectives += 2
+                if work.float8:
+                    load.float8_recompute_flops_per_token += work.float8[i].forward_flops
             elif mode == "selective":
                 load.recompute_flops_per_token += selective_recompute_flops(cfg, i, shapes)
+                if work.float8 and work.float8[i].every_linear:
+                    load.float8_recompute_flops_per_token += selective_recompute_flops(cfg, i, shapes)
                 load.selective_flops_per_token += flops.layers_forward[i]
                 # Sequence parallel: the two all-gathers and o's reduce-scatter of the four; else o's all-reduce.
                 load.recompute_collectives += 1.5 if p.sequence_parallel and p.tensor_parallel > 1 else 1
@@ -329,12 +384,24 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     dp_link = _link(hw, dp * tp > per_node, slowdown)
     pp_link = _link(hw, nodes > 1, slowdown)
     act_bytes = tokens_mb * m.hidden_size * b["activation"]
+    # optimize.float8 where the hardware has float8 tensor cores (the planner refuses it elsewhere).
+    rate8 = hw.tflops_8 * 1e12 * hw.compute_efficiency / slowdown if work.float8 and hw.tflops_8 else 0.0
+    cast_bytes = FLOAT8_CAST_BYTES["compiled" if cfg.compiles(hw.kind) else "eager"]
+
+    def float8_casts(load: RankLoad) -> float:
+        """Memory-bound seconds of one micro-batch's float8 casts: activations and gradients per token,
+        and each converted weight twice (forward, backward)."""
+        elements = (tokens_mb * load.float8_cast_elements_per_token + 2 * load.float8_params) / tp
+        return elements * cast_bytes / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
 
     def rank_times(load: RankLoad) -> dict[str, float]:
         """Per micro-batch times of one pipeline rank."""
         compute = tokens_mb * load.flops_per_token / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
+        if rate8:  # optimize.float8: the converted linears at the float8 rate, and their casts
+            compute += tokens_mb * load.float8_flops_per_token / tp * (1 / rate8 - 1 / rate) + float8_casts(load)
+            recompute += tokens_mb * load.float8_recompute_flops_per_token / tp * (1 / rate8 - 1 / rate)
         # Forward and backward: two all-reduce volumes per layer each; recompute repeats (some of) the forward's.
         ar_per_layer = 4 + load.recompute_collectives / max(1, load.layers)
         volumes = load.layers * ar_per_layer + 2 * (int(load.embedding) + int(load.head))
@@ -366,11 +433,21 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     # Data parallelism, on this rank's share of the parameters.
     params_dev = load.params / tp
     trainable_dev = load.trainable / tp
-    zero = p.zero_stage if dp > 1 else 0
+    # optimize.offload_params on one accelerator: FSDP2's CPU offload alone, at ZeRO-3 (no collective).
+    alone = cfg.optimize.offload_params and world == 1 and hw.kind != "cpu"
+    zero = p.zero_stage if dp > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
     comm = 0.0
+    if alone:
+        # Each block's weights come from the host for its forward and again for its backward, prefetched
+        # under the compute like the all-gathers they stand for.
+        comm = 2 * ga * params_dev * b["param"] / (hw.host_bandwidth_gbps * 1e9 / slowdown)
+        window = (t["compute"] + t["recompute"]) * ga
+        step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
     if dp > 1:
         grads = trainable_dev * b["grad"]
         params_bytes = params_dev * b["param"]
+        if rate8 and float8_all_gather(cfg, dp):  # FSDP2 all-gathers the float8 linears' weights in 1 byte
+            params_bytes -= load.float8_params / tp * (b["param"] - 1)
         if zero <= 1:
             comm += all_reduce_time(grads, dp, dp_link)
             if zero == 1:
@@ -413,6 +490,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
                    "dp_comm_total": comm, "micro_batch_time": micro_time, "loads": loads,
+                   "float8": bool(rate8), "float8_cast_time": ga * float8_casts(load) if rate8 else 0.0,
                    # seconds a process computes per step, averaged over the pipeline ranks
                    "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
                    + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
@@ -428,8 +506,16 @@ def _offloaded_activation_bytes(cfg: RunConfig, devices: int, hw: Hardware) -> i
 
 def physical_limit(cfg: RunConfig, hw: Hardware) -> dict[str, float]:
     """The best tokens/s per device at 100% MFU: peak / FLOPs per token (what a step computes: frozen
-    weights skip their weight gradients), beside the FLOPs per token if every weight trained."""
+    weights skip their weight gradients), beside the FLOPs per token if every weight trained. With
+    optimize.float8 on hardware that has it, also the best with the converted linears at the float8 peak
+    (`float8_tokens_per_s_per_device`; MFU stays measured against the 16-bit peak, as torchtitan does)."""
     peak = hw.peak_tflops(cfg.optimize.mixed_precision) * 1e12
     flops = model_flops_per_token(cfg)
-    return {"peak_flops": peak, "flops_per_token": flops, "tokens_per_s_per_device": peak / flops if peak else 0.0,
-            "full_training_flops_per_token": flops_per_token(cfg.model, cfg.data.seq_length)}
+    limit = {"peak_flops": peak, "flops_per_token": flops, "tokens_per_s_per_device": peak / flops if peak else 0.0,
+             "full_training_flops_per_token": flops_per_token(cfg.model, cfg.data.seq_length)}
+    f8 = sum(layer.flops for layer in float8_layers(cfg)) if hw.tflops_8 else 0.0
+    if f8 and peak:
+        limit["float8_flops_per_token"] = f8
+        limit["float8_peak_flops"] = hw.tflops_8 * 1e12
+        limit["float8_tokens_per_s_per_device"] = 1 / ((flops - f8) / peak + f8 / (hw.tflops_8 * 1e12))
+    return limit

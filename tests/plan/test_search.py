@@ -82,9 +82,11 @@ def test_real_estimates_seed_003_lora_on_910b() -> None:
 
 def test_nothing_fits_says_by_how_much_and_what_helps() -> None:
     req = request(devices=1, hardware="A100-40GB", gbs=8)
-    # With the optimizer's masters and state in host memory (offload_optimizer) 7B trains on one 40 GB card.
+    # With the optimizer's masters and state in host memory (offload_optimizer, or offload_params: FSDP2's CPU
+    # offload of the parameters too) 7B trains on one 40 GB card.
     offloaded = plan(req).best
-    assert offloaded is not None and offloaded.layout.offload and offloaded.layout.dp == 1
+    assert offloaded is not None and offloaded.layout.dp == 1
+    assert offloaded.layout.offload or offloaded.layout.offload_params
     req = dataclasses.replace(req, offload=False)
     result = plan(req)
     assert not result.ranked and result.smallest is not None
@@ -150,3 +152,25 @@ def test_a_quantised_base_gets_only_layouts_that_can_hold_it() -> None:
     for c in result.ranked:
         lay = c.layout
         assert lay.tp == 1 and lay.pp == 1 and lay.zero < 2 and not lay.offload, lay.describe()
+
+
+def test_a_layout_that_fits_only_with_smaller_loss_chunks_gets_them() -> None:
+    """The chunked loss's [chunk, vocabulary] logits are a lever that costs no FLOPs: a layout over the memory with
+    the configured chunks is estimated again with SMALL_LOSS_CHUNK-token chunks, and kept when it then fits."""
+    from shardwise.plan.search import SMALL_LOSS_CHUNK
+
+    def memory(cfg, devices, device):  # noqa: ANN001, ANN202 - only the loss chunk decides
+        peak = int((60 if cfg.optimize.loss_chunk_tokens > SMALL_LOSS_CHUNK else 50) * GIB)
+        return SimpleNamespace(peak=peak, params=peak // 4, grads=peak // 4, optimizer=peak // 2, activations=0,
+                               buffers=0)
+
+    req = request(model="qwen2_1.5b", devices=1, gbs=4, top=3, offload=False,
+                  pins={"recompute": ["full"], "micro_batch": [1]})
+    result = plan(req, memory_fn=memory)  # an H100's 71 GiB usable: 60 fits, 50 fits too: nothing changes
+    assert result.best.layout.loss_chunk is None and result.best.cfg.optimize.loss_chunk_tokens == 1024
+    req = dataclasses.replace(req, memory_margin=0.35)  # 80 x 0.65 - 2 = 50 GiB usable: only the smaller chunks fit
+    result = plan(req, memory_fn=memory)
+    best = result.best
+    assert best.layout.loss_chunk == SMALL_LOSS_CHUNK == best.cfg.optimize.loss_chunk_tokens
+    assert best.memory.peak == 50 * GIB and "loss chunks of 256 tokens" in best.layout.describe()
+    assert "loss chunk 256" in format_plan(result)

@@ -150,5 +150,6 @@ def test_layouts_that_cannot_offload_are_refused_naming_the_fix(tmp_path):
         check(ParallelDims(), train={"optimizer_in_backward": True, "max_grad_norm": None}, offload_optimizer=True)
     with pytest.raises(ConfigError, match="offload_activations"):
         check(ParallelDims(pp=2), offload_activations=True)
+    check(ParallelDims(), offload_params=True)  # one device: FSDP2 alone (test_offload_params_one_device.py)
     with pytest.raises(ConfigError, match="offload_params"):
-        check(ParallelDims(), offload_params=True)
+        check(ParallelDims(tp=2), offload_params=True)

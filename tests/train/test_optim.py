@@ -318,10 +318,14 @@ def test_in_backward_stops_on_a_nan_loss_before_touching_the_weights(tmp_path):
     assert "were updated, the others not" in message and changed and changed != set(before)
 
 
-def test_in_backward_hooks_stop_at_the_first_non_finite_gradient():
+@pytest.mark.parametrize("kernel", ["foreach", "fused"])
+def test_in_backward_hooks_stop_at_the_first_non_finite_gradient(kernel):
+    # foreach: each gradient's finiteness is read as it comes; fused: a flag on the device skips the updates
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
-    opt = build_optimizer([("a", a), ("b", b)], "sgd", 0.1, 0.0, (0.0, 0.0), 1e-8)
+    opt = build_optimizer([("a", a), ("b", b)], "sgd", 0.1, 0.0, (0.0, 0.0), 1e-8, kernel=kernel,
+                          in_backward=True)
     hooks = OptimizerInBackward(opt, [a, b])
+    assert hooks.on_device == (kernel == "fused")
     hooks.begin()
     (a * torch.tensor([1.0, math.inf, 1.0])).sum().backward()  # a's gradient is not finite
     (b * 2).sum().backward()

@@ -106,12 +106,28 @@ def test_resume_from_a_finished_run_trains_nothing_more(tmp_path, dataset):
     assert again.step == 3 and again.losses == {}
 
 
-def test_compiled_model_gives_the_eager_losses(tmp_path, dataset):
+def test_compiled_model_gives_the_eager_losses_and_reports_the_compile_once(tmp_path, dataset, caplog):
     eager = _run(tiny_config(tmp_path / "eager", max_steps=2), dataset).losses
-    cfg = with_changes(tiny_config(tmp_path / "compiled", max_steps=2), run={"compile": True})
-    compiled = _run(cfg, dataset).losses
+    assert "compile: false" in (tmp_path / "eager" / "run" / "config.yaml").read_text()  # auto on a CPU: eager
+    cfg = with_changes(tiny_config(tmp_path / "compiled", max_steps=3), run={"compile": True})
+    with caplog.at_level("INFO", logger="shardwise"):
+        trainer = Trainer(cfg, train_dataset=dataset)
+        compiled = trainer.train().losses
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], abs=1e-4)
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in trainer.model.layers.values())
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
+    assert len(reports) == 1 and "compiling cost about" in reports[0]
+
+
+def test_compile_auto_means_accelerators_and_no_quantised_base(tmp_path):
+    cfg = tiny_config(tmp_path)
+    assert cfg.run.compile == "auto"
+    assert cfg.compiles("cuda") and cfg.compiles("npu") and not cfg.compiles("cpu")
+    qlora = with_changes(cfg, lora={"r": 4, "target_modules": ["wq"], "quantize_base": "nf4"})
+    assert not qlora.compiles("cuda")
+    assert with_changes(cfg, run={"compile": True}).compiles("cpu")
+    assert not with_changes(cfg, run={"compile": False}).compiles("cuda")
 
 
 def test_checkpoint_with_recompute_resumes_without_it(tmp_path, dataset):
@@ -134,10 +150,11 @@ def test_offload_is_refused_on_an_accelerator_and_harmless_on_cpu(tmp_path, data
     from shardwise.parallel.dims import ParallelDims
     from shardwise.train.trainer import check_offload
 
-    # offload_params is FSDP2's (data parallelism); offload_optimizer runs on one device (tests/train/test_offload.py)
+    # offload_params is FSDP2's: data parallelism, or one process (tests/train/test_offload_params_one_device.py),
+    # not tensor parallelism alone; on one CPU it is a logged no-op
     cfg = with_changes(tiny_config(tmp_path, max_steps=1), optimize={"offload_params": True})
     with pytest.raises(ConfigError, match="optimize.offload_params"):
-        check_offload(cfg, torch.device("cuda"), ParallelDims())
+        check_offload(cfg, torch.device("cuda"), ParallelDims(tp=2))
     assert _run(cfg, dataset).step == 1
 
 

@@ -13,12 +13,17 @@ things that make that true:
 - precision: a run at level O2 keeps fp32 masters, which are the exact weights; a checkpoint saved
   with masters loads into a run without them and the other way round;
 - ranks: each rank saves its own random state, restored only on the layout that saved it.
+
+With `async_save`, `save` returns once the state is copied into host memory and the checkpoint is
+written in the background; it is published (renamed into place) only later, from the main thread, once
+every rank's write finished: at the next `save`, at `wait` or before a `load`.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +42,9 @@ from ..peft.lora import is_lora_name, save_adapter
 from . import rng
 from .storage import (
     STATE_FILE,
+    PendingCheckpoint,
+    finish_async_save,
+    host_stager,
     list_checkpoints,
     load_checkpoint,
     read_rank_state,
@@ -45,6 +53,8 @@ from .storage import (
     resolve_resume,
     save_checkpoint,
     saved_ranks,
+    start_async_save,
+    step_dir,
     step_of,
 )
 from .weights import load_pretrained_tensors
@@ -177,6 +187,9 @@ class Checkpointer:
     recorded so that random states are restored only where they belong. `lora`/`model_cfg`/`base`:
     a LoRA run also saves its adapters in peft's format (`step_N/adapter`). `extra_files`: files of
     the run directory copied into each checkpoint (config.yaml, tokenizer/), when they exist.
+    `async_save`: `save` stages the state in host memory and writes it in the background (`wait`);
+    in a distributed run the checkpointer then creates a gloo process group of its own, so every rank
+    must construct it at the same point.
     """
 
     def __init__(self, run_dir: str | Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer, *,
@@ -184,7 +197,7 @@ class Checkpointer:
                  layout: dict[str, int] | None = None, device: torch.device = torch.device("cpu"),
                  rank: int = 0, keep: int = 3, seed: int = 0, lora: LoraConfig | None = None,
                  model_cfg: ModelConfig | None = None, base: str | None = None,
-                 extra_files: tuple[str, ...] = ("config.yaml", "tokenizer")) -> None:
+                 extra_files: tuple[str, ...] = ("config.yaml", "tokenizer"), async_save: bool = False) -> None:
         self.run_dir, self.parts, self.optimizer = Path(run_dir), list(parts), optimizer
         self.masters, self.scaler, self.loader = masters, scaler, loader
         self.tied_copy, self.layout, self.device, self.rank = tied_copy, layout or {}, device, rank
@@ -196,6 +209,13 @@ class Checkpointer:
         self.opt_named: list[tuple[str, torch.Tensor]] = (
             list(masters.named_masters()) if masters is not None
             else [(names[id(p)], p) for p in parameters(self.parts) if p.requires_grad])
+        self.async_save = async_save
+        self._pending: PendingCheckpoint | None = None
+        self._stager = host_stager() if async_save else None  # its host buffers are reused by every save
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-checkpoint") \
+            if async_save else None
+        # The background write's collectives get a group of their own (created on every rank, here).
+        self._group = dist.new_group(backend="gloo") if async_save and distributed() else None
 
     # --- names under which one process would store this rank's tensors
 
@@ -240,17 +260,45 @@ class Checkpointer:
     # --- save
 
     def save(self, step: int) -> Path:
-        """Write the checkpoint of `step` (every rank calls it); return its directory."""
+        """Write the checkpoint of `step` (every rank calls it); return its directory. With `async_save`
+        the directory appears only when the write is published (`wait`, or the next save); a pending
+        save is published first, and a failure of its write raises here."""
+        self.wait()
         trainer_state: dict[str, Any] = {"scaler": self.scaler.state_dict() if self.scaler is not None else None,
                                          "layout": self.layout}
         if self.loader is not None:
             trainer_state["loader"] = self.loader.state_dict()
         extra = {name: self.run_dir / name for name in self.extra_files if (self.run_dir / name).exists()}
         streams = {n: r.state() for n, r in self.rank_streams.items()}
+        if self.async_save:
+            self._pending = start_async_save(self.run_dir, step, self.tensors(), trainer_state, extra, keep=self.keep,
+                                             rank_state=rng.capture(self.device, streams), process_group=self._group,
+                                             stager=self._stager, executor=self._writer)
+            return step_dir(self.run_dir, step)
         path = save_checkpoint(self.run_dir, step, self.tensors(), trainer_state, extra, keep=self.keep,
                                rank_state=rng.capture(self.device, streams))
         if self.lora is not None and self.rank == 0:
             self._save_adapter(path)
+        return path
+
+    def wait(self, *, training_failed: bool = False) -> Path | None:
+        """Wait for the pending background save (every rank calls it) and publish it; return its directory,
+        or None when nothing was pending. A failed write raises a CheckpointError naming the checkpoint
+        and the cause (once: the save is then dropped). `training_failed`: called while training raises,
+        so the checkpoint of an earlier, finished step is still published, but a failure here is logged,
+        not raised, so that it does not hide the training error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            path = finish_async_save(pending)
+            if self.lora is not None and self.rank == 0:
+                self._save_adapter(path)
+        except Exception as e:
+            if not training_failed:
+                raise
+            log.error("training stopped on an error, and finishing its pending checkpoint failed too: %s", e)
+            return None
         return path
 
     def _save_adapter(self, path: Path) -> None:
@@ -267,6 +315,7 @@ class Checkpointer:
         """Continue from `resume` ("auto": the newest checkpoint of the run, or a path); return the step
         it was saved at (0 when "auto" finds none). A resume from an older checkpoint forks the run: its
         newer checkpoints are removed only with `overwrite`."""
+        self.wait()  # a checkpoint still being written is published first
         path = resolve_resume(resume, self.run_dir)
         if path is None:
             log.info("--resume auto: no checkpoint in %s yet, starting from step 0", self.run_dir)

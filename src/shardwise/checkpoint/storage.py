@@ -17,7 +17,10 @@ each hold some layers) loads under any other: every rank reads the pieces its ow
 
 A checkpoint is written into a hidden temporary directory shared by all ranks and renamed into place
 by rank 0 only when every rank's files are on disk; a failure on any rank stops every rank before the
-rename, so the previous checkpoints stay the newest good ones.
+rename, so the previous checkpoints stay the newest good ones. An asynchronous save
+(`start_async_save`, `finish_async_save`) copies the tensors into host memory and returns; DCP writes
+them into the same temporary directory in the background, and the directory is published the same
+way, later, once every rank's write has finished.
 
 A checkpoint may come from anywhere: every load goes through `_dcp_load`, which reads it with
 `checkpoint.format` (metadata as validated JSON, tensors with `torch.load(weights_only=True)`, checked
@@ -33,6 +36,8 @@ import os
 import re
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..errors import CheckpointError
 from ..files import fsync_dir, fsync_tree, write_json_atomic
@@ -169,6 +175,16 @@ def _shapes_from_metadata(md: Metadata, groups: Any) -> dict[str, dict[str, list
     return shapes
 
 
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """The directory the checkpoint of `step` is published under."""
+    return checkpoint_root(run_dir) / f"step_{step:08d}"
+
+
+def _temporary_dir(final: Path) -> Path:
+    """Where the checkpoint `final` is written before it is published (hidden: never taken for one)."""
+    return final.parent / f".{final.name}.tmp"
+
+
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                     trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
                     keep: int = 3, *, rank_state: dict | None = None, process_group: Any = None) -> Path:
@@ -186,20 +202,12 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
     """
     group = process_group
     rank = _rank(group)
-    root = checkpoint_root(run_dir)
-    final = root / f"step_{step:08d}"
+    final = step_dir(run_dir, step)
     if final.exists():
         log.info("checkpoint %s already exists; not saving it again", final)
         return final
-    tmp = root / f".step_{step:08d}.tmp"
-
-    def prepare() -> None:
-        _check_tensor_values(tensors)
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            _remove_stale_temporaries(root)
-            tmp.mkdir()
-    _, error = attempt(prepare)
+    tmp = _temporary_dir(final)
+    _, error = attempt(lambda: _prepare_temporary(tmp, rank, tensors))
     fail_together(error, group, f"preparing {tmp}", error_class=CheckpointError)
     # DCP stops every rank with a CheckpointException when any rank fails inside it.
     with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
@@ -209,25 +217,154 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
     _, error = attempt(lambda: write_json_atomic(rank_state_file(tmp, rank),
                                                    rank_state if rank_state is not None else capture_rng(CPU)))
     fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
-
-    def finish() -> None:  # rank 0, once every rank's files are on disk
-        for name, src in (extra_files or {}).items():
-            src = Path(src)
-            if src.is_dir():
-                shutil.copytree(src, tmp / name)
-            elif src.is_file():
-                shutil.copy2(src, tmp / name)
-        state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, tensors))
-        write_json_atomic(tmp / STATE_FILE, state)
-        fsync_tree(tmp)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        _prune(run_dir, keep)
-    _, error = attempt(finish) if rank == 0 else (None, None)
-    # The other ranks wait here for the rename.
+    # Rank 0, once every rank's files are on disk; the other ranks wait in `fail_together` for the rename.
+    _, error = attempt(lambda: _publish(tmp, final, step, trainer_state, metadata, list(tensors), extra_files,
+                                        keep)) if rank == 0 else (None, None)
     fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     if rank == 0:
         log.info("saved checkpoint %s", final)
+    return final
+
+
+def _prepare_temporary(tmp: Path, rank: int, tensors: dict[str, dict[str, Any]]) -> None:
+    """Check what is to be saved; on rank 0 create the empty temporary directory (stale ones removed)."""
+    _check_tensor_values(tensors)
+    if rank == 0:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(tmp.parent)
+        tmp.mkdir()
+
+
+def _publish(tmp: Path, final: Path, step: int, trainer_state: dict, metadata: Metadata, groups: list[str],
+             extra_files: dict[str, str | Path] | None, keep: int) -> None:
+    """Rank 0, once every rank's files are in `tmp`: the extra files and the trainer state beside them,
+    everything flushed, `tmp` renamed to `final`, then all but the newest `keep` checkpoints removed."""
+    for name, src in (extra_files or {}).items():
+        src = Path(src)
+        if src.is_dir():
+            shutil.copytree(src, tmp / name)
+        elif src.is_file():
+            shutil.copy2(src, tmp / name)
+    state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, groups))
+    write_json_atomic(tmp / STATE_FILE, state)
+    fsync_tree(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    _prune(final.parent.parent, keep)
+
+
+# --- Asynchronous saves: staged in host memory, written in the background, published later ---------------
+
+
+def host_stager() -> DefaultStager:
+    """DCP's stager for `start_async_save`: synchronous copies into host memory, pinned (and copied
+    without blocking, then synchronised once) where CUDA is available. It keeps its host buffers
+    between saves (one copy of the state for the run), refilled in place by each save."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose tensors are being written in the background; `finish_async_save` publishes it."""
+
+    final: Path
+    step: int
+    trainer_state: dict
+    extra_files: dict[str, str | Path] | None
+    keep: int
+    groups: list[str]
+    process_group: Any
+    write: Future  # -> DCP's Metadata, or the write's exception
+
+    @property
+    def tmp(self) -> Path:
+        """The hidden directory it is written into."""
+        return _temporary_dir(self.final)
+
+
+def start_async_save(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
+                     trainer_state: dict, extra_files: dict[str, str | Path] | None = None, keep: int = 3, *,
+                     rank_state: dict, process_group: Any, stager: DefaultStager,
+                     executor: ThreadPoolExecutor) -> PendingCheckpoint | None:
+    """Begin the checkpoint of `step` as `save_checkpoint` writes it, but return once the tensors are
+    staged (copied by `stager` into host memory): DCP writes them from there on `executor`'s thread,
+    into the same hidden temporary directory, with `process_group` (a group of its own: the write's
+    collectives must not interleave with training's). Nothing is published until `finish_async_save`.
+
+    Every rank calls it; every rank returns, or every rank raises (nothing is then left running).
+    None when the checkpoint already exists."""
+    group = process_group
+    rank = _rank(group)
+    final = step_dir(run_dir, step)
+    if final.exists():
+        log.info("checkpoint %s already exists; not saving it again", final)
+        return None
+    tmp = _temporary_dir(final)
+
+    def prepare() -> dict:
+        _prepare_temporary(tmp, rank, tensors)
+        return stager.stage(tensors)
+    staged, error = attempt(prepare)
+    fail_together(error, group, f"preparing {tmp}", error_class=CheckpointError)
+    _, error = attempt(lambda: write_json_atomic(rank_state_file(tmp, rank), rank_state))
+    fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
+    if not _distributed():
+        _quiet_single_process_warning()
+    write = executor.submit(_write_tensors, staged, tmp, group)
+    return PendingCheckpoint(final=final, step=step, trainer_state=trainer_state, extra_files=extra_files, keep=keep,
+                             groups=list(tensors), process_group=group, write=write)
+
+
+def _write_tensors(staged: dict, tmp: Path, group: Any) -> Metadata:
+    """The background part of an asynchronous save: DCP writes the staged tensors into `tmp`."""
+    return dcp.save(staged, storage_writer=JsonMetadataWriter(tmp, sync_files=True), process_group=group,
+                    no_dist=not _distributed())
+
+
+def _quiet_single_process_warning() -> None:
+    # DCP warns from the writing thread that one process means no process group; a filter scoped by
+    # `catch_warnings` would be undone there by the main thread, so this one stays (it matches that
+    # message only).
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled.*save in a single process")
+
+
+def _outcome(pending: PendingCheckpoint) -> tuple[Metadata | None, CheckpointError | None]:
+    """(the metadata, None) once the background write finished, or (None, the error saying why it failed)."""
+    try:
+        return pending.write.result(), None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        where = ""
+        if isinstance(e, CheckpointException) and e.failures:  # every rank's failure: the first rank's cause
+            rank = min(e.failures)
+            where, e = (f" on rank {rank}" if _distributed() else ""), e.failures[rank][0]
+        return None, CheckpointError(
+            f"the background write of checkpoint {pending.final} (into {pending.tmp}) failed{where}: "
+            f"{type(e).__name__}: {e}. It was not published: the newest complete checkpoint in "
+            f"{pending.final.parent} is still the one before it")
+
+
+def finish_async_save(pending: PendingCheckpoint) -> Path:
+    """Wait for `pending`'s background write on every rank, then publish it as `save_checkpoint` does
+    (rank 0 renames it into place once the ranks agree that every write finished). A failed write
+    raises a CheckpointError on every rank naming the checkpoint and the cause; its temporary directory
+    is removed and the previous checkpoint stays the newest good one."""
+    group, final, tmp = pending.process_group, pending.final, pending.tmp
+    rank = _rank(group)
+    metadata, error = _outcome(pending)
+    try:
+        fail_together(error, group, f"the background write of checkpoint {final}", error_class=CheckpointError)
+        _, error = attempt(lambda: _publish(tmp, final, pending.step, pending.trainer_state, metadata,
+                                            pending.groups, pending.extra_files, pending.keep)) \
+            if rank == 0 else (None, None)
+        fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        log.info("saved checkpoint %s (written in the background)", final)
     return final
 
 

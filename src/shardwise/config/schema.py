@@ -26,6 +26,7 @@ FINETUNE_LR_LORA = 2e-4
 # time (64 MiB of fp32): its temporaries are one chunk's, not a parameter group's.
 OPTIMIZER_CHUNK_ELEMENTS = 2**24
 FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")  # where optimizer_impl auto picks torch's fused AdamW
+COMPILED_BY_DEFAULT = ("cuda", "npu")  # where run.compile auto compiles the blocks (see RunConfig.compiles)
 
 
 class _Section(BaseModel):
@@ -144,8 +145,9 @@ class OptimizeConfig(_Section):
         "on the device (one device, or ZeRO 2/3)"
     )
     offload_params: bool = Field(
-        False, description="FSDP2's CPU offload (ZeRO 2/3): sharded parameters, gradients and optimizer state in "
-        "host memory, each block's parameters copied to the device for its all-gather; the step on the CPU"
+        False, description="FSDP2's CPU offload (ZeRO 2/3; on one GPU/NPU FSDP2 alone, at ZeRO-3): sharded "
+        "parameters, gradients and optimizer state in host memory, each block's parameters copied to the device "
+        "for its all-gather; the step on the CPU"
     )
     offload_activations: bool = Field(
         False, description="move the tensors saved for backward to host memory during the forward and back for "
@@ -157,6 +159,13 @@ class OptimizeConfig(_Section):
     )
     loss_chunk_tokens: int = Field(
         DEFAULT_LOSS_CHUNK_TOKENS, ge=1, description="chunked loss: tokens per chunk (one [chunk, vocab] fp32 block)"
+    )
+    float8: bool = Field(
+        False, description="float8 training (torchao, dynamic per-tensor scales): the blocks' linears multiply in "
+        "float8, about twice the bf16 matmul rate, and ZeRO 2/3 all-gather their weights in 1 byte instead of 2; "
+        "the head, attention and norms stay bf16; a small accuracy cost. CUDA GPUs with float8 tensor cores "
+        "(compute capability 8.9+: H100, H200, L40S, RTX 4090) only; needs mixed_precision bf16, torchao (pip "
+        "install shardwise[lowbit]), no LoRA, no tensor parallelism; pays with run.compile (fused casts)"
     )
 
     @model_validator(mode="after")
@@ -253,6 +262,11 @@ class TrainConfig(_Section):
     eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
     save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
+    async_save: bool = Field(
+        False, description="write checkpoints in the background: a save only copies the state into host memory "
+        "(pinned on CUDA) and training goes on while it is written, then published atomically; costs one more "
+        "copy of the model, optimizer and master state per rank in host memory for the whole run, so off by default"
+    )
     nan_policy: Literal["stop", "skip"] = Field("stop", description="on a NaN/Inf loss")
     check_replicas_steps: Optional[int] = Field(
         None, ge=1, description="every N steps compare parameter checksums across data-parallel replicas"
@@ -340,7 +354,13 @@ class DataConfig(_Section):
     )
     reset_attention_mask: bool = Field(True, description="attention stays inside each packed document")
     reset_position_ids: bool = Field(True, description="positions restart at each packed document")
-    num_workers: int = Field(0, ge=0, description="loader worker processes (0 = read in the trainer)")
+    num_workers: Union[Literal["auto"], int] = Field(
+        "auto", description="loader worker processes; 0 = read in the trainer (on CUDA/NPU in a background thread "
+        "that prefetches the next step); auto = 2 on CUDA/NPU (pinned memory, fewer when the rank has few cores), "
+        "0 on CPU, where workers would take cores from the compute threads")
+    pad_to_multiple_of: int = Field(
+        64, ge=1, description="instruction packing dynamic: round each batch's width (its longest sample) up to a "
+        "multiple of this, at most seq_length, so compiled kernels see few shapes; padding carries no loss; 1 = off")
     template: Union[Literal["auto", "default", "tokenizer"], dict[str, Any]] = Field(
         "auto", description="instruction: chat template (auto = tokenizer's if any, else [INST] form)"
     )
@@ -358,6 +378,13 @@ class DataConfig(_Section):
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("num_workers")
+    @classmethod
+    def _workers_not_negative(cls, v: Any) -> Any:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"{v} workers: give 0 (read in the trainer), a number of worker processes, or auto")
+        return v
 
 
 class LoraConfig(_Section):
@@ -414,7 +441,10 @@ class RunSection(_Section):
     """Where and how the run executes."""
 
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device kind")
-    compile: bool = Field(False, description="torch.compile the model (seed: mode graph / mode 0)")
+    compile: Union[bool, Literal["auto"]] = Field(
+        "auto", description="torch.compile each transformer block (seed: mode graph / mode 0; pynative: false). auto: "
+        "on CUDA and Ascend NPU, eager on a CPU (measured there: docs/performance.md) and for a quantised base "
+        "(QLoRA); a block that fails to compile runs eagerly with a warning")
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
     timeout_s: float = Field(
         600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
@@ -570,6 +600,13 @@ class RunConfig(_Section):
                 f"micro_batch_num micro-batches each; set gradient_accumulation_steps to a multiple of "
                 f"{p.micro_batch_num}, or leave it unset (it then equals micro_batch_num)"
             )
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the blocks are torch.compile'd on a `device_type` ("cuda", "npu", "cpu") device: run.compile,
+        its auto meaning on accelerators only and not for a quantised base (QLoRA refuses compile)."""
+        if self.run.compile != "auto":
+            return bool(self.run.compile)
+        return device_type in COMPILED_BY_DEFAULT and not (self.lora is not None and self.lora.quantize_base != "none")
 
     def gradient_accumulation(self, devices: int | None = None) -> int:
         """Micro-batches per optimizer step on each data-parallel rank.

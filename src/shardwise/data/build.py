@@ -140,6 +140,7 @@ def _instruction_datasets(
             truncation=data.truncation, on_bad_line=data.on_bad_line, cache_dir=cache_dir, seed=seed,
             # Dynamic batches hold what micro_batch_size full rows would: the same memory bound.
             token_budget=micro_batch_size * data.seq_length if packing_dynamic else None,
+            pad_to_multiple_of=data.pad_to_multiple_of,
         )
 
     train = dataset(data.train_files, True)

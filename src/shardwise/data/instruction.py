@@ -33,8 +33,10 @@ out too; all counted in ``stats``. ``packing``:
   is padding (pad id, label -100, its own document id).
 * ``"pad"``: one sample per row, padded to ``max_seq_len``.
 * ``"dynamic"``: every item is a whole micro-batch (``items_are_batches = True``) of samples of similar
-  length, padded to its longest, with rows x length <= ``token_budget``. Samples are sorted by length
-  (equal lengths in a seeded random order) and cut greedily; the loader shuffles the batches.
+  length, padded to its longest rounded up to a multiple of ``pad_to_multiple_of`` (at most
+  ``max_seq_len``; compiled kernels then see few widths), with rows x width <= ``token_budget``.
+  Samples are sorted by that width (equal widths in a seeded random order) and cut greedily; the
+  loader shuffles the batches.
 
 Tokens are read and encoded once and kept as flat numpy arrays (tokens, trained-token mask, sample
 offsets), optionally cached in ``cache_dir`` keyed by the files, the tokenizer and the template.
@@ -390,6 +392,7 @@ class InstructionDataset(Dataset):
         token_budget: int | None = None,
         cache_dir: str | None = None,
         seed: int = 0,
+        pad_to_multiple_of: int = 1,
     ) -> None:
         """Read, template and tokenize `data_files` (paths or globs) into samples of <= `max_seq_len`."""
         for name, value, allowed in (
@@ -401,6 +404,9 @@ class InstructionDataset(Dataset):
                 raise DataError(f"{name}={value!r} is not one of {', '.join(allowed)}")
         if max_seq_len < 2:
             raise DataError(f"max_seq_len (data.seq_length) must be at least 2, got {max_seq_len}")
+        if pad_to_multiple_of < 1:
+            raise DataError(f"pad_to_multiple_of (data.pad_to_multiple_of) must be at least 1 (1 = the longest "
+                            f"sample's width), got {pad_to_multiple_of}")
         if packing == "dynamic":
             if token_budget is None:
                 token_budget = max_seq_len
@@ -419,6 +425,7 @@ class InstructionDataset(Dataset):
         self.truncation = truncation
         self.token_budget = token_budget
         self.seed = seed
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.items_are_batches = packing == "dynamic"
         self.pad_id = tokenizer.pad_id
         renderer = resolve_template(template, tokenizer)
@@ -471,14 +478,14 @@ class InstructionDataset(Dataset):
             groups = list(np.arange(len(self._lengths), dtype=np.int64).reshape(-1, 1))
         else:
             assert self.token_budget is not None  # set in __init__ for dynamic batching
-            groups = batch_by_budget(self._lengths, self.token_budget, self.seed)
+            groups = batch_by_budget(self.padded_width(self._lengths), self.token_budget, self.seed)
         self._group_offsets = np.zeros(len(groups) + 1, dtype=np.int64)
         np.cumsum([len(g) for g in groups], out=self._group_offsets[1:])
         self._group_samples = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
         self.stats["items"] = len(groups)
         if self.packing == "dynamic":
-            widths = np.array([self._lengths[g].max() * len(g) for g in groups], dtype=np.int64)
-            self.stats["padding_tokens"] = int(widths.sum()) - self.stats["tokens"]
+            cells = np.array([self.padded_width(self._lengths[g].max()) * len(g) for g in groups], dtype=np.int64)
+            self.stats["padding_tokens"] = int(cells.sum()) - self.stats["tokens"]
         else:
             self.stats["padding_tokens"] = len(groups) * self.seq_length - self.stats["tokens"]
 
@@ -517,6 +524,12 @@ class InstructionDataset(Dataset):
             raise IndexError(f"item {item} out of range for {len(self)} items")
         return self._group_samples[self._group_offsets[item] : self._group_offsets[item + 1]]
 
+    def padded_width(self, longest: Any) -> Any:
+        """Width of a dynamic batch whose longest sample has `longest` tokens (an int or an array of them):
+        rounded up to a multiple of pad_to_multiple_of, at most seq_length."""
+        m = self.pad_to_multiple_of
+        return np.minimum(-(-longest // m) * m, self.seq_length)
+
     def _fill(self, rows: Sequence[np.ndarray], width: int) -> dict[str, torch.Tensor]:
         """Rows (each a list of samples laid end to end) padded to `width`, as batch-contract tensors."""
         b = len(rows)
@@ -548,7 +561,7 @@ class InstructionDataset(Dataset):
         """A row ([T] tensors), or with packing="dynamic" a micro-batch ([b, T_b] tensors)."""
         samples = self._samples_of(int(index))
         if self.items_are_batches:
-            width = int(self._lengths[samples].max())
+            width = int(self.padded_width(self._lengths[samples].max()))
             return self._fill([samples[k : k + 1] for k in range(len(samples))], width)
         return {k: v[0] for k, v in self._fill([samples], self.seq_length).items()}
 
@@ -557,7 +570,7 @@ class InstructionDataset(Dataset):
         groups = [self._samples_of(int(i)) for i in np.asarray(indices).reshape(-1)]
         if self.items_are_batches:
             rows = [g[k : k + 1] for g in groups for k in range(len(g))]
-            width = max(int(self._lengths[g].max()) for g in groups)
+            width = max(int(self.padded_width(self._lengths[g].max())) for g in groups)
             return self._fill(rows, width)
         return self._fill(groups, self.seq_length)
 

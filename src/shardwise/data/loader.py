@@ -12,12 +12,20 @@ number of ranks or the batch shape, so a checkpoint saved with one layout resume
 continues with exactly the samples not yet seen. With `num_workers > 0`, worker processes of a torch
 DataLoader read the micro-batches; the main process counts what it has handed out, so the saved
 position is what the trainer took, not what the workers prefetched.
+
+With `prefetch` (the default on CUDA/NPU when num_workers is 0) a background thread reads the next
+step's micro-batches, in pinned memory, while the current step computes; it too counts nothing:
+a step it read but the trainer did not take is read again after a resume. `batches_to_device`
+copies a step's micro-batches to the device without waiting (non_blocking from pinned memory).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import queue
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,6 +45,14 @@ Batch = dict[str, torch.Tensor]
 STATE_VERSION = 2
 # Epoch permutations kept in memory: the current epoch and the next, for steps that straddle them.
 _ORDER_CACHE = 2
+# data.num_workers auto on CUDA/NPU. Reading a micro-batch is a numpy gather from memory-mapped shards
+# (pre-training) or a fill of a few rows (SFT): milliseconds against a step of a tenth of a second or
+# more, so one worker keeps up; the second covers a slow read (a cold page of a shard, a long SFT batch)
+# without stalling the step. More would only hold cores and host memory (each worker is a fork of the
+# trainer) that the ranks of a node share: 8 GPUs x 2 workers are already 16 processes.
+ACCELERATOR_WORKERS = 2
+# How often the prefetch thread and its reader look whether they should stop (seconds).
+_POLL_S = 0.05
 
 
 class _Stream:
@@ -160,6 +176,84 @@ def _as_is(batch: _WireBatch) -> _WireBatch:
     return batch
 
 
+def resolve_num_workers(setting: int | str, device_type: str, local_world_size: int = 1) -> int:
+    """Loader worker processes for data.num_workers `setting` on a device of kind `device_type`.
+
+    An int is taken as it is. auto: 0 on CPU, where workers would compete with the compute threads
+    for the cores; on CUDA/NPU `ACCELERATOR_WORKERS`, fewer when this rank's share of the node's
+    cores (over `local_world_size` ranks) leaves no core spare beside the trainer's own.
+    """
+    if setting != "auto":
+        return int(setting)
+    if device_type == "cpu":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    spare = cores // max(1, local_world_size) - 1
+    return max(0, min(ACCELERATOR_WORKERS, spare))
+
+
+class _StepPrefetcher:
+    """A background thread that reads the steps from global position `start` on, one step ahead.
+
+    It has its own stream and sampler (the loader's cache of epoch permutations is not shared between
+    threads) and puts (position, micro-batches) or, when reading fails, (position, the exception) into
+    a queue of one; `pin` pins the micro-batches. It counts nothing: the loader counts what it takes.
+    """
+
+    def __init__(self, dataset: Dataset, sampler: _RankMicroBatches, start: int, global_batch: int,
+                 pin: bool) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.start = start
+        self.global_batch = global_batch
+        self.pin = pin
+        self.next_position = start  # of the step get() hands out next
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardwise-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        position = self.start
+        try:
+            while not self._stop.is_set():
+                batches = [collate(self.dataset, idx) for idx in self.sampler.step(position)]
+                if self.pin:
+                    batches = [pin_batch(b) for b in batches]
+                if not self._put((position, batches)):
+                    return
+                position += self.global_batch
+        except BaseException as exc:  # handed to the reader, who raises it in next_step
+            self._put((position, exc))
+
+    def _put(self, item: tuple[int, Any]) -> bool:
+        """Queue `item` unless told to stop first; whether it was queued."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> tuple[int, list[Batch] | BaseException]:
+        """The next (position, micro-batches or exception), waiting for the thread to read it."""
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+                self.next_position += self.global_batch
+                return item
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise DataError("the loader's prefetch thread stopped without a batch or an error") from None
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; with `wait`, wait for it (it finishes the micro-batch it is reading)."""
+        self._stop.set()
+        if wait:
+            self._thread.join()
+
+
 class StatefulLoader:
     """Micro-batches for each optimizer step of one data-parallel rank; the position is checkpointable.
 
@@ -171,7 +265,9 @@ class StatefulLoader:
     With `num_workers == 0` samples are read in this process. With `num_workers > 0` a torch
     DataLoader with persistent worker processes reads this rank's micro-batches from the current
     position on (pinned memory when CUDA is available, unless `pin_memory` says otherwise); call
-    `close()` to stop the workers early, otherwise they stop with the loader.
+    `close()` to stop the workers early, otherwise they stop with the loader. With `num_workers == 0`
+    and `prefetch`, a background thread reads the next step while the trainer computes (pinned with
+    `pin_memory`); `close()` stops it too.
 
     Datasets with `get_batch(indices)` read a whole micro-batch at once; a dataset with
     `items_are_batches = True` holds ready micro-batches as items (micro_batch_size must be 1).
@@ -189,6 +285,7 @@ class StatefulLoader:
         num_workers: int = 0,
         pin_memory: bool | None = None,
         prefetch_factor: int = 2,
+        prefetch: bool = False,
     ) -> None:
         """Serve rank `dp_rank` of `dp_size`: `grad_accum` micro-batches of `micro_batch_size` a step."""
         for name, value in (
@@ -221,6 +318,7 @@ class StatefulLoader:
         self.num_workers = num_workers
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.prefetch_factor = prefetch_factor
+        self.prefetch = prefetch
         self.num_samples = num_samples
         self.global_batch_size = micro_batch_size * grad_accum * dp_size
         if num_samples < self.global_batch_size:
@@ -234,6 +332,7 @@ class StatefulLoader:
         self._sampler = _RankMicroBatches(self._stream, micro_batch_size, grad_accum, dp_rank, dp_size)
         self._workers: DataLoader | None = None
         self._worker_iter: Iterator[Batch] | None = None
+        self._prefetcher: _StepPrefetcher | None = None
 
     # --- where the stream is -------------------------------------------------------------------
 
@@ -277,12 +376,42 @@ class StatefulLoader:
 
     def next_step(self) -> list[Batch]:
         """This rank's grad_accum micro-batches for the next step; runs on into the next epoch."""
-        if self.num_workers == 0:
-            batches = [collate(self.dataset, idx) for idx in self.step_indices()]
-        else:
+        if self.num_workers > 0:
             batches = self._next_from_workers()
+        elif self.prefetch:
+            batches = self._next_prefetched()
+        else:
+            batches = [collate(self.dataset, idx) for idx in self.step_indices()]
         self.consumed += self.global_batch_size
         return batches
+
+    def _next_prefetched(self) -> list[Batch]:
+        if self._prefetcher is not None and self._prefetcher.next_position != self.consumed:
+            self._stop_prefetch()  # the position was set from outside: read from there instead
+        if self._prefetcher is None:
+            self._start_prefetch()
+        position, got = self._prefetcher.get()  # type: ignore[union-attr]
+        if position != self.consumed:
+            self._stop_prefetch()
+            raise DataError(f"the prefetch thread read the step at sample {position}, but the loader is at "
+                            f"{self.consumed}; this is a shardwise bug, please report it (data.num_workers 1 or "
+                            f"more reads in worker processes instead)")
+        if isinstance(got, BaseException):
+            self._stop_prefetch()  # the next call starts again from the counted position
+            raise got
+        return got
+
+    def _start_prefetch(self) -> None:
+        # Its own stream and sampler: the thread must not share the permutation cache with this one.
+        stream = _Stream(self.num_samples, self.seed, self.shuffle)
+        sampler = _RankMicroBatches(stream, self.micro_batch_size, self.grad_accum, self.dp_rank, self.dp_size)
+        self._prefetcher = _StepPrefetcher(self.dataset, sampler, self.consumed, self.global_batch_size,
+                                           self.pin_memory)
+
+    def _stop_prefetch(self) -> None:
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.stop()
 
     def _next_from_workers(self) -> list[Batch]:
         if self._worker_iter is None:
@@ -317,7 +446,8 @@ class StatefulLoader:
             yield self.next_step()
 
     def close(self) -> None:
-        """Stop the worker processes (if any); reading again starts new ones."""
+        """Stop the worker processes or the prefetch thread (if any); reading again starts new ones."""
+        self._stop_prefetch()
         self._worker_iter = None
         workers, self._workers = self._workers, None
         if workers is not None:
@@ -325,6 +455,11 @@ class StatefulLoader:
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
             workers._iterator = None
+
+    def __del__(self) -> None:
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:  # a loader dropped without close(): its thread ends on its own
+            prefetcher.stop(wait=False)
 
     # --- checkpointing -------------------------------------------------------------------------
 
@@ -334,12 +469,19 @@ class StatefulLoader:
                 "num_samples": self.num_samples}
 
     @classmethod
-    def for_run(cls, dataset: Any, cfg: Any, dp_rank: int, dp_size: int, world_size: int) -> "StatefulLoader":
-        """The loader of a run (a RunConfig) on data-parallel rank `dp_rank` of `dp_size`."""
+    def for_run(cls, dataset: Any, cfg: Any, dp_rank: int, dp_size: int, world_size: int,
+                device_type: str = "cpu", local_world_size: int = 1) -> "StatefulLoader":
+        """The loader of a run (a RunConfig) on data-parallel rank `dp_rank` of `dp_size`, feeding a device
+        of kind `device_type`: on CUDA/NPU pinned, read ahead by workers or (num_workers 0) a thread."""
         # Dynamically batched data holds whole micro-batches per item (sized by micro_batch_size rows).
         per_item = 1 if getattr(dataset, "items_are_batches", False) else cfg.train.micro_batch_size
+        accelerator = device_type != "cpu"
+        workers = resolve_num_workers(cfg.data.num_workers, device_type, local_world_size)
+        logger.info("data loader: %s%s", f"{workers} worker processes" if workers else "read in the trainer",
+                    ", pinned, next step read ahead" if accelerator else "")
         return cls(dataset, per_item, cfg.gradient_accumulation(world_size), cfg.train.seed, dp_rank=dp_rank,
-                   dp_size=dp_size, shuffle=getattr(dataset, "shuffle", True), num_workers=cfg.data.num_workers)
+                   dp_size=dp_size, shuffle=getattr(dataset, "shuffle", True), num_workers=workers,
+                   pin_memory=accelerator, prefetch=accelerator)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, also with a different dp_size or batch shape.
@@ -362,6 +504,7 @@ class StatefulLoader:
         self._stream.seed = seed
         self.consumed = consumed
         self._worker_iter = None  # the workers restart at the new position on the next step
+        self._stop_prefetch()  # and so does the prefetch thread (with the checkpoint's seed)
 
     def _read_current(self, state: Mapping[str, Any]) -> tuple[int, int]:
         try:
@@ -383,8 +526,9 @@ class StatefulLoader:
             raise DataError(
                 f"the checkpoint was trained on a dataset of {size} samples, but this one has "
                 f"{self.num_samples}, so its data position means nothing here; resume with the same "
-                f"data files and data.seq_length as the checkpoint, or start a new run (or load only "
-                f"the weights) to train on other data"
+                f"data files and data.seq_length (with packing dynamic also data.pad_to_multiple_of; 1 before "
+                f"it existed) as the checkpoint, or start a new run (or load only the weights) to train on "
+                f"other data"
             )
         return consumed, seed
 
@@ -442,18 +586,40 @@ def unwrap_loader(data: Any) -> Any:
     return data
 
 
-def sequential_batches(dataset: Dataset, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
-    """Micro-batches of `dataset` in order, the last one possibly smaller (for evaluation).
+def sequential_batches(dataset: Dataset, batch_size: int, limit: int | None = None, rank: int = 0,
+                       world: int = 1) -> Iterator[Batch]:
+    """Micro-batches of `dataset` in order, the last one possibly smaller (for evaluation); with
+    `world` > 1 only batches `rank`, `rank + world`, ... of them (one data-parallel rank's share).
 
     A dataset whose items are already micro-batches (items_are_batches) yields its items as they are.
     """
     n = len(dataset)  # type: ignore[arg-type]
     step = 1 if getattr(dataset, "items_are_batches", False) else batch_size
-    starts = range(0, n, step)
-    if limit is not None:
-        starts = starts[:limit]
-    for start in starts:
+    for start in _sequential_starts(dataset, batch_size, limit)[rank::world]:
         yield collate(dataset, np.arange(start, min(start + step, n)))
+
+
+def sequential_batch_count(dataset: Dataset, batch_size: int, limit: int | None = None) -> int:
+    """How many micro-batches `sequential_batches` yields over all ranks."""
+    return len(_sequential_starts(dataset, batch_size, limit))
+
+
+def _sequential_starts(dataset: Dataset, batch_size: int, limit: int | None) -> range:
+    step = 1 if getattr(dataset, "items_are_batches", False) else batch_size
+    starts = range(0, len(dataset), step)  # type: ignore[arg-type]
+    return starts[:limit] if limit is not None else starts
+
+
+def pin_batch(batch: Batch) -> Batch:
+    """The micro-batch with its tensors in pinned (page-locked) host memory, for copies that do not wait."""
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def batches_to_device(micro_batches: list[Batch], device: torch.device | str) -> list[Batch]:
+    """A step's micro-batches on `device`, every copy queued without waiting (non_blocking): from pinned
+    memory (the loader's on CUDA/NPU) the host goes on at once. On the CPU the tensors stay as they are."""
+    return [{k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+            for mb in micro_batches]
 
 
 def collate(dataset: Dataset, indices: np.ndarray) -> Batch:

@@ -26,6 +26,8 @@ The counts follow what shardwise itself allocates, not a paper's formula:
   are reduced once per step (`parallel.reduce_gradients`); ZeRO-1's state for 1/dp of every tensor
   and its bucketed all-gather, as its optimizer splits them;
   CPU offload moves shards, gradients and state to host memory (`host`);
+- float8 (`optimize.float8`): what autograd saves is unchanged (torchao saves the bf16 inputs); ZeRO 2/3
+  gather the converted linears' weights in 1 byte; the casts add a transient (`_float8_transient`);
 - pipelines: the schedule's own order of forwards and backwards (torch's pipeline_order) gives the
   micro-batches in flight on each rank (zero-bubble keeps a micro-batch until its weight gradient).
 
@@ -55,7 +57,8 @@ from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
-from ..parallel.data_parallel import zero1_buckets, zero1_split
+from ..parallel.data_parallel import one_process_fsdp_settings, zero1_buckets, zero1_split
+from ..parallel.float8 import converts, float8_all_gather, float8_on
 from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
 from ..parallel.recompute import down_output_needed, selective_saved_matmuls
 from ..parallel.tensor import check_tensor_parallel
@@ -149,10 +152,11 @@ class _Layout:
     stage_counts: tuple[int, ...]  # layers per pipeline stage
     offload: bool
     reduce_every: bool  # ZeRO 2/3: gradients reduce-scattered every micro-batch (parallel.reduce_gradients)
+    one_process_fsdp: bool = False  # offload_params on one accelerator: FSDP2 (ZeRO-3) on a one-process group
 
 
-def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
-    """Resolve and check the parallel layout the way the trainer will."""
+def _layout(cfg: Any, devices: Optional[int], device: str = "cuda") -> _Layout:
+    """Resolve and check the parallel layout the way the trainer will on devices of kind `device`."""
     p, m = cfg.parallel, cfg.model
     world = p.world_size(devices)
     if devices is not None and world != devices:
@@ -181,13 +185,19 @@ def _layout(cfg: Any, devices: Optional[int]) -> _Layout:
     if (offload or cfg.optimize.offload_optimizer) and dp > 1 and p.zero_stage < 2:
         raise ConfigError(f"CPU offload needs zero_stage 2 or 3, got {p.zero_stage}: ZeRO 0 and 1 keep full "
                           "replicas on every device; set parallel.zero_stage: 3 to offload")
+    zero, reduce_every = (p.zero_stage if dp > 1 else 0), p.reduces_every_micro_batch()
+    # On one accelerator offload_params is FSDP2's CPU offload on a one-process group, at ZeRO-3
+    # (`parallel.data_parallel.fsdp_on_one_process`); on one CPU it changes nothing.
+    alone = offload and world == 1 and device != "cpu"
+    if alone:
+        zero, reduce_every = one_process_fsdp_settings(cfg)
     return _Layout(dp=dp, dp_shard=dp // p.data_parallel_replicate, tp=p.tensor_parallel, pp=p.pipeline_parallel,
                    virtual_stages=p.virtual_stages if p.pipeline_parallel > 1 else 1,
-                   zero=p.zero_stage if dp > 1 else 0,
+                   zero=zero,
                    sequence_parallel=sp, micro_batch=cfg.train.micro_batch_size, seq=seq,
                    accumulation=cfg.gradient_accumulation(world), micro_batch_num=p.micro_batch_num,
-                   schedule=p.schedule, stage_counts=tuple(counts), offload=offload and dp > 1,
-                   reduce_every=p.reduces_every_micro_batch())
+                   schedule=p.schedule, stage_counts=tuple(counts), offload=offload and (dp > 1 or alone),
+                   reduce_every=reduce_every, one_process_fsdp=alone)
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,7 @@ def _precision(cfg: Any, lay: _Layout) -> _Precision:
         return _Precision(level, 4, 4, 4, 4, False)
     if level == "O3":
         return _Precision(level, 2, 2, 2, 2, False, frozen=2)
-    if lay.dp > 1 and not _offloads_optimizer(cfg):  # O2 under data parallelism: FSDP2's fp32 parameters
+    if (lay.dp > 1 or lay.one_process_fsdp) and not _offloads_optimizer(cfg):  # O2 under FSDP2: its fp32 parameters
         return _Precision(level, 4, 2, 4, 4, False, frozen=2)  # are the masters of what trains
     # O2 in one process (or TP/PP only): 16-bit weights, gradients accumulated in the fp32 masters.
     return _Precision(level, 2, 2, 4, 4, True, frozen=2)
@@ -530,7 +540,7 @@ def estimate_all_ranks(cfg: Any, devices: Optional[int] = None, device: str = "c
     """One estimate per distinct rank role: each pipeline rank (its data/tensor-parallel peers are alike)."""
     if device not in ("cuda", "npu", "cpu"):
         raise ConfigError(f"device {device!r} is not known; use cuda, npu or cpu")
-    lay = _layout(cfg, devices)
+    lay = _layout(cfg, devices, device)
     prec = _precision(cfg, lay)
     params = _params_of(cfg)
     return [_estimate_rank(cfg, lay, prec, params, r, device) for r in range(lay.pp)]
@@ -659,10 +669,13 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     # --- what the layout adds
     batch = _batch_bytes(cfg, lay, device)
     pipe_buffers = _pipeline_buffers(lay, stage_ids, hidden)
-    fsdp = _fsdp(lay, prec, held, local, layers)
+    f8_gather = float8_all_gather(cfg, lay.dp)
+    fsdp = _fsdp(lay, prec, held, local, layers, f8_gather)
     gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
     dequant = _dequantized_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's
     dequant_back = _dequantized_transient(held, prec, backward=True)
+    cast, cast_back = _float8_transient(sh, held, local, gathered=f8_gather, compiled=cfg.compiles(device)) \
+        if float8_on(cfg) else (0, 0)
     if prec.level == "O1":
         # Autocast caches the 16-bit copy of every trainable weight a matmul uses until the
         # micro-batch's forward and backward are done.
@@ -712,6 +725,9 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             if dequant:  # the last block's largest matmul, before the head's tensors exist
                 head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
                 forward = max(forward, static + gathered + others + st.act - head_part + dequant)
+            if cast:  # optimize.float8: the last block's largest cast, before the head's tensors exist
+                head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
+                forward = max(forward, static + gathered + others + st.act - head_part + cast)
             if act_live:  # the last block's MLP, before the head's tensors exist
                 head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
                 forward = max(forward, static + gathered + others + st.act - head_part + act_live)
@@ -722,7 +738,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             if key not in walks:
                 walks[key] = _backward_walk(cfg, sh, st, saved, full, flags, held, stored, prec, head, fsdp,
                                             has_grads[st_id] or in_backward, kind == "I", updates,
-                                            dequant=dequant_back)
+                                            dequant=dequant_back, cast=cast_back, grads_leave=offload)
             walk = walks[key]
             backward = max(backward, static + gathered + rest + walk)
             if keeps_sends and not st.first:
@@ -858,13 +874,17 @@ def _zero_bubble_leftovers(lay: _Layout, stage_ids: list[int], hidden: int) -> i
 def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full: dict[int, int],
                    flags: dict[int, dict[str, bool]], held: list[_Param], stored: dict[str, int], prec: _Precision,
                    head: Optional[dict[str, int]], fsdp: Optional["_Fsdp"], grads_exist: bool,
-                   input_only: bool, updates: Optional[dict[Any, int]] = None, dequant: int = 0) -> int:
+                   input_only: bool, updates: Optional[dict[Any, int]] = None, dequant: int = 0,
+                   cast: int = 0, grads_leave: bool = False) -> int:
     """Peak of one micro-batch's backward through stage st, above everything else on the rank: the
     head's cross-entropy transients first, then block by block (its saved activations shrink, its
     gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join).
     `updates` (the optimizer in backward; no gradients accumulate): per block, "head" and
     "embedding", what updating its largest tensor holds while that part's activations are alive.
-    `dequant` (QLoRA): one base weight's dequantisation, inside each block's backward."""
+    `dequant` (QLoRA): one base weight's dequantisation, inside each block's backward. `cast`
+    (optimize.float8): the largest linear's casts to float8, during the MLP's backward. `grads_leave`
+    (FSDP2's CPU offload on an accelerator): each block's sharded gradients go to host memory as they
+    are reduced, so they do not grow on the device (its unsharded ones are in `fsdp`)."""
     remaining = st.act
     grads_now = st.grads if grads_exist else 0
     peak = remaining + grads_now
@@ -883,7 +903,7 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
         mlp_t, attn_t = _layer_transient(cfg, sh, flags[i])
         share_mlp, share_attn = _grad_shares(held, i)
         layer_grad = sum(stored[p.name] for p in held if p.layer == i and p.trainable) * prec.grad
-        growing = 0 if (grads_exist or input_only) else layer_grad
+        growing = 0 if (grads_exist or input_only or grads_leave) else layer_grad
         mlp_part = _mlp_bytes(cfg, sh, flags[i]) if full[i] else 0
         # FSDP2's gathering above what it holds at the end of forward (already counted by the caller).
         f_mlp = fsdp.backward_at(i, order, share_mlp, grads_exist) - fsdp.forward() if fsdp else 0
@@ -891,7 +911,7 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
         base = remaining + back + grads_now
         if input_only:  # zero-bubble's input-gradient pass keeps the graph for the weight pass
             mlp_part = 0
-        peak = max(peak, base + mlp_t + int(growing * share_mlp) + f_mlp,
+        peak = max(peak, base + mlp_t + cast + int(growing * share_mlp) + f_mlp,
                    base - mlp_part + attn_t + int(growing * share_attn) + f_attn)
         if updates:
             peak = max(peak, base + updates.get(i, 0))
@@ -1054,6 +1074,30 @@ def _layer_transient(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> tuple[int,
     return mlp + residual, attention + 2 * residual
 
 
+def _float8_transient(sh: _Shape, held: list[_Param], local: dict[str, tuple[int, ...]], gathered: bool,
+                      compiled: bool) -> tuple[int, int]:
+    """optimize.float8: what one block linear's casts to float8 hold at once above the block's own tensors,
+    at the largest (forward, backward). What autograd saves does not change (torchao saves the bf16 input).
+    Eager, casting n bf16 elements holds 9n bytes at its peak (torchao 0.18's `_ToFloat8ConstrFunc`: an fp32
+    copy scaled, clamped by `to_fp8_saturated`, and the 1-byte result); compiled, the fused cast leaves only
+    the result. Forward casts the input x, then the weight w; backward the output gradient g, the weight,
+    g again (for the weight gradient) and x again. Under FSDP2's float8 all-gather (`gathered`) the weight
+    arrives cast already. Counted from torchao's code, not measured: float8 does not run on a CPU."""
+    bt = sh.b * sh.t
+    fwd = back = 0
+    for p in held:
+        shape = local[p.name]
+        if p.layer is None or not converts(shape, p.trainable):
+            continue
+        g, x, w = bt * shape[0], bt * shape[1], 0 if gathered else _numel(shape)
+        if compiled:
+            fwd, back = max(fwd, x + w), max(back, 2 * g + x + w)
+        else:
+            fwd = max(fwd, 9 * x, x + 9 * w)
+            back = max(back, 9 * g, g + 9 * w, 10 * g + w, 2 * g + w + 9 * x)
+    return fwd, back
+
+
 def _mlp_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> int:
     """The part of a block's saved activations that its MLP keeps (freed before attention's backward)."""
     bt = sh.b * sh.t
@@ -1128,12 +1172,16 @@ class _Fsdp:
 
 
 def _fsdp(lay: _Layout, prec: _Precision, held: list[_Param], local: dict[str, tuple[int, ...]],
-          layers: dict[int, int]) -> Optional[_Fsdp]:
+          layers: dict[int, int], float8: bool = False) -> Optional[_Fsdp]:
     if lay.zero < 2:
         return None
     c, n = prec.compute, lay.dp_shard
-    blocks = {i: sum(_numel(local[p.name]) for p in held if p.layer == i) * c for i in layers}
-    padded = {i: sum(_fsdp_shard(local[p.name], n) * n for p in held if p.layer == i) * c for i in layers}
+
+    def gathered(p: _Param) -> int:  # optimize.float8: the converted linears' weights are gathered in 1 byte
+        return 1 if float8 and p.layer is not None and converts(local[p.name], p.trainable) else c
+
+    blocks = {i: sum(_numel(local[p.name]) * gathered(p) for p in held if p.layer == i) for i in layers}
+    padded = {i: sum(_fsdp_shard(local[p.name], n) * n * gathered(p) for p in held if p.layer == i) for i in layers}
     grads = {i: sum(_numel(local[p.name]) for p in held if p.layer == i and p.trainable) * c for i in layers}
     root = sum(_numel(local[p.name]) for p in held if p.layer is None) * c
     # The embedding's gradient comes last, after every block's backward.

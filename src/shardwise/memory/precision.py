@@ -18,6 +18,8 @@ from typing import Iterator
 
 import torch
 
+from ..parallel.dtensors import local_tensor
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -121,37 +123,67 @@ class MasterWeights:
 
 
 class LossScaler:
-    """Dynamic (or static) loss scaling for fp16: overflow skips the step and halves the scale."""
+    """Dynamic (or static) loss scaling for fp16: overflow skips the step and halves the scale.
+
+    The scale and its counters live on the training device as 0-dim tensors, so scaling the loss,
+    unscaling the gradients and updating the scale after a step never wait for the device; `scale`,
+    `skipped_steps` and `state_dict()` read them (a host sync: log steps and checkpoints only).
+    `update(found_inf)` takes the step's overflow flag as a tensor (1.0: overflowed) or a bool.
+    """
 
     def __init__(self, init_scale: float = 2.0**16, dynamic: bool = True, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0) -> None:
-        self.scale = float(init_scale)
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0,
+                 device: torch.device | str = "cpu") -> None:
         self.dynamic = dynamic
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.min_scale = min_scale
-        self.good_steps = 0
-        self.skipped_steps = 0
+        self.device = torch.device(device)
+        self.scale_tensor = self._counter(float(init_scale))  # multiplies the loss before backward
+        self._good = self._counter(0.0)  # clean steps since the last overflow
+        self._skipped = self._counter(0.0)
+
+    def _counter(self, value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32, device=self.device)
+
+    @property
+    def scale(self) -> float:
+        """The current scale (reads the device)."""
+        return float(self.scale_tensor)
+
+    @property
+    def good_steps(self) -> int:
+        """Clean steps since the last overflow (reads the device)."""
+        return int(self._good)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for an overflow so far (reads the device)."""
+        return int(self._skipped)
 
     @torch.no_grad()
     def unscale(self, params: list[torch.Tensor]) -> None:
-        """Divide gradients by the scale in place (their norm then tells whether they overflowed)."""
-        grads = [p.grad for p in params if p.grad is not None]
+        """Divide gradients by the scale in place (their norm then tells whether they overflowed);
+        a sharded gradient's local part is divided, which is the same for every placement."""
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, 1.0 / self.scale)
+            torch._foreach_mul_(grads, (1.0 / self.scale_tensor).to(grads[0].device))
 
-    def update(self, found_inf: bool) -> None:
-        """Lower the scale after an overflow; raise it after `growth_interval` clean steps."""
-        if found_inf:
-            self.skipped_steps += 1
-            self.good_steps = 0
-            if self.dynamic:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+    @torch.no_grad()
+    def update(self, found_inf: torch.Tensor | bool) -> None:
+        """Lower the scale after an overflow (not below `min_scale`); raise it after each
+        `growth_interval` clean steps. On the device: no branch reads the flag."""
+        found = torch.as_tensor(found_inf, dtype=torch.float32).to(self.device)
+        clean = 1.0 - found
+        self._skipped.add_(found)
+        self._good.add_(1.0).mul_(clean)
+        if not self.dynamic:
             return
-        self.good_steps += 1
-        if self.dynamic and self.good_steps % self.growth_interval == 0:
-            self.scale *= self.growth_factor
+        grow = clean * (torch.remainder(self._good, self.growth_interval) == 0)
+        lowered = torch.clamp(self.scale_tensor * self.backoff_factor, min=self.min_scale)
+        grown = self.scale_tensor * torch.where(grow > 0, self.growth_factor, 1.0)
+        self.scale_tensor.copy_(torch.where(found > 0, lowered, grown))
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
@@ -162,14 +194,15 @@ class LossScaler:
         scale = float(state["scale"])
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"loss scale {scale!r} is not a finite positive number")
-        self.scale = scale
-        self.good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.scale_tensor.fill_(scale)
+        self._good.fill_(int(state["good_steps"]))
+        self._skipped.fill_(int(state.get("skipped_steps", 0)))
 
 
-def loss_scaler_for(plan: PrecisionPlan, loss_scale: str | float, initial_scale: float) -> LossScaler | None:
-    """fp16's loss scaler ("dynamic", from `initial_scale`, or a fixed scale); None for bf16 and fp32."""
+def loss_scaler_for(plan: PrecisionPlan, loss_scale: str | float, initial_scale: float,
+                    device: torch.device | str = "cpu") -> LossScaler | None:
+    """fp16's loss scaler ("dynamic", from `initial_scale`, or a fixed scale) on `device`; None for bf16 and fp32."""
     if not plan.needs_loss_scaling:
         return None
     dynamic = loss_scale == "dynamic"
-    return LossScaler(initial_scale if dynamic else float(loss_scale), dynamic=dynamic)
+    return LossScaler(initial_scale if dynamic else float(loss_scale), dynamic=dynamic, device=device)

@@ -7,14 +7,28 @@ silently ruins training). Two ways to compute that, with the same result:
   only way on CPU, where flex attention has no backward);
 - flex attention with a block mask (CUDA), which skips the blocks that are fully masked and never
   materialises a T x T mask.
+
+Off the CPU both the block mask and flex attention run compiled (`flex_kernels`), with torch's
+automatic dynamic shapes: the first batch shape compiles static, and a dimension that then changes
+(the rows and width of dynamic SFT batches, the last evaluation batch) compiles once more as dynamic
+and serves every later value; traced without specialising sizes of 1 (one row, one flex block:
+`flex_shapes`), the dynamic kernel serves those too. So a run compiles each a few times, not once
+per shape (at most 3 over ten SFT-like shapes on torch 2.13, tests/models/test_flex_shapes.py; as
+many again for evaluation, which runs without gradients), also when the blocks are compiled with
+flex inside them, and stays under torch's recompile limit (8), past which flex would fall back to
+its unfused path that builds the T x T scores (and a compiled block to eager). Uncompiled,
+`create_block_mask` evaluates the mask over the whole [B, T, T] grid every forward.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+import functools
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental import _config as fx_config
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -23,8 +37,6 @@ except ImportError:  # an older or reduced torch build: the explicit mask path s
     create_block_mask = flex_attention = None  # type: ignore[assignment]
 
 AttentionMask = Union[torch.Tensor, "BlockMask"]
-
-_compiled_flex = None
 
 
 def flex_available() -> bool:
@@ -41,9 +53,17 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_block_mask(document_ids: torch.Tensor) -> "BlockMask":
-    """The same mask as `document_mask`, as a flex-attention block mask."""
+    """The same mask as `document_mask`, as a flex-attention block mask (built compiled off the CPU)."""
     if not flex_available():
         raise RuntimeError("this torch build has no flex attention; use the explicit mask path")
+    if document_ids.device.type == "cpu":  # compiling costs seconds a shape; the CPU only checks results
+        return eager_document_block_mask(document_ids)
+    build, _ = flex_kernels()
+    return build(document_ids)
+
+
+def eager_document_block_mask(document_ids: torch.Tensor) -> "BlockMask":
+    """`document_block_mask` without compiling: the mask is evaluated over the whole [B, T, T] grid."""
     bsz, seqlen = document_ids.shape
 
     def same_document_causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's mask_mod signature
@@ -52,16 +72,49 @@ def document_block_mask(document_ids: torch.Tensor) -> "BlockMask":
     return create_block_mask(same_document_causal, bsz, None, seqlen, seqlen, device=document_ids.device)
 
 
+@functools.cache
+def flex_kernels(backend: Union[str, Callable[..., Any]] = "inductor") -> tuple[Callable, Callable]:
+    """(document block-mask builder, flex attention), each compiled once per process with `backend`.
+
+    dynamic=None is torch's automatic dynamic shapes (see the module docstring): a fixed-shape run
+    (pre-training) keeps the static kernel, a changing one compiles a dynamic kernel once. Uncompiled
+    flex attention materialises the scores; compiled it is one fused kernel.
+    """
+    return (_under_flex_shapes(torch.compile(eager_document_block_mask, dynamic=None, backend=backend)),
+            _under_flex_shapes(torch.compile(flex_attention, dynamic=None, backend=backend)))
+
+
+def flex_shapes(mask: Optional[AttentionMask]) -> contextlib.AbstractContextManager:
+    """Around the (compiled) blocks when `mask` is a flex block mask: traced without specialising sizes
+    of 1, so that one dynamic graph also serves a batch of one row or a width of one flex block, a
+    compile less each. Nothing for another mask, or inside an enclosing compile (which traces it under
+    its own settings)."""
+    if BlockMask is None or not isinstance(mask, BlockMask) or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _sizes_oblivious()
+
+
+def _sizes_oblivious() -> contextlib.AbstractContextManager:
+    return fx_config.patch(backed_size_oblivious=True)
+
+
+def _under_flex_shapes(compiled: Callable) -> Callable:
+    """`compiled`, traced as `flex_shapes` says (inlined as it is inside an enclosing compile)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        with _sizes_oblivious():
+            return compiled(*args, **kwargs)
+    return run
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockMask") -> torch.Tensor:
-    global _compiled_flex
     enable_gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":
         # Compiling flex for CPU costs seconds per shape; eager is only used to check results there.
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        # Uncompiled flex attention materialises the scores; compiled it is a fused kernel.
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    _, flex = flex_kernels()
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def attend(

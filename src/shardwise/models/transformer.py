@@ -23,7 +23,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shardwise.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_token_loss_sum
-from shardwise.models.attention import AttentionMask, attend, document_block_mask, document_mask, flex_available
+from shardwise.models.attention import (
+    AttentionMask,
+    attend,
+    document_block_mask,
+    document_mask,
+    flex_available,
+    flex_shapes,
+)
 from shardwise.models.config import ModelConfig, RopeScaling
 from shardwise.models.lean_ops import gated_activation, rms_norm
 
@@ -275,6 +282,7 @@ class Transformer(nn.Module):
         self.emb_dropout = nn.Dropout(cfg.dropout)
         # How document masks are computed: "auto" (flex on CUDA, else explicit), "flex" or "mask".
         self.document_attention = "auto"
+        self.compile_loss_head = False  # run.compile: the chunked loss's chunks run through torch.compile
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -378,7 +386,7 @@ class Transformer(nn.Module):
             mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
         # use_flash_attention: false keeps SDPA to its plain (math) kernel, e.g. to rule out a fused one.
         kernels = contextlib.nullcontext() if self.cfg.use_flash_attention else sdpa_kernel(SDPBackend.MATH)
-        with kernels:
+        with kernels, flex_shapes(mask):  # compiled blocks with flex inside: fewer recompiles
             for layer in self.layers.values():
                 h = layer(h, rope, mask, is_causal, kv_cache)
         if kv_cache is not None:
@@ -389,7 +397,8 @@ class Transformer(nn.Module):
         if self.output is not None:
             if labels is not None:
                 # The weight is read inside forward, so FSDP2 has gathered it and its gradient is reduced.
-                return chunked_token_loss_sum(h, self.output.weight, labels, loss_chunk_tokens)
+                return chunked_token_loss_sum(h, self.output.weight, labels, loss_chunk_tokens,
+                                              compiled=self.compile_loss_head)
             h = self.output(h)
         return h
 

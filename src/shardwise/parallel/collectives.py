@@ -1,6 +1,7 @@
 """The collectives shardwise itself issues: sums and maxima of small numbers, broadcasts and
-gathers, point-to-point sends, rank 0 first, and the replica check. Gradient reduction and DTensor
-redistribution happen inside FSDP2 / DTensor, which place their own tensors.
+gathers, point-to-point sends (one at a time, or batched both ways: `exchange`), rank 0 first, and
+the replica check. Gradient reduction and DTensor redistribution happen inside FSDP2 / DTensor,
+which place their own tensors.
 
 Every tensor handed to a collective goes through `to_group_device` first: a group serves only the
 devices its backends support (gloo: CPU; NCCL: CUDA; HCCL: Ascend NPU, with no CPU side), so a CPU
@@ -102,6 +103,29 @@ def recv_(t: torch.Tensor, src: int, group: Any = None) -> None:
     moved = to_group_device(t, group)
     dist.recv(moved, src=src, group=_group(group))
     if moved is not t:
+        t.copy_(moved)
+
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+             group: Any = None) -> None:
+    """Point-to-point sends `(tensor, global dst)` and receives into `(tensor, global src)`, posted
+    together as non-blocking operations and waited for. One batch for both directions, so that no
+    rank's send waits for a receive its peer posts only later (NCCL sends block until matched);
+    several messages between the same two ranks are matched in the order given."""
+    if not sends and not recvs:
+        return
+    pg = _group(group)
+    ops, moved_back = [], []
+    for t, dst in sends:
+        ops.append(dist.P2POp(dist.isend, to_group_device(t.contiguous(), group), dst, pg))
+    for t, src in recvs:
+        moved = to_group_device(t, group)
+        ops.append(dist.P2POp(dist.irecv, moved, src, pg))
+        if moved is not t:
+            moved_back.append((t, moved))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for t, moved in moved_back:
         t.copy_(moved)
 
 

@@ -51,7 +51,10 @@ Do not also keep separate fp32 master copies or autocast.
 CPU offload (`offload=True`, zero 2/3 only): FSDP2's `CPUOffloadPolicy`: the sharded parameters,
 the sharded gradients and the optimizer state live in CPU memory and the optimizer step runs on the
 CPU; parameters are copied to the device for each all-gather. Zero 0/1 keep full replicas on the
-device by definition, so offload is refused there with a ConfigError (use zero 3).
+device by definition, so offload is refused there with a ConfigError (use zero 3). On one device
+(`fsdp_on_one_process`) the same engine runs on a one-process group with size-1 meshes, ZeRO-3
+semantics (`one_process_fsdp_settings`): each block's "shards" are its whole parameters in host
+memory, copied to the device for its forward and again for its backward.
 
 Frozen parameters (requires_grad=False) get no gradient, take no part in the reduction, and (since
 `build_optimizer` leaves them out) have no optimizer state. With a 16-bit `param_dtype` they are
@@ -606,14 +609,34 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
     return total
 
 
+#: The ZeRO stage of optimize.offload_params on one process: each block's parameters are copied to the
+#: device for its forward and again for its backward, so only the blocks in flight are on the device.
+ONE_PROCESS_ZERO_STAGE = 3
+
+
+def fsdp_on_one_process(cfg: Any, device: torch.device, dims: ParallelDims, on_cpu: bool = False) -> bool:
+    """Whether optimize.offload_params runs FSDP2's CPU offload on a one-process group (one process, no
+    parallelism): on an accelerator always; on the CPU, where everything already lives in host memory,
+    only when asked (`on_cpu`: the tests' way to run the very path an accelerator runs)."""
+    return bool(cfg.optimize.offload_params) and dims.world_size == 1 and (device.type != "cpu" or on_cpu)
+
+
+def one_process_fsdp_settings(cfg: Any) -> tuple[int, bool]:
+    """(ZeRO stage, reduce every micro-batch) of FSDP2 on one process: ZeRO-3 whatever parallel.zero_stage
+    says (nothing to replicate to), and each micro-batch's gradients moved to the host shards unless
+    parallel.reduce_gradients is once_per_step (then they accumulate full-size on the device)."""
+    return ONE_PROCESS_ZERO_STAGE, cfg.parallel.reduce_gradients != "once_per_step"
+
+
 def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
     """What the layout allows of the offload levers (before anything is built).
 
     optimize.offload_params is FSDP2's CPU offload (sharded parameters, gradients and the optimizer on the
-    host), which runs under data parallelism with ZeRO 2/3; on one CPU everything already lives in CPU
-    memory. optimize.offload_optimizer on its own is the ZeRO-Offload optimizer (`memory.offload.HostMasters`):
-    one device, or ZeRO 2/3, without tensor or pipeline parallelism. optimize.offload_activations: anything
-    but a pipeline (whose schedule runs forwards and backwards of several micro-batches interleaved)."""
+    host), which runs under data parallelism with ZeRO 2/3, and on one device on a one-process group
+    (`fsdp_on_one_process`); on one CPU everything already lives in CPU memory. optimize.offload_optimizer
+    on its own is the ZeRO-Offload optimizer (`memory.offload.HostMasters`): one device, or ZeRO 2/3,
+    without tensor or pipeline parallelism. optimize.offload_activations: anything but a pipeline (whose
+    schedule runs forwards and backwards of several micro-batches interleaved)."""
     o = cfg.optimize
     if getattr(o, "offload_activations", False) and dims.pp > 1:
         raise ConfigError("optimize.offload_activations does not run under pipeline parallelism (the schedule "
@@ -623,14 +646,17 @@ def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
         raise ConfigError(f"optimize.offload_optimizer cannot run here: {problem}")
     if not o.offload_params or dims.dp > 1:
         return
-    if device.type == "cpu":
+    if device.type == "cpu" and not dims.one_process_fsdp:
         log.info("optimize.offload_params: the run is on the CPU, so everything already lives in CPU memory")
         return
-    raise ConfigError(
-        "optimize.offload_params is FSDP2's CPU offload, which needs the sharded engine under data parallelism: "
-        "use several processes (--nproc N) with parallel.zero_stage 2 or 3; on one device use "
-        "optimize.offload_optimizer (masters and optimizer state in host memory, the step on the CPU)"
-    )
+    # On one device FSDP2's host step combines with train.optimizer_in_backward (FSDP2 copies a gradient
+    # that a hook reads synchronously) and with the 8-bit AdamW (stepped on the host shards), as under data
+    # parallelism; QLoRA's quantised base is refused in `peft.qlora.quantized_layout_problem`.
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(
+            "optimize.offload_params is FSDP2's CPU offload, which shards over data parallelism, and this layout "
+            f"has data_parallel 1 (tensor_parallel {dims.tp}, pipeline_parallel {dims.pp}): set "
+            "parallel.data_parallel >= 2 with zero_stage 2 or 3, or use optimize.offload_optimizer on one device")
 
 
 def _offload_optimizer_problem(cfg: Any, dims: ParallelDims) -> Optional[str]:

@@ -28,6 +28,9 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    #: FSDP2 on a one-process group and size-1 meshes: optimize.offload_params on one device, whose CPU
+    #: offload is FSDP2's (`data_parallel.fsdp_on_one_process`). The degrees stay 1.
+    one_process_fsdp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp"):
@@ -38,6 +41,17 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: replicas x shards."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether FSDP2's machinery (fully_shard, replicate) wraps the model: data parallelism, or
+        offload_params on one process. Its sharded fp32 parameters are then the master weights at O2."""
+        return self.dp > 1 or self.one_process_fsdp
+
+    @property
+    def needs_meshes(self) -> bool:
+        """Whether the run needs a process group and device meshes."""
+        return self.distributed or self.one_process_fsdp
 
     @property
     def world_size(self) -> int:
@@ -153,6 +167,8 @@ def layout_for(cfg: Any, world_size: int) -> ParallelDims:
 
 def describe_layout(cfg: Any, dims: ParallelDims) -> str:
     """The layout for the log line a run starts with ("" on one process)."""
+    if dims.one_process_fsdp:
+        return ", one process with FSDP2's CPU offload (parameters, gradients and optimizer state in host memory)"
     if not dims.distributed:
         return ""
     p = cfg.parallel

@@ -7,7 +7,8 @@ Two halves:
   OMPI_COMM_WORLD_*, MPICH / Intel MPI's PMI_RANK / PMI_SIZE / MPI_LOCALRANKID, or PMIx's PMIX_RANK),
   picks this rank's device (`resolve_device`) and backend (`backend_for`: CUDA -> NCCL, Ascend NPU ->
   HCCL, CPU -> gloo) and joins the process group with a timeout, so that no collective waits forever.
-  A process started without a launcher is world 1 and joins no group.
+  A process started without a launcher is world 1 and joins no group (except the one-process group
+  `join_one_process_group` makes for optimize.offload_params on one device, FSDP2's CPU offload).
 * **Starting ranks** - `launch_processes` runs the command in N processes per node through torchrun's
   own machinery (`torch.distributed.run`): the elastic agent stops the other ranks when one fails,
   restarts the group up to `max_restarts` times, and the failing rank's error is printed.
@@ -291,6 +292,27 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 600.0) -> Dis
         ctx = dataclasses.replace(ctx, restart_count=int(count.item()))
     _GROUP_RESTARTS = ctx.restart_count
     return ctx
+
+
+def join_one_process_group(ctx: DistContext, timeout_s: float = 600.0) -> None:
+    """Make a process group of this one process (world size 1) on `ctx`'s device, through an in-process
+    store: no address, no port, no network. FSDP2 needs a group and a device mesh even alone, and
+    `optimize.offload_params` on one device is FSDP2's CPU offload. No-op when a group exists already;
+    `shutdown` destroys the one made here."""
+    global _OWN_GROUP
+
+    if ctx.world_size != 1:
+        raise ValueError(f"a one-process group is for a world of 1, not rank {ctx.rank} of {ctx.world_size}")
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    backend = ctx.backend
+    if ctx.device.type == "cuda":
+        backend, kwargs["device_id"] = "cuda:nccl,cpu:gloo", ctx.device  # as init_distributed's groups
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    _OWN_GROUP = True
+    log.debug("one-process %s group on %s (FSDP2 on one device)", backend, ctx.device)
 
 
 def _context_of_existing_group(device_kind: str, found: LaunchEnv | None, restarts: int) -> DistContext:

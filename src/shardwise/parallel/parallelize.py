@@ -1,7 +1,7 @@
 """Apply a run's parallelism and memory settings to a built model, in one fixed order, and make the
 parallel decisions that follow from the layout.
 
-pipeline split -> tensor parallel -> recompute -> compile -> data parallel (ZeRO / FSDP2), as
+pipeline split -> float8 -> tensor parallel -> recompute -> compile -> data parallel (ZeRO / FSDP2), as
 torchtitan does: the split makes this rank's model parts (pipeline chunks; the whole model when
 there is no pipeline), and each later step wraps what the previous one made, part by part; FSDP2
 must come last so that it shards the final module tree. The model itself knows nothing of any of it.
@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .data_parallel import apply_data_parallel, shard_optimizer
+from .data_parallel import apply_data_parallel, one_process_fsdp_settings, shard_optimizer
 from .dims import Meshes, ParallelDims
+from .float8 import apply_float8
 from .pipeline import Pipeline, build_schedule, split_model
 from .recompute import apply_recompute
 from .tensor import apply_tensor_parallel
@@ -67,18 +68,32 @@ def parallelize_model(
     data parallelism; the sharded fp32 parameters are then the master weights).
     `reshard_after_forward`: overrides ZeRO-3's resharding after forward (None: as the stage says).
     """
+    apply_float8(model, cfg, dims)  # first: recompute, compile and FSDP2 wrap the float8 linears
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
     apply_recompute(model, cfg.optimize.layer_recompute([int(name) for name in model.layers]))
-    if cfg.run.compile:
-        for block in model.layers.values():
-            block.compile()
+    if cfg.run.compile is True:  # the trainer resolves auto for its device first (RunConfig.compiles)
+        compile_blocks(model)
     offload = cfg.optimize.offload_params  # FSDP2's CPU offload; offload_optimizer alone is memory.offload's
+    stage, every = cfg.parallel.zero_stage, cfg.parallel.reduces_every_micro_batch()
+    if dims.one_process_fsdp:  # offload_params on one device: FSDP2 on a one-process group
+        stage, every = one_process_fsdp_settings(cfg)
     if dims.dp > 1 or (offload and meshes is not None):
-        model = apply_data_parallel(model, meshes, dims, cfg.parallel.zero_stage, param_dtype=fsdp_param_dtype,
+        model = apply_data_parallel(model, meshes, dims, stage, param_dtype=fsdp_param_dtype,
                                     offload=offload, reshard_after_forward=reshard_after_forward,
-                                    reduce_every_micro_batch=cfg.parallel.reduces_every_micro_batch())
+                                    reduce_every_micro_batch=every)
     return model
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each transformer block in place (one graph per block, reused by every block of the
+    same shapes) and the chunked loss's per-chunk work. A graph whose compilation fails runs eagerly:
+    torch logs the failure as a warning (dynamo's suppress_errors, set for the process) and the run
+    goes on at eager speed."""
+    torch._dynamo.config.suppress_errors = True
+    for block in model.layers.values():
+        block.compile()
+    model.compile_loss_head = True
 
 
 def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: ParallelDims, host_masters: bool = False
@@ -94,21 +109,28 @@ def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: Parallel
     data parallelism FSDP2 keeps 16-bit shards and only reduces in fp32."""
     if host_masters:
         return param_dtype, (param_dtype if dims.dp > 1 and param_dtype != torch.float32 else None)
-    if master_weights and fsdp_holds_masters(dims):
+    if master_weights and fsdp_holds_masters(dims):  # on one device too, with offload_params
         return torch.float32, param_dtype
     return param_dtype, None
 
 
 def fsdp_holds_masters(dims: ParallelDims) -> bool:
-    """Whether FSDP2's fp32 parameters are the master weights of a level that has them (see `weight_dtypes`)."""
-    return dims.dp > 1
+    """Whether FSDP2's fp32 parameters are the master weights of a level that has them (see `weight_dtypes`):
+    under data parallelism, and for optimize.offload_params on one device (its host shards)."""
+    return dims.uses_fsdp
 
 
-def allocate(part: nn.Module, device: torch.device) -> None:
+def allocate(part: nn.Module, device: torch.device, params_on_host: bool = False) -> None:
     """Give a meta-device model part (whole or a pipeline chunk, sharded or not) memory on `device`
     for the shards this rank holds; the values are undefined until loaded. A tied output projection is
-    tied again (allocation gives each module a fresh parameter) and the RoPE tables are rebuilt."""
-    part.to_empty(device=device)
+    tied again (allocation gives each module a fresh parameter) and the RoPE tables are rebuilt.
+    `params_on_host` (FSDP2's CPU offload, optimize.offload_params): the parameter shards in host memory,
+    where FSDP2 wants them, and the buffers on `device`."""
+    part.to_empty(device="cpu" if params_on_host else device)
+    if params_on_host:
+        for module in part.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
     part.tie_weights()
     part.reset_rope_tables()
 

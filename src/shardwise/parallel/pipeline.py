@@ -39,6 +39,10 @@ schedule): `pipeline_step` adds the two gradients (point to point between the tw
 so both copies get the one-process gradient and stay equal under the optimizer, and
 `Pipeline.norm_exclusions()` names the copy that the gradient norm must not count twice.
 
+Evaluation. `pipeline_eval_batches` runs micro-batches forward only, outside the schedule: a GPipe
+fill in lock-step ticks (stage s on micro-batch m while stage s + 1 is on m - 1) with batched
+non-blocking sends and receives, for every placement (looped, interleaved, V) and any batch shapes.
+
 Batch shapes. The stages infer the activation shapes from the first step (a forward and backward
 of one micro-batch) and keep them; when a later step's batch has another shape (dynamic batching),
 `pipeline_step` rebuilds the stages and schedule, paying that inference again.
@@ -72,7 +76,7 @@ from torch.distributed.pipelining import (
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, token_loss_sum
 from ..models.transformer import materialize
-from .collectives import broadcast_, recv_, send
+from .collectives import broadcast_, exchange
 from .dtensors import local_tensor
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -335,6 +339,7 @@ class Pipeline:
     tied: bool = False  # the first and last stage hold copies of one tied embedding matrix
     step_kwargs: dict = field(default_factory=dict)  # extra arguments of schedule.step this torch accepts
     batch_shape: Optional[tuple] = None  # the input shape the stages were set up for
+    p2p_ready: bool = False  # a collective has involved every rank of the group (pipeline_eval_batches)
     # Where a parameter's gradient accumulates (at precision O2 without FSDP: its fp32 master), and
     # what moves gradients there after a hand-written weight pass; set by the trainer.
     grad_holder: Callable[[torch.Tensor], torch.Tensor] = _own_grad
@@ -535,63 +540,129 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     return _broadcast_loss(pipe, local)
 
 
+# --- evaluation: forward only, the stages overlapping ------------------------------------------------
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 8  # an activation header: dtype index, number of dimensions, up to 6 sizes
 
 
-def _send_activation(t: torch.Tensor, dst: int, group: Any) -> None:
-    header = torch.zeros(8, dtype=torch.long, device=t.device)
+def stage_segments(pipe: Pipeline) -> list[tuple[int, int]]:
+    """The pipeline's stages as segments, in stage order: (first, last) runs of consecutive stages
+    that one rank owns (under a V schedule the rank holding the middle two runs them as one)."""
+    owner = [stage_rank(s, pipe.pp_size, pipe.num_stages, pipe.chunks[0].pp_style) for s in range(pipe.num_stages)]
+    segments = [(0, 0)]
+    for s in range(1, pipe.num_stages):
+        first, _ = segments[-1]
+        segments[-1:] = [(first, s)] if owner[s] == owner[first] else [(first, s - 1), (s, s)]
+    return segments
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.long)
     header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
     header[2:2 + t.dim()] = torch.tensor(t.shape)
-    send(header, dist.get_global_rank(group, dst), group)
-    send(t, dist.get_global_rank(group, dst), group)
+    return header.to(t.device)
 
 
-def _recv_activation(src: int, group: Any, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(8, dtype=torch.long, device=device)
-    recv_(header, dist.get_global_rank(group, src), group)
-    shape = header[2:2 + int(header[1])].tolist()
-    t = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
-    recv_(t, dist.get_global_rank(group, src), group)
-    return t
+def _empty_from(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    kind, ndim, *sizes = header.tolist()
+    return torch.empty(sizes[:ndim], dtype=_DTYPES[kind], device=device)
 
 
 @torch.no_grad()
+def pipeline_eval_batches(pipe: Pipeline, batches: list[dict[str, torch.Tensor]],
+                          loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Forward only over the micro-batches `batches` ({"input_ids", "labels"} and any of position_ids,
+    document_ids, attention_mask; shapes may differ between them): each one's SUM of token losses,
+    float32 [len(batches)], on every pipeline rank. With `loss_chunk_tokens` the last stage computes
+    the sums chunk by chunk (see `pipeline_step`). Call it on every pipeline rank with the same batches.
+
+    A GPipe fill in lock-step ticks over the pipeline's segments (`stage_segments`): at tick t,
+    segment j runs micro-batch t - j, so stage s works on micro-batch m while the next works on m - 1,
+    and then every rank exchanges its outputs with its neighbours (`collectives.exchange`: the
+    non-blocking sends and receives of a tick posted together; a shape header first). It needs no
+    shape inference and suits every placement (looped, interleaved, V), unlike torch's
+    `schedule.eval`, which fails on V schedules (ZBV) in torch 2.13 and would re-run the schedule's
+    shape inference when switched between evaluation and training. Only one activation per segment
+    boundary is in flight at a time, so memory does not grow with the number of batches.
+    """
+    device, group, n = pipe.device, pipe.group, len(batches)
+    style = pipe.chunks[0].pp_style
+    by_stage = {c.pp_stage_index: c for c in pipe.chunks}
+    segments = stage_segments(pipe)
+    owner = [stage_rank(first, pipe.pp_size, pipe.num_stages, style) for first, _ in segments]
+    mine = [j for j in range(len(segments)) if owner[j] == pipe.pp_rank]
+    peer = [dist.get_global_rank(group, r) if pipe.pp_size > 1 else 0 for r in owner]
+    sums: list[Optional[torch.Tensor]] = [None] * n
+    inbox: dict[int, torch.Tensor] = {}  # segment -> its input for this tick
+    if not pipe.p2p_ready and pipe.pp_size > 1:
+        # NCCL: the first batched send/receive on a group must involve all its ranks; a broadcast
+        # involves them first.
+        broadcast_(torch.zeros(1, device=device), dist.get_global_rank(group, 0), group)
+        pipe.p2p_ready = True
+    was_training = [c.training for c in pipe.chunks]
+    for c in pipe.chunks:
+        c.eval()
+    try:
+        for tick in range(n + len(segments) - 1):
+            outbox = []  # (segment, its output), in segment order
+            for j in mine:
+                m = tick - j
+                if 0 <= m < n:
+                    out = _run_segment(pipe, by_stage, segments[j], batches[m], inbox.pop(j, None), device,
+                                       loss_chunk_tokens)
+                    if j == len(segments) - 1:
+                        sums[m] = out.detach().float().reshape(())
+                    else:
+                        outbox.append((j, out))
+            # Neighbouring segments have different owners: every output goes to another rank, and
+            # segment k + 1 of this rank receives, for the next tick, micro-batch tick - k from segment k.
+            sends = [(h, peer[j + 1]) for j, h in outbox]
+            coming = [k + 1 for k in range(len(segments) - 1) if owner[k + 1] == pipe.pp_rank and 0 <= tick - k < n]
+            headers = {k: torch.zeros(_HEADER, dtype=torch.long, device=device) for k in coming}
+            exchange([(_header(h), dst) for h, dst in sends], [(headers[k], peer[k - 1]) for k in coming], group)
+            inbox = {k: _empty_from(headers[k], device) for k in coming}
+            exchange(sends, [(inbox[k], peer[k - 1]) for k in coming], group)
+    finally:
+        for c, mode in zip(pipe.chunks, was_training):
+            c.train(mode)
+    local = torch.stack(sums) if pipe.has_last else torch.zeros(n, device=device)
+    if pipe.pp_size > 1:
+        broadcast_(local, dist.get_global_rank(group, pipe.last_rank), group)
+    return local
+
+
+def _run_segment(pipe: Pipeline, by_stage: dict[int, nn.Module], segment: tuple[int, int],
+                 batch: dict[str, torch.Tensor], h: Optional[torch.Tensor], device: torch.device,
+                 loss_chunk_tokens: Optional[int]) -> torch.Tensor:
+    """One micro-batch through a segment's stages: its output activation, or at the end of the
+    pipeline the micro-batch's token-loss sum. `h`: the segment's input (None at stage 0)."""
+    extras = {k: batch[k].to(device) for k in _MODEL_EXTRAS if k in batch}
+    first, last = segment
+    if first == 0:
+        h = batch["input_ids"].to(device)
+    for s in range(first, last + 1):
+        if s < pipe.num_stages - 1:
+            h = by_stage[s](h, **extras)
+        elif loss_chunk_tokens is not None:
+            return by_stage[s](h, labels=batch["labels"].to(device), loss_chunk_tokens=loss_chunk_tokens, **extras)
+        else:
+            return pipe.step_loss.loss_sum(by_stage[s](h, **extras), batch["labels"].to(device))
+    return h
+
+
 def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
                   position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None,
                   loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
-    """Forward only: the SUM of token losses of the batch (any number of rows), on every pipeline rank;
-    with `loss_chunk_tokens` the last stage computes it chunk by chunk (see `pipeline_step`).
+    """Forward only: the SUM of token losses of the batch (any number of rows), on every pipeline rank.
 
-    Runs the stages one after the other with plain send/recv rather than through the schedule:
-    torch's `schedule.eval` fails on V schedules (ZBV) in torch 2.13, and switching a schedule between
-    eval and training re-runs its shape inference. Call it on every pipeline rank with the same batch.
+    The batch is split into up to `micro_batch_num` micro-batches of rows that go through
+    `pipeline_eval_batches`, the stages overlapping. Call it on every pipeline rank with the same batch.
     """
-    device = pipe.device
-    extras = {k: v.to(device) for k, v in _extras(position_ids, document_ids, attention_mask).items()}
-    by_stage = {c.pp_stage_index: c for c in pipe.chunks}
-    style = pipe.chunks[0].pp_style
-    owner = [stage_rank(s, pipe.pp_size, pipe.num_stages, style) for s in range(pipe.num_stages)]
-    was_training = [c.training for c in pipe.chunks]
-    for c in pipe.chunks:
-        c.eval()
-    local = None
-    try:
-        h = input_ids.to(device)
-        for s in range(pipe.num_stages):
-            if owner[s] != pipe.pp_rank:
-                continue
-            if s > 0 and owner[s - 1] != pipe.pp_rank:
-                h = _recv_activation(owner[s - 1], pipe.group, device)
-            if s == pipe.num_stages - 1 and loss_chunk_tokens is not None:
-                local = by_stage[s](h, labels=labels.to(device), loss_chunk_tokens=loss_chunk_tokens, **extras)
-                continue
-            h = by_stage[s](h, **extras)
-            if s == pipe.num_stages - 1:
-                local = pipe.step_loss.loss_sum(h, labels.to(device))
-            elif owner[s + 1] != pipe.pp_rank:
-                _send_activation(h, owner[s + 1], pipe.group)
-    finally:
-        for c, mode in zip(pipe.chunks, was_training):
-            c.train(mode)
-    return _broadcast_loss(pipe, local)
+    given = {"input_ids": input_ids, "labels": labels,
+             **_extras(position_ids, document_ids, attention_mask)}
+    pieces = max(1, min(input_ids.shape[0], pipe.micro_batch_num))
+    split = {k: torch.tensor_split(v, pieces) for k, v in given.items()}
+    batches = [{k: parts[i] for k, parts in split.items()} for i in range(pieces)]
+    return pipeline_eval_batches(pipe, batches, loss_chunk_tokens).sum()

@@ -100,8 +100,8 @@ def check_quantize_base(cfg: Any, dims: Any) -> None:
     problem = quantized_layout_problem(cfg, dims)
     if problem:
         raise ConfigError(f"{key} with {problem}")
-    if cfg.run.compile:
-        raise ConfigError(f"{key} with run.compile is not supported yet; set run.compile: false")
+    if cfg.run.compile is True:  # auto leaves a quantised base eager (RunConfig.compiles)
+        raise ConfigError(f"{key} with run.compile is not supported yet; set run.compile: false (or auto)")
     torchao_import()
     with torch.device("meta"):
         model = Transformer(cfg.model)

@@ -57,6 +57,11 @@ def header_lines(result: PlanResult) -> list[str]:
         f"margin{reserve})",
         f"limit      {limit_arithmetic(lim)}",
     ]
+    if "float8_tokens_per_s_per_device" in lim:
+        lines.append(f"float8     {lim['float8_flops_per_token']:.3g} of those FLOPs per token (the block linears) at "
+                     f"{lim['float8_peak_flops'] / 1e12:g} TFLOP/s float8: "
+                     f"{lim['float8_tokens_per_s_per_device']:,.0f} tokens/s per device at best; MFU below stays "
+                     "against the 16-bit peak")
     if lim["flops_per_token"] < lim["full_training_flops_per_token"]:
         lines.append(f"           frozen weights skip their weight gradients: {lim['flops_per_token']:.3g} FLOPs "
                      f"per token instead of {lim['full_training_flops_per_token']:.3g} with every weight trained")
@@ -80,9 +85,11 @@ def candidate_table(cands: list[Candidate]) -> str:
     for i, c in enumerate(cands, 1):
         lay, s = c.layout, c.step
         # "/step": ZeRO 2/3 gradients reduced once per step (full size until then), not every micro-batch
-        zero = (f"{lay.zero}" + ("+off" if lay.offload else "") + ("+act" if lay.offload_activations else "")
+        zero = (f"{lay.zero}" + ("+off" if lay.offload else "") + ("+params" if lay.offload_params else "")
+                + ("+act" if lay.offload_activations else "")
                 + ("/step" if lay.reduce_gradients == "once_per_step" else ""))
-        rows.append((str(i), lay.short(), zero, lay.recompute,
+        recompute = lay.recompute + (f", loss chunk {lay.loss_chunk}" if lay.loss_chunk else "")
+        rows.append((str(i), lay.short(), zero, recompute,
                      f"{lay.micro_batch} x {lay.accumulation}", lay.schedule_name(),
                      f"{c.peak / GIB:.3g}", f"{s.total:.3g}", f"{s.tokens_per_s_per_device:,.0f}",
                      f"{100 * s.mfu:.1f}%", s.breakdown()))

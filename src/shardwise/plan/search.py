@@ -21,6 +21,7 @@ from ..hardware import CATALOGUE, Hardware
 from ..memory.auto_recompute import choose_recompute_layers, with_recompute_layers
 from ..memory.estimate import estimate_memory
 from ..models import get_preset, preset_names
+from ..parallel.float8 import float8_layout_problem, float8_on
 from ..parallel.pipeline import check_pipeline
 from ..peft.qlora import quantized_layout_problem
 from ..step_time import StepTime, physical_limit, predict_step, work_of
@@ -53,6 +54,8 @@ class Layout:
     offload: bool = False
     reduce_gradients: str = "auto"  # parallel.reduce_gradients; searched for ZeRO 2/3 with accumulation
     offload_activations: bool = False  # tried with offload_optimizer where no pipeline runs
+    loss_chunk: Optional[int] = None  # optimize.loss_chunk_tokens when the planner lowered it to fit (else as set)
+    offload_params: bool = False  # one device: FSDP2's CPU offload (parameters, gradients, state on the host)
 
     def short(self) -> str:
         """'DP4 TP2 PP1' style degrees."""
@@ -61,13 +64,19 @@ class Layout:
     def describe(self) -> str:
         """All settings in one line."""
         offload = ("+offload" if self.offload else "") + (" and activations" if self.offload_activations else "")
-        parts = [self.short(), f"ZeRO-{self.zero}" + offload,
+        zero = f"ZeRO-{self.zero}" + offload
+        if self.offload_params:  # optimize.offload_params on one device
+            zero = "FSDP2 CPU offload of parameters, gradients and optimizer" + (
+                " and activations" if self.offload_activations else "")
+        parts = [self.short(), zero,
                  f"recompute {self.recompute}", f"micro-batch {self.micro_batch} x {self.accumulation}"]
         if self.reduce_gradients != "auto":
             parts.append("gradients reduced " + self.reduce_gradients.replace("_", " ").replace("micro batch",
                                                                                                  "micro-batch"))
         if self.pp > 1:
             parts.append(self.schedule_name())
+        if self.loss_chunk:
+            parts.append(f"loss chunks of {self.loss_chunk} tokens")
         return ", ".join(parts)
 
     def schedule_name(self) -> str:
@@ -236,9 +245,25 @@ def check_request(req: PlanRequest) -> None:
     for r in req.pins.get("recompute", []):
         if r not in RECOMPUTE + AUTO:
             raise ConfigError(f"--recompute {r!r}: use one of {', '.join(RECOMPUTE + AUTO)}")
+    check_float8_request(req)
     gbs = req.cfg.train.global_batch_size
     if gbs is not None and not any(gbs % dp == 0 for dp in _allowed(req.pins, "dp", divisors(n))):
         raise ConfigError(f"--global-batch {gbs} cannot be split over any data-parallel degree allowed on {n} devices")
+
+
+def check_float8_request(req: PlanRequest) -> None:
+    """optimize.float8 on hardware without float8 tensor cores, or with a precision or LoRA it cannot run
+    with: a ConfigError, as the trainer would give (layouts with tensor parallelism are skipped instead)."""
+    if not float8_on(req.cfg):
+        return
+    hw = req.hardware
+    if not hw.tflops_8:
+        raise ConfigError(f"optimize.float8 needs float8 tensor cores, which {hw.name} has not (no tflops_8 in its "
+                          "hardware entry; H100, H200, H800, L40S and RTX 4090 have them): plan without "
+                          "optimize.float8, or give tflops_8 in a --hardware-file")
+    problem = float8_layout_problem(req.cfg, Layout(dp=1, tp=1, pp=1))  # the reasons no layout changes
+    if problem:
+        raise ConfigError(f"optimize.float8 {problem}")
 
 
 def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
@@ -293,14 +318,34 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                         # With the optimizer offloaded, the saved activations may go to the host too.
                         offloads = [(o, acts) for o in offloads for acts in ((False, True) if o and pp == 1
                                                                              else (False,))]
+                        # On one device, offload_params too: FSDP2's CPU offload alone (the parameters as
+                        # well, each block copied in for its forward and backward; LoRA's base leaves).
+                        if can_offload and dp * tp * pp == 1:
+                            offloads += [("params", acts) for acts in (False, True)]
                         for offload, acts in offloads:
                             for recompute in _allowed(pins, "recompute", RECOMPUTE + AUTO * ("auto" in pins.get(
                                     "recompute", []))):
                                 for reduce in reductions:
-                                    layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v, offload,
-                                                    reduce, acts)
+                                    layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v,
+                                                    offload is True, reduce, acts, offload_params=offload == "params")
                                     out.append((layout, layout_config(cfg, layout)))
     return out
+
+
+# A layout that does not fit with the configured loss chunk is tried once more with chunks of this many tokens:
+# their [chunk, vocabulary] fp32 logits (128 MiB at a 128k vocabulary) cost no FLOPs, and each chunk's
+# matmul is still large enough to run at full speed on a GPU.
+SMALL_LOSS_CHUNK = 256
+
+
+def _lowers_loss_chunk(cfg: RunConfig) -> bool:
+    chunk = cfg.optimize.loss_chunk()
+    return chunk is not None and chunk > SMALL_LOSS_CHUNK
+
+
+def with_loss_chunk(cfg: RunConfig, tokens: int) -> RunConfig:
+    """`cfg` with the chunked loss computed `tokens` tokens at a time."""
+    return cfg.model_copy(update={"optimize": cfg.optimize.model_copy(update={"loss_chunk_tokens": tokens})})
 
 
 def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
@@ -313,7 +358,8 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
     optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
                                                "recompute_layers": None,
                                                "gradient_accumulation_steps": None,
-                                               "offload_optimizer": layout.offload, "offload_params": False,
+                                               "offload_optimizer": layout.offload,
+                                               "offload_params": layout.offload_params,
                                                "offload_activations": layout.offload_activations})
     train = base.train.model_copy(update={"micro_batch_size": layout.micro_batch,
                                           "global_batch_size": layout.dp * layout.micro_batch * layout.accumulation})
@@ -347,6 +393,8 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
     for layout, cfg in enumerate_layouts(req):
         if quantized_layout_problem(cfg, layout):  # QLoRA's base cannot be split, sharded or offloaded
             continue
+        if float8_layout_problem(cfg, layout):  # float8 under tensor parallelism is not wired
+            continue
         if layout.recompute == "auto":  # the least recompute per layer that fits this layout in `usable`
             try:
                 cfg = with_recompute_layers(cfg, choose_recompute_layers(cfg, n, hw.kind, usable))
@@ -367,6 +415,13 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
         if c.memory is None and (c.lower_bound <= usable or not quick):
             c.memory = memory_fn(c.cfg, n, device)
             estimated += 1
+            if not c.fits and _lowers_loss_chunk(c.cfg):
+                smaller = with_loss_chunk(c.cfg, SMALL_LOSS_CHUNK)
+                memory = memory_fn(smaller, n, device)
+                estimated += 1
+                if memory.peak <= usable:
+                    c.cfg, c.memory = smaller, memory
+                    c.layout = dataclasses.replace(c.layout, loss_chunk=SMALL_LOSS_CHUNK)
         return c
 
     quick = True  # skip estimates whose lower bound is already over the memory
@@ -409,7 +464,9 @@ def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
     bound = 0.0
     for rank, load in enumerate(step.detail["loads"]):
         params, trainable = load.params / tp, load.trainable / tp
-        if layout.offload:
+        if layout.offload_params:  # FSDP2's CPU offload on one device: every shard in host memory
+            need = 0.0
+        elif layout.offload:
             need = params * elem * (0 if layout.zero == 3 else 1) / dp
         else:
             need = (params * elem / (dp if layout.zero == 3 else 1) + trainable * elem / (dp if layout.zero >= 2 else 1)

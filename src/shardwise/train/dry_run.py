@@ -27,7 +27,7 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
         f"layout       {world} device(s) = data {dp} x tensor {p.tensor_parallel} x pipeline "
         f"{p.pipeline_parallel}{dp_note}; ZeRO stage {p.zero_stage}"
         + (f"; {p.schedule} schedule, {p.micro_batch_num} micro-batches" if p.pipeline_parallel > 1 else ""),
-        f"device       {cfg.run.device}; {'compiled (torch.compile)' if cfg.run.compile else 'eager'}",
+        f"device       {cfg.run.device}; {_compiled(cfg)}",
         f"precision    {o.mixed_precision} level {o.level()}; recompute {o.recompute}"
         + (f" every {o.recompute_every} layer(s)" if o.recompute == "full" and o.recompute_every > 1 else ""),
         f"batch        micro-batch {t.micro_batch_size} x accumulation {cfg.gradient_accumulation(devices)} x "
@@ -52,3 +52,10 @@ def _finetune_line(cfg: RunConfig) -> str | None:
     how = describe_finetuning(model, cfg.lora, cfg.freeze) or "all weights train"
     start = f"from {cfg.model.init_from}" if cfg.model.init_from else "from random weights"
     return f"fine-tune    {start}; {how}: {trainable_summary(model)}"
+
+
+def _compiled(cfg: RunConfig) -> str:
+    """How the blocks run: compiled, eager, or (auto) by the device found at start."""
+    if cfg.run.compile == "auto":
+        return "compiled (torch.compile) on CUDA / NPU, eager on a CPU (run.compile auto)"
+    return "compiled (torch.compile)" if cfg.run.compile else "eager"

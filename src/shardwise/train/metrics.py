@@ -114,6 +114,38 @@ def count_real_tokens(micro_batches: Iterable[Mapping[str, torch.Tensor]]) -> in
     return total
 
 
+# --- the cost of compiling -----------------------------------------------------------------------------------
+
+
+class CompileClock:
+    """What torch.compile cost a compiled run, reported once: the first step (which compiles the blocks'
+    forward and backward) against the second (which runs them compiled). `tick(now)` after each of the
+    first steps (their figures read, so the times cover finished work) returns the line to log, once."""
+
+    def __init__(self, compiled: bool, start: float) -> None:
+        self.waiting = compiled
+        self.stamps = [start]
+
+    def tick(self, now: float) -> str | None:
+        """Stamp the end of a step; after the second, the report (and the clock stops)."""
+        self.stamps.append(now)
+        if len(self.stamps) < 3:
+            return None
+        self.waiting = False
+        first, second = self.stamps[1] - self.stamps[0], self.stamps[2] - self.stamps[1]
+        return (f"torch.compile: the first step took {first:.2f} s, the second {second:.2f} s, so compiling cost "
+                f"about {max(first - second, 0.0):.1f} s (once per process; a new batch shape compiles again)"
+                f"{_eager_fallbacks()}")
+
+
+def _eager_fallbacks() -> str:
+    """torch's count of frames it failed to compile (they ran eagerly), when there are any."""
+    frames = torch._dynamo.utils.counters.get("frames", {})
+    failed = frames.get("total", 0) - frames.get("ok", 0)
+    return f"; {failed} of {frames['total']} frames failed to compile and ran eagerly (see torch's warnings)" \
+        if failed > 0 else ""
+
+
 # --- the records -------------------------------------------------------------------------------------------
 
 

@@ -98,6 +98,30 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], name: str,
                state_dtype=state_dtype)
 
 
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Step `optimizer` unless `skip` (a 0-dim bool tensor, on the device) is set, without reading it where
+    the kernel can skip by itself: torch's fused Adam / AdamW / SGD kernels (ours among them; ZeRO-1's
+    local optimizer) take it as their `found_inf` and leave weights, moments and step counts as they
+    were. Other kernels (foreach, torchao's 8-bit AdamW) read the flag first: one host sync."""
+    kernel = getattr(optimizer, "local", optimizer)  # ZeRO-1 steps its local optimizer over this rank's parts
+    if _skips_on_device(kernel):
+        device = local_tensor(kernel.param_groups[0]["params"][0]).device
+        kernel.found_inf = skip.to(device=device, dtype=torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del kernel.found_inf
+    elif not bool(skip):
+        optimizer.step()
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s step honours a `found_inf` attribute (torch's fused kernels)."""
+    fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and \
+        bool(optimizer.defaults.get("fused"))
+    return fused and bool(optimizer.param_groups) and bool(optimizer.param_groups[0]["params"])
+
+
 def state_dtype_of(setting: str) -> Optional[torch.dtype]:
     """`train.optimizer_state_dtype` as a dtype; None (auto) keeps the parameters' own."""
     return STATE_DTYPES.get(setting)
@@ -242,6 +266,10 @@ class _ChunkedStep:
             for s, w in zip(stored, work):
                 s.copy_(w)
 
+    def _found_inf(self) -> Optional[torch.Tensor]:
+        """The flag `step_unless` sets for a fused step to skip on the device (None otherwise)."""
+        return getattr(self, "found_inf", None) if self.fused else None
+
     def _step_tensor(self, p: torch.Tensor) -> torch.Tensor:
         # As torch's Adam: the fused kernel reads the step on the parameter's device, foreach on the CPU.
         if self.fused:
@@ -268,7 +296,8 @@ class _ChunkedAdamStep(_ChunkedStep):
         adam_update(
             params, [p.grad for p in params], work["exp_avg"], work["exp_avg_sq"], work.get("max_exp_avg_sq", []),
             [s["step"] for s in states], foreach=not self.fused, capturable=group.get("capturable", False),
-            differentiable=False, fused=self.fused, grad_scale=None, found_inf=None, has_complex=False,
+            differentiable=False, fused=self.fused, grad_scale=None, found_inf=self._found_inf(),
+            has_complex=False,
             decoupled_weight_decay=group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)),
             amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=group["maximize"])
@@ -322,7 +351,8 @@ class ChunkedSGD(_ChunkedStep, torch.optim.SGD):
         work = [None if b is None else b.to(p.dtype) if self.state_dtype is not None else b
                 for b, p in zip(stored, params)]
         sgd_update(params, [p.grad for p in params], work, has_sparse_grad=False, foreach=not self.fused,
-                            fused=self.fused, grad_scale=None, found_inf=None, weight_decay=group["weight_decay"],
+                            fused=self.fused, grad_scale=None, found_inf=self._found_inf(),
+                            weight_decay=group["weight_decay"],
                             momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
                             nesterov=group["nesterov"], maximize=group["maximize"])
         if group["momentum"] == 0:
@@ -357,8 +387,10 @@ class OptimizerInBackward:
     rate as usual); each update runs over that one parameter of its group.
 
     Non-finite gradients: each gradient is checked before its update; the first non-finite one stops
-    every later update of the step (`finite` is then False). A non-finite loss makes every gradient
-    non-finite, so the first one already stops the step and no weight is touched; a gradient that
+    every later update of the step (`finite` is then False). With a fused kernel the check stays on
+    the device (a running flag each update takes as its `found_inf`, read only by `finite`); other
+    kernels read each gradient's finiteness as it arrives (a host sync per tensor). A non-finite loss
+    makes every gradient non-finite, so the first one already stops the step and no weight is touched; a gradient that
     overflows in the middle of the backward leaves the parameters updated before it updated (those
     whose gradients came first, nearest the output). The gradient norm of the step is gathered as
     the gradients go (`finish`).
@@ -369,14 +401,23 @@ class OptimizerInBackward:
                  after: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.optimizer, self.target, self.after = optimizer, target, after
         self.group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
-        self.finite = True
+        self.on_device = bool(getattr(optimizer, "fused", False)) and hasattr(optimizer, "step_param")
+        self._finite = True
+        self._bad: Optional[torch.Tensor] = None  # on the device: whether a gradient of this step was not finite
         self._squares: dict[tuple, list[torch.Tensor]] = {}
         self._meshes: dict[tuple, Any] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
+    @property
+    def finite(self) -> bool:
+        """Whether every gradient of the step so far was finite (reads the device's flag once, at the end)."""
+        if self._bad is not None:
+            self._finite, self._bad = not bool(self._bad), None
+        return self._finite
+
     def begin(self) -> None:
         """Start a step: forget the last step's norm and finiteness."""
-        self.finite = True
+        self._finite, self._bad = True, None
         self._squares, self._meshes = {}, {}
 
     @torch.no_grad()
@@ -393,9 +434,29 @@ class OptimizerInBackward:
             square = torch.linalg.vector_norm(local_tensor(grad), dtype=torch.float32) ** 2
         self._squares.setdefault(key, []).append(square)
         self._meshes[key] = mesh
-        if self.finite and not bool(torch.isfinite(square)):
-            self.finite = False
-        if self.finite:
+        if self.on_device:
+            self._step_on_device(p, q, square)
+        else:
+            self._step_after_reading(p, q, square)
+        q.grad = None
+
+    def _step_on_device(self, p: torch.Tensor, q: torch.Tensor, square: torch.Tensor) -> None:
+        """Update `q` unless this or an earlier gradient of the step was not finite, without reading it."""
+        bad = ~torch.isfinite(square)
+        self._bad = bad if self._bad is None else self._bad | bad
+        self.optimizer.found_inf = self._bad.to(torch.float32)
+        try:
+            self.optimizer.step_param(q, self.group_of[id(q)])
+        finally:
+            del self.optimizer.found_inf
+        if self.after is not None:
+            self.after(p)
+
+    def _step_after_reading(self, p: torch.Tensor, q: torch.Tensor, square: torch.Tensor) -> None:
+        """Update `q` if every gradient of the step so far was finite (reads this one's finiteness)."""
+        if self._finite and not bool(torch.isfinite(square)):
+            self._finite = False
+        if self._finite:
             group = self.group_of[id(q)]
             step_param = getattr(self.optimizer, "step_param", None)
             if step_param is not None:
@@ -404,18 +465,17 @@ class OptimizerInBackward:
                 _step_one(self.optimizer, q, group)
             if self.after is not None:
                 self.after(p)
-        q.grad = None
 
     def finish(self) -> torch.Tensor:
-        """The step's global gradient norm (a collective over the meshes of sharded gradients)."""
-        total = torch.zeros((), dtype=torch.float32)
+        """The step's global gradient norm (a collective over the meshes of sharded gradients), on the device."""
+        total: Optional[torch.Tensor] = None
         for key in sorted(self._squares, key=repr):
-            part = torch.stack([s.cpu() for s in self._squares[key]]).sum()
+            part = torch.stack(self._squares[key]).sum()
             mesh, dims = self._meshes[key], key[1]
             for d in dims:  # sharded (or partial) over these mesh dimensions: sum over their groups
                 part = all_reduce(part, mesh.get_group(d), dist.ReduceOp.SUM)
-            total = total + part.cpu()
-        return total.sqrt()
+            total = part if total is None else total + part.to(total.device)
+        return (total if total is not None else torch.zeros((), dtype=torch.float32)).sqrt()
 
     def remove(self) -> None:
         """Remove the hooks."""

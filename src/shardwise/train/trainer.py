@@ -15,6 +15,7 @@ sums, so every layout computes one device's gradient. Tools follow a step throug
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -31,18 +32,19 @@ from ..checkpoint.checkpointer import TIED_COPY, Checkpointer, canonical_param_n
 from ..checkpoint.weights import check_pretrained
 from ..config import RunConfig, to_yaml, tokens_per_step
 from ..data.build import run_data
-from ..data.loader import StatefulLoader, sequential_batches
+from ..data.loader import StatefulLoader, batches_to_device
 from ..errors import TrainingError
 from ..hardware import device_peak
-from ..loss import IGNORE_INDEX, count_target_tokens, token_loss_sum
+from ..loss import count_target_tokens, token_loss_sum
 from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
 from ..memory.estimate import run_flops
 from ..memory.offload import ActivationOffload, HostMasters, master_dtype_for
 from ..memory.precision import LossScaler, MasterWeights, PrecisionPlan, loss_scaler_for, precision_plan
-from ..parallel.collectives import all_reduce, max_over, rank0_first, replicas_problem, sum_over
-from ..parallel.data_parallel import check_offload, clip_grad_norm, grad_sync
+from ..parallel.collectives import all_reduce, max_over, rank0_first, replicas_problem
+from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
-from ..parallel.launch import init_distributed
+from ..parallel.float8 import after_optimizer_step, check_float8
+from ..parallel.launch import init_distributed, join_one_process_group
 from ..parallel.parallelize import (
     allocate,
     build_pipeline,
@@ -51,13 +53,24 @@ from ..parallel.parallelize import (
     parallelize_parts,
     weight_dtypes,
 )
-from ..parallel.pipeline import concat_micro_batches, pipeline_eval, pipeline_step
+from ..parallel.pipeline import concat_micro_batches, pipeline_step
 from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
-from .metrics import MetricsWriter, MfuMeter, StepTokens, Window, count_real_tokens, format_record, reset_peak_memory
+from .evaluation import evaluate_held_out, model_inputs
+from .metrics import (
+    CompileClock,
+    MetricsWriter,
+    MfuMeter,
+    StepTokens,
+    Window,
+    count_real_tokens,
+    format_record,
+    reset_peak_memory,
+)
 from .oom import device_memory_bytes, explain_out_of_memory, is_out_of_memory
-from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of
+from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
+from .step_result import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +86,6 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     eval: dict[str, float] | None = None
     last_checkpoint: Path | None = None
-
-
-@dataclass
-class StepResult:
-    """One optimizer step: its loss and gradient norm, whether it was skipped, and its tokens."""
-
-    loss: float
-    grad_norm: float
-    skipped: bool
-    tokens: StepTokens
 
 
 @dataclass
@@ -134,8 +137,12 @@ class Trainer:
     """Pre-trains or fine-tunes a model as a RunConfig describes, on one device or as one rank of many."""
 
     def __init__(self, config: RunConfig, model: nn.Module | None = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, tokenizer: Any = None) -> None:
+                 eval_dataset: Any = None, tokenizer: Any = None, fsdp_offload_on_cpu: bool = False) -> None:
+        """`fsdp_offload_on_cpu`: on a one-process CPU run, take optimize.offload_params through FSDP2's CPU
+        offload on a one-process group anyway, the path one accelerator takes (on the CPU it only adds
+        copies, since everything already lives in host memory; tests of that path use it)."""
         self.config = config
+        self.fsdp_offload_on_cpu = fsdp_offload_on_cpu
         self.model = model  # after setup: this rank's first model part
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -144,6 +151,7 @@ class Trainer:
         self.pipeline: Any = None  # parallel.pipeline.Pipeline under pipeline parallelism
         self.state: TrainState | None = None
         self.phase = "setup"
+        self._previous: StepResult | None = None  # the last step, until its figures are acted on
         self._phase_hooks: list[Callable[[str], None]] = []
 
     def add_phase_hook(self, hook: Callable[[str], None]) -> None:
@@ -169,35 +177,48 @@ class Trainer:
         bar = tqdm(total=s.total_steps, initial=s.start, disable=not (cfg.train.progress_bar and s.ctx.is_main),
                    unit="step", dynamic_ncols=True, desc="train")
         window = Window(time.perf_counter())
+        compile_clock = CompileClock(cfg.run.compile is True, window.start)
         reset_peak_memory(s.device)
+        pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
         try:
             for step in range(s.start, s.total_steps):
                 lr = s.schedule.apply(s.optimizer, step)
-                out = self.train_step(s.loader.next_step(), step)
+                pending.append(self.train_step(s.loader.next_step(), step))
                 done = result.step = step + 1
-                result.losses[done] = out.loss
-                window.add(out.loss, out.tokens.real, out.tokens.target, out.skipped)
                 bar.update(1)
+                logs = done % cfg.train.log_steps == 0 or done == s.total_steps
+                saves = (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == s.total_steps
+                evaluates = self.eval_dataset is not None and (
+                    done == s.total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0))
+                if logs or saves or evaluates or compile_clock.waiting:
+                    self._settle(pending[-1])  # nothing is saved, evaluated or logged past a step that must stop
+                if compile_clock.waiting:
+                    line = compile_clock.tick(time.perf_counter())
+                    if line:
+                        log.info(line)
+                while pending and pending[0].settled:  # in step order: each step settles the one before it
+                    out = pending.pop(0)
+                    result.losses[out.step + 1] = out.loss
+                    window.add(out.loss, out.tokens.real, out.tokens.target, out.skipped)
                 if cfg.train.check_replicas_steps and done % cfg.train.check_replicas_steps == 0:
                     self.check_replicas(done)
-                if done % cfg.train.log_steps == 0 or done == s.total_steps:
-                    record = window.record(done, lr, out.grad_norm, s.scaler.scale if s.scaler else 1.0, mfu,
-                                           s.device, s.ctx.world_size)
+                if logs:
+                    record = window.record(done, lr, out.grad_norm, out.scale, mfu, s.device, s.ctx.world_size)
                     writer.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     log.info(format_record(record))
                     window = Window(time.perf_counter())
                 # Save first: a failure during evaluation must not cost the step's checkpoint.
-                if (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == s.total_steps:
+                if saves:
                     result.last_checkpoint = self.save(done)
                     window.start = time.perf_counter()
-                if self.eval_dataset is not None and (
-                        done == s.total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0)):
+                if evaluates:
                     result.eval = self.evaluate()
                     writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
                     log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
                              result.eval["perplexity"])
                     window.start = time.perf_counter()
+            s.checkpointer.wait()  # train.async_save: publish the last checkpoint (a failed write raises here)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -205,6 +226,7 @@ class Trainer:
             raise TrainingError(explain_out_of_memory(cfg, s.ctx.world_size, s.ctx.rank, self.phase, s.device,
                                                       pp_rank, s.ctx.local_world_size)) from exc
         finally:
+            s.checkpointer.wait(training_failed=True)  # an earlier, finished step's pending save is still published
             s.loader.close()
             bar.close()
             writer.close()
@@ -218,7 +240,10 @@ class Trainer:
         # Everything that can fail on the config alone fails before --overwrite removes anything.
         ctx = init_distributed(cfg.run.device, cfg.run.timeout_s)
         dims = layout_for(cfg, ctx.world_size)
+        if fsdp_on_one_process(cfg, ctx.device, dims, on_cpu=self.fsdp_offload_on_cpu):
+            dims = dataclasses.replace(dims, one_process_fsdp=True)  # offload_params on one device: FSDP2's
         check_offload(cfg, ctx.device, dims)
+        check_float8(cfg, ctx.device, dims)
         check_optimizer(cfg, dims, ctx.world_size, ctx.device)
         check_quantize_base(cfg, dims)
         pretrained = cfg.model.init_from is not None and self.model is None
@@ -233,13 +258,18 @@ class Trainer:
             if ctx.is_main:
                 log.warning("restart %d of the process group: resuming from the newest checkpoint", ctx.restart_count)
         rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank)
+        if cfg.run.compile == "auto":  # before the model is built; config.yaml records what it became
+            cfg = self.config = cfg.model_copy(update={"run": cfg.run.model_copy(
+                update={"compile": cfg.compiles(ctx.device.type)})})
         if cfg.optimize.recompute == "auto" and cfg.optimize.recompute_layers is None:
             cfg = self.config = _resolve_recompute(cfg, ctx)  # before the model is built; config.yaml records it
         check_host_memory(cfg, ctx)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        meshes = dims.build_meshes(ctx.device.type) if dims.distributed else None
+        if dims.one_process_fsdp:
+            join_one_process_group(ctx, cfg.run.timeout_s)  # FSDP2 needs a group and meshes, even alone
+        meshes = dims.build_meshes(ctx.device.type) if dims.needs_meshes else None
         # Rank 0 prepares the data (and the shared cache) first; the others then find it ready.
         rank0_first(self._prepare_data, ctx.rank)
         if not ctx.is_main:
@@ -256,7 +286,9 @@ class Trainer:
         masters = self._masters(trainable, plan, dims, ctx.device)
         opt_named = list(masters.named_masters()) if masters else trainable
         t = cfg.train
-        step_on = "cpu" if isinstance(masters, HostMasters) else ctx.device.type  # offload_optimizer: the host
+        # offload_optimizer, and FSDP2's CPU offload (offload_params): the optimizer steps host tensors
+        on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp)
+        step_on = "cpu" if on_host else ctx.device.type
         optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
                                                          (t.beta1, t.beta2), t.eps,
                                                          kernel=t.optimizer_kernel(step_on),
@@ -270,9 +302,9 @@ class Trainer:
         holder = {} if masters is None else {"grad_holder": masters.master_of,
                                              "on_weight_grads": masters.grads_to_masters}
         self.pipeline = build_pipeline(parts, cfg, dims, meshes, ctx.device, token_loss_sum, **holder)
-        scaler = loss_scaler_for(plan, cfg.optimize.loss_scale, cfg.optimize.initial_loss_scale)
+        scaler = loss_scaler_for(plan, cfg.optimize.loss_scale, cfg.optimize.initial_loss_scale, ctx.device)
         loader = StatefulLoader.for_run(self.train_dataset, cfg, meshes["dp"].get_local_rank() if meshes else 0,
-                                        dims.dp, ctx.world_size)
+                                        dims.dp, ctx.world_size, ctx.device.type, ctx.local_world_size)
         total_steps = cfg.train.max_steps if cfg.train.max_steps is not None else \
             loader.steps_for_epochs(cfg.train.epochs)
         schedule = LRSchedule(cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, total_steps,
@@ -283,7 +315,7 @@ class Trainer:
         checkpointer = Checkpointer(run_dir, parts, optimizer, masters=masters, scaler=scaler, loader=loader,
                                     tied_copy=TIED_COPY in excluded, layout=layout, device=ctx.device, rank=ctx.rank,
                                     keep=cfg.train.keep_checkpoints, seed=cfg.train.seed, lora=cfg.lora,
-                                    model_cfg=cfg.model, base=cfg.model.init_from)
+                                    model_cfg=cfg.model, base=cfg.model.init_from, async_save=cfg.train.async_save)
         checkpointer.rank_streams = {f"tensor_parallel.{i}": r for i, r in enumerate(map(rank_rng, parts))
                                      if r is not None}
         state = TrainState(ctx=ctx, dims=dims, meshes=meshes, plan=plan, parts=parts, pipeline=self.pipeline,
@@ -310,15 +342,19 @@ class Trainer:
     # --- one step ---------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepResult:
-        """One optimizer step over this rank's micro-batches of 0-based step `step`. A step whose loss
-        or gradients are not finite never touches the weights: with fp16 it is skipped and the loss
-        scale lowered; otherwise it stops the run (or is skipped under train.nan_policy: skip)."""
+        """One optimizer step over this rank's micro-batches of 0-based step `step`.
+
+        Nothing in it waits for the device: the figures come back as a `StepResult` whose copy to the
+        host runs behind the step. A step whose loss or gradients are not finite never touches the
+        weights: the update is skipped on the device (fused kernels take the flag as `found_inf`;
+        others read it), with fp16 the loss scale is lowered there too, and the trainer acts on it
+        (`_settle`: a warning, or a stop under train.nan_policy: stop) when it reads the figures,
+        at the latest before the next step's update.
+        """
         s, cfg = self.state, self.config
-        local = [count_target_tokens(micro_batches), count_real_tokens(micro_batches)]
-        n_tokens, n_real = sum_over(local, s.meshes["dp"]) if s.dims.dp > 1 else local
-        tokens = StepTokens(real=int(n_real), target=int(n_tokens))
-        if n_tokens == 0:
-            raise TrainingError(f"step {step + 1}: the batch has no target tokens (all labels are ignored)")
+        tokens = self._step_tokens(micro_batches, step)  # StepTokens, or [target, real] on the device
+        micro_batches = batches_to_device(micro_batches, s.device)  # after counting on the host: queued, not awaited
+        n_tokens = tokens.target if isinstance(tokens, StepTokens) else tokens[0]
         if s.in_backward is not None:
             s.in_backward.begin()
         total = self.forward_backward(micro_batches, n_tokens)
@@ -335,27 +371,71 @@ class Trainer:
         # once); its finiteness is also the fp16 overflow test.
         grad_norm = clip_grad_norm(s.params, cfg.train.max_grad_norm or None,
                                    reduce_group=s.pipeline.group if s.pipeline is not None else None,
-                                   exclude=s.norm_exclude)
-        loss, norm = (float(v) for v in torch.stack([total, grad_norm.to(total)]).tolist())
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            s.optimizer.zero_grad(set_to_none=True)
-            self._not_finite(step, loss, norm)
-            return StepResult(loss, norm, True, tokens)
-        s.optimizer.step()
+                                   exclude=s.norm_exclude).to(total)
+        finite_loss = torch.isfinite(total)
+        skip = ~(finite_loss & torch.isfinite(grad_norm))
+        self._settle_previous()  # its figures are ready by now; a step that must stop the run stops it here
+        step_unless(s.optimizer, skip)
         s.optimizer.zero_grad(set_to_none=True)
         if s.masters is not None:
             s.masters.masters_to_model()
+        after_optimizer_step(s.parts)  # float8 all-gather: the next step's weight scales (unchanged if skipped)
+        overflowed = finite_loss & skip  # fp16: gradients overflowed, the loss did not
         if s.scaler is not None:
-            s.scaler.update(found_inf=False)
-        return StepResult(loss, norm, False, tokens)
+            s.scaler.update(overflowed)
+        scale = s.scaler.scale_tensor if s.scaler is not None else torch.ones((), device=total.device)
+        known = isinstance(tokens, StepTokens)
+        figures = [total, grad_norm, skip, overflowed, scale] + ([] if known else list(tokens))
+        self._previous = StepResult(step, torch.stack([f.to(total) for f in figures]), tokens if known else None)
+        return self._previous
 
-    def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens) -> StepResult:
+    def _step_tokens(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepTokens | torch.Tensor:
+        """The step's target and real tokens over all ranks (the loss is divided by the target count):
+        host numbers in one data-parallel replica; under data parallelism [target, real] summed by a
+        collective on the device, which nothing waits for (the figures carry them to the host)."""
+        s = self.state
+        target, real = count_target_tokens(micro_batches), count_real_tokens(micro_batches)
+        if s.dims.dp == 1:
+            if target == 0:
+                raise TrainingError(_no_targets(step))
+            return StepTokens(real=real, target=target)
+        return all_reduce(torch.tensor([target, real], dtype=torch.int64).to(s.device, non_blocking=True),
+                          s.meshes["dp"])
+
+    def _settle_previous(self) -> None:
+        """Act on the last step's figures, if not done yet (see `_settle`)."""
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            self._settle(previous)
+
+    def _settle(self, result: StepResult) -> None:
+        """Read a step's figures and act on them, once: stop on a batch without targets, and on a skipped
+        step lower nothing more (the device has done it) but warn, or stop (fp16 at the smallest loss scale,
+        train.nan_policy: stop)."""
+        if result.settled:
+            return
+        result.settled = True
+        if result.tokens.target == 0:
+            raise TrainingError(_no_targets(result.step))
+        if result.skipped:
+            self._not_finite(result)
+
+    def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens | torch.Tensor) -> StepResult:
         """The end of a step whose updates ran in backward (train.optimizer_in_backward): its gradient norm,
-        and a stop if a gradient was not finite (the updates stopped at the first such gradient)."""
+        and a stop if a gradient was not finite (the updates stopped at the first such gradient). Its
+        figures are read at once: the per-gradient finiteness checks have synced already."""
         hooks = self.state.in_backward
         loss, norm = float(total), float(hooks.finish())
+        after_optimizer_step(self.state.parts)
+        if not isinstance(tokens, StepTokens):
+            target, real = (int(v) for v in tokens.tolist())
+            tokens = StepTokens(real=real, target=target)
+        if tokens.target == 0:
+            raise TrainingError(_no_targets(step))
         if hooks.finite and math.isfinite(loss) and math.isfinite(norm):
-            return StepResult(loss, norm, False, tokens)
+            result = StepResult.known(step, loss, norm, False, tokens)
+            result.settled = True
+            return result
         touched = ("no weight was touched (a non-finite loss makes the first gradient non-finite)"
                    if not math.isfinite(loss) else "the parameters whose gradients came before it (nearest the "
                    "output) were updated, the others not")
@@ -366,18 +446,18 @@ class Trainer:
             "resume from that checkpoint"
         )
 
-    def _not_finite(self, step: int, loss: float, norm: float) -> None:
-        """A skipped step: lower the fp16 loss scale, or stop (nan_policy stop), saying why."""
-        scaler = self.state.scaler
-        if scaler is not None and math.isfinite(loss):
-            scaler.update(found_inf=True)
-            if scaler.scale <= scaler.min_scale:
+    def _not_finite(self, result: StepResult) -> None:
+        """A skipped step (the device lowered the fp16 loss scale already): say so, or stop (fp16 at the
+        smallest scale, nan_policy stop), saying why."""
+        scaler, step, loss, norm = self.state.scaler, result.step, result.loss, result.grad_norm
+        if scaler is not None and result.overflowed:
+            if result.scale <= scaler.min_scale:
                 raise TrainingError(
                     f"step {step + 1}: fp16 gradients still overflow at the smallest loss scale "
                     f"{scaler.min_scale:g}: the run has diverged. Lower train.lr, raise warmup or use bf16"
                 )
             log.warning("step %d: fp16 gradients overflowed; step skipped, loss scale lowered to %g",
-                        step + 1, scaler.scale)
+                        step + 1, result.scale)
             return
         if self.config.train.nan_policy == "stop":
             raise TrainingError(
@@ -388,12 +468,12 @@ class Trainer:
         log.warning("step %d: loss %s / gradient norm %s is not finite; step skipped (nan_policy: skip)",
                     step + 1, loss, norm)
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], n_tokens: float) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], n_tokens: Any) -> torch.Tensor:
         """Forward and backward of the step's micro-batches, each loss divided by the step's global
-        target-token count `n_tokens`; returns this rank's part of the step loss (the whole replica's
-        loss, on every pipeline rank, under pipeline parallelism)."""
+        target-token count `n_tokens` (an int, or a 0-dim tensor on the device); returns this rank's part
+        of the step loss (the whole replica's loss, on every pipeline rank, under pipeline parallelism)."""
         s = self.state
-        scale = s.scaler.scale if s.scaler else 1.0
+        scale = s.scaler.scale_tensor if s.scaler else 1.0  # a device tensor: reading it would wait
         total = torch.zeros((), device=s.device)
         chunk = self.config.optimize.loss_chunk()  # None: the full logits, then token_loss_sum
         if s.pipeline is not None:
@@ -409,7 +489,7 @@ class Trainer:
                     # scale also applies the fp16 loss scale to the backward.
                     total += pipeline_step(s.pipeline, batch["input_ids"], batch["labels"],
                                            global_tokens=n_tokens / scale, finish_step=r == rounds - 1,
-                                           loss_chunk_tokens=chunk, **_model_extras(batch, s.device))
+                                           loss_chunk_tokens=chunk, **model_inputs(batch, s.device))
             return total / scale if s.scaler else total
         model, last = s.parts[0], len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
@@ -420,9 +500,9 @@ class Trainer:
                 with self._saved_activations():
                     if chunk is not None:  # the model's forward returns the token-loss sum
                         loss = model(ids, labels=labels, loss_chunk_tokens=chunk,
-                                     **_model_extras(mb, s.device)) / n_tokens
+                                     **model_inputs(mb, s.device)) / n_tokens
                     else:
-                        loss = token_loss_sum(model(ids, **_model_extras(mb, s.device)), labels) / n_tokens
+                        loss = token_loss_sum(model(ids, **model_inputs(mb, s.device)), labels) / n_tokens
                 self._enter("backward")
                 (loss * scale if s.scaler else loss).backward()
             total += loss.detach()
@@ -435,7 +515,9 @@ class Trainer:
         return contextlib.nullcontext()
 
     def save(self, step: int) -> Path:
-        """Checkpoint the run at `step` (every rank calls it)."""
+        """Checkpoint the run at `step` (every rank calls it). With train.async_save it returns once the state
+        is in host memory; the directory returned appears when the write is published (at the next save, or
+        `state.checkpointer.wait()`)."""
         self._enter("checkpoint save")
         return self.state.checkpointer.save(step)
 
@@ -450,40 +532,25 @@ class Trainer:
                 "non-deterministic kernels, a rank with different data or config, or faulty hardware"
             )
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module | None = None, plan: PrecisionPlan | None = None,
                  device: torch.device | None = None) -> dict[str, float]:
-        """Token-weighted loss and perplexity over the held-out data.
+        """Token-weighted loss and perplexity over the held-out data (`evaluation.evaluate_held_out`).
 
-        Under pipeline parallelism (no `model` given) every rank runs the batches through the
-        pipeline (`pipeline_eval`) and gets the same result.
+        Without `model`: the trainer's own model in its layout, every rank of which calls this and gets
+        the same result (the batches shared over the data-parallel ranks, through the pipeline under
+        pipeline parallelism). With `model`: that model, in this process alone, over every batch.
         """
-        cfg = self.config
+        cfg, s = self.config, self.state
         self._enter("evaluation")
-        pipe = self.pipeline if model is None else None
+        in_layout = model is None and s is not None
         model = model or self.model
-        device = device or next(model.parameters()).device
-        plan = plan or (self.state.plan if self.state is not None else
-                        precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level()))
-        was_training = model.training
-        model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        tokens = 0
-        chunk = cfg.optimize.loss_chunk()  # the loss sum is all evaluation needs: no logits either
-        for mb in sequential_batches(self.eval_dataset, cfg.train.micro_batch_size, cfg.train.eval_batches):
-            ids, labels = mb["input_ids"].to(device), mb["labels"].to(device)
-            with plan.autocast(device.type):
-                if pipe is not None:
-                    loss_sum += pipeline_eval(pipe, ids, labels, loss_chunk_tokens=chunk,
-                                              **_model_extras(mb, device)).double()
-                elif chunk is not None:
-                    loss_sum += model(ids, labels=labels, loss_chunk_tokens=chunk, **_model_extras(mb, device)).double()
-                else:
-                    loss_sum += token_loss_sum(model(ids, **_model_extras(mb, device)), labels).double()
-            tokens += int((mb["labels"] != IGNORE_INDEX).sum())
-        model.train(was_training)
-        loss = float(loss_sum) / max(tokens, 1)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+        device = device or (s.device if in_layout else next(model.parameters()).device)
+        plan = plan or (s.plan if s is not None else precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level()))
+        return evaluate_held_out(model, self.eval_dataset, batch_size=cfg.train.micro_batch_size,
+                                 limit=cfg.train.eval_batches, device=device, plan=plan,
+                                 loss_chunk=cfg.optimize.loss_chunk(),
+                                 pipeline=self.pipeline if in_layout else None,
+                                 dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
 
     # --- pieces of setup --------------------------------------------------------------------------
 
@@ -505,8 +572,11 @@ class Trainer:
         cfg = self.config
         dtype, fsdp_dtype = weight_dtypes(plan.param_dtype, plan.master_weights, dims,
                                           host_masters=self._offloads_optimizer())
+        # FSDP2's CPU offload (offload_params): built in host memory, where its shards will live; fully_shard
+        # moves one block at a time through the device, so the whole model never has to fit there.
+        offloaded = cfg.optimize.offload_params and dims.uses_fsdp
         if self.model is None:
-            model = build_run_model(cfg, "meta" if meta else device, dtype)
+            model = build_run_model(cfg, "meta" if meta else ("cpu" if offloaded else device), dtype)
         else:
             model = prepare_given_model(self.model, device, dtype)
             adapt_for_finetuning(model, cfg.lora, cfg.freeze, seed=cfg.train.seed)
@@ -516,7 +586,7 @@ class Trainer:
         parts = parallelize_parts(model, cfg, dims, meshes, fsdp_dtype)
         if meta:
             for part in parts:
-                allocate(part, device)
+                allocate(part, device, params_on_host=offloaded)
         # Without a pipeline the model is the one part; with one, this rank's first chunk.
         self.model, self.model_parts = parts[0], parts
         return parts
@@ -537,9 +607,7 @@ class Trainer:
         return None
 
 
-def _model_extras(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Document-aware position ids and masks, when the data provides them."""
-    keys = ("position_ids", "document_ids", "attention_mask")
-    return {k: mb[k].to(device, non_blocking=True) for k in keys if k in mb}
+def _no_targets(step: int) -> str:
+    return f"step {step + 1}: the batch has no target tokens (all labels are ignored)"
 
 
