@@ -109,7 +109,8 @@ def test_resume_from_a_finished_run_trains_nothing_more(tmp_path, dataset):
 def test_compiled_model_gives_the_eager_losses_and_reports_the_compile_once(tmp_path, dataset, caplog):
     eager = _run(tiny_config(tmp_path / "eager", max_steps=2), dataset).losses
     assert "compile: false" in (tmp_path / "eager" / "run" / "config.yaml").read_text()  # auto on a CPU: eager
-    cfg = with_changes(tiny_config(tmp_path / "compiled", max_steps=3), run={"compile": True})
+    # auto on a CPU compiles a run predicted to train long: at a peak of 1 kFLOP/s these 3 steps would take days
+    cfg = tiny_config(tmp_path / "compiled", max_steps=3, peak_tflops=1e-9)
     with caplog.at_level("INFO", logger="shardwise"):
         trainer = Trainer(cfg, train_dataset=dataset)
         compiled = trainer.train().losses
@@ -118,12 +119,14 @@ def test_compiled_model_gives_the_eager_losses_and_reports_the_compile_once(tmp_
     assert all(getattr(block, "_compiled_call_impl", None) is not None for block in trainer.model.layers.values())
     reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
     assert len(reports) == 1 and "compiling cost about" in reports[0]
+    assert "compile: true" in (tmp_path / "compiled" / "run" / "config.yaml").read_text()
 
 
 def test_compile_auto_means_accelerators_and_no_quantised_base(tmp_path):
     cfg = tiny_config(tmp_path)
     assert cfg.run.compile == "auto"
     assert cfg.compiles("cuda") and cfg.compiles("npu") and not cfg.compiles("cpu")
+    assert cfg.compiles("cpu", train_seconds=600) and not cfg.compiles("cpu", train_seconds=599)
     qlora = with_changes(cfg, lora={"r": 4, "target_modules": ["wq"], "quantize_base": "nf4"})
     assert not qlora.compiles("cuda")
     assert with_changes(cfg, run={"compile": True}).compiles("cpu")

@@ -27,6 +27,11 @@ FINETUNE_LR_LORA = 2e-4
 OPTIMIZER_CHUNK_ELEMENTS = 2**24
 FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")  # where optimizer_impl auto picks torch's fused AdamW
 COMPILED_BY_DEFAULT = ("cuda", "npu")  # where run.compile auto compiles the blocks (see RunConfig.compiles)
+# run.compile auto on a CPU: compile when the run is predicted to train this long. Measured on the 2-core
+# development CPU (bench model, docs/performance.md): compiling costs about 29 s once with an empty
+# inductor cache (less when torch's on-disk cache already holds the kernels) and makes each step about 5%
+# faster, so from cold it pays back after about 10 minutes of training.
+CPU_COMPILE_PAYS_AFTER_S = 600.0
 
 
 class _Section(BaseModel):
@@ -442,9 +447,10 @@ class RunSection(_Section):
 
     device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device kind")
     compile: Union[bool, Literal["auto"]] = Field(
-        "auto", description="torch.compile each transformer block (seed: mode graph / mode 0; pynative: false). auto: "
-        "on CUDA and Ascend NPU, eager on a CPU (measured there: docs/performance.md) and for a quantised base "
-        "(QLoRA); a block that fails to compile runs eagerly with a warning")
+        "auto", description="torch.compile each transformer block and the loss head (seed: mode graph / mode 0; "
+        "pynative: false). auto: on CUDA and Ascend NPU; on a CPU only for a run predicted to train 10 minutes or "
+        "more (compiling costs ~30 s there and saves ~5% a step: docs/performance.md); never for a quantised base "
+        "(QLoRA). A graph that fails to compile runs eagerly with a warning")
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
     timeout_s: float = Field(
         600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
@@ -601,12 +607,17 @@ class RunConfig(_Section):
                 f"{p.micro_batch_num}, or leave it unset (it then equals micro_batch_num)"
             )
 
-    def compiles(self, device_type: str) -> bool:
-        """Whether the blocks are torch.compile'd on a `device_type` ("cuda", "npu", "cpu") device: run.compile,
-        its auto meaning on accelerators only and not for a quantised base (QLoRA refuses compile)."""
+    def compiles(self, device_type: str, train_seconds: Optional[float] = None) -> bool:
+        """Whether the blocks are torch.compile'd on a `device_type` ("cuda", "npu", "cpu") device: run.compile;
+        auto means on accelerators, and on a CPU when the run is predicted to train `train_seconds` of at least
+        CPU_COMPILE_PAYS_AFTER_S (None: not predicted, eager), never for a quantised base (QLoRA refuses it)."""
         if self.run.compile != "auto":
             return bool(self.run.compile)
-        return device_type in COMPILED_BY_DEFAULT and not (self.lora is not None and self.lora.quantize_base != "none")
+        if self.lora is not None and self.lora.quantize_base != "none":
+            return False
+        if device_type in COMPILED_BY_DEFAULT:
+            return True
+        return device_type == "cpu" and train_seconds is not None and train_seconds >= CPU_COMPILE_PAYS_AFTER_S
 
     def gradient_accumulation(self, devices: int | None = None) -> int:
         """Micro-batches per optimizer step on each data-parallel rank.

@@ -31,6 +31,7 @@ from ..builder import adapt_for_finetuning, build_run_model, describe_finetuning
 from ..checkpoint.checkpointer import TIED_COPY, Checkpointer, canonical_param_names, parameters
 from ..checkpoint.weights import check_pretrained
 from ..config import RunConfig, to_yaml, tokens_per_step
+from ..config.schema import CPU_COMPILE_PAYS_AFTER_S
 from ..data.build import run_data
 from ..data.loader import StatefulLoader, batches_to_device
 from ..errors import TrainingError
@@ -131,6 +132,25 @@ def _resolve_recompute(cfg: RunConfig, ctx: Any) -> RunConfig:
         log.info("recompute auto: %s (for %.1f GiB a device)", describe_plan(resolved.optimize.recompute_layers),
                  capacity / 2**30)
     return resolved
+
+
+def _resolve_compile(cfg: RunConfig, ctx: Any, samples: int) -> RunConfig:
+    """run.compile: auto -> true or false for this device (RunConfig.compiles). On a CPU that depends on how long
+    the run is predicted to train: its FLOPs at half of this CPU's measured matmul peak (about what training
+    reaches here), rank 0's prediction for every rank."""
+    seconds = None
+    if ctx.device.type == "cpu":
+        steps = cfg.train.max_steps or math.ceil(cfg.train.epochs * samples / cfg.global_batch_size(ctx.world_size))
+        peak = device_peak(ctx.device, torch.float32, cfg.train.peak_tflops, measure=ctx.is_main).flops
+        flops = run_flops(cfg).total * tokens_per_step(cfg, ctx.world_size) * steps / ctx.world_size
+        seconds = flops / (0.5 * peak) if ctx.is_main and peak > 0 else 0.0
+        if ctx.world_size > 1:
+            seconds = max_over(seconds)
+    compiled = cfg.compiles(ctx.device.type, seconds)
+    if ctx.is_main and seconds is not None:
+        log.info("run.compile auto: %s (training predicted to take %.0f s on this CPU; compiling pays from %.0f s)",
+                 "compiled" if compiled else "eager", seconds, CPU_COMPILE_PAYS_AFTER_S)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"compile": compiled})})
 
 
 class Trainer:
@@ -258,9 +278,6 @@ class Trainer:
             if ctx.is_main:
                 log.warning("restart %d of the process group: resuming from the newest checkpoint", ctx.restart_count)
         rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank)
-        if cfg.run.compile == "auto":  # before the model is built; config.yaml records what it became
-            cfg = self.config = cfg.model_copy(update={"run": cfg.run.model_copy(
-                update={"compile": cfg.compiles(ctx.device.type)})})
         if cfg.optimize.recompute == "auto" and cfg.optimize.recompute_layers is None:
             cfg = self.config = _resolve_recompute(cfg, ctx)  # before the model is built; config.yaml records it
         check_host_memory(cfg, ctx)
@@ -274,6 +291,8 @@ class Trainer:
         rank0_first(self._prepare_data, ctx.rank)
         if not ctx.is_main:
             self._prepare_data()
+        if cfg.run.compile == "auto":  # before the model is built; config.yaml records what it became
+            cfg = self.config = _resolve_compile(cfg, ctx, len(self.train_dataset))
         # Only now, with the data read, may --overwrite remove the old run.
         rank0_first(lambda: prepare_run_dir(run_dir, resume, overwrite), ctx.rank)
         if ctx.is_main:
