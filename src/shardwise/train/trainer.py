@@ -216,6 +216,7 @@ class Trainer:
                     line = compile_clock.tick(time.perf_counter())
                     if line:
                         log.info(line)
+                current = pending[-1]
                 while pending and pending[0].settled:  # in step order: each step settles the one before it
                     out = pending.pop(0)
                     result.losses[out.step + 1] = out.loss
@@ -223,7 +224,8 @@ class Trainer:
                 if cfg.train.check_replicas_steps and done % cfg.train.check_replicas_steps == 0:
                     self.check_replicas(done)
                 if logs:
-                    record = window.record(done, lr, out.grad_norm, out.scale, mfu, s.device, s.ctx.world_size)
+                    record = window.record(done, lr, current.grad_norm, current.scale, mfu, s.device,
+                                           s.ctx.world_size)
                     writer.write(record)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     log.info(format_record(record))
