@@ -93,7 +93,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return launch_processes(strip_launch_args(args.argv), args.nproc or 1, nnodes=args.nnodes,
                                 node_rank=args.node_rank, master_addr=args.master_addr,
                                 master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint,
-                                max_restarts=args.max_restarts)
+                                max_restarts=args.max_restarts, join_timeout_s=args.rdzv_timeout,
+                                local_addr=args.local_addr)
     if args.overwrite:
         # The run replaces the previous one only once training starts; inputs that cannot be read
         # fail now, before anything of the previous run is removed.
@@ -101,6 +102,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = Trainer(cfg).train(resume=args.resume, overwrite=args.overwrite)
     if env is not None and env.rank != 0:
         return 0  # rank 0 reports the run
+    if result.stopped_by:  # preempted: the checkpoint is saved, and a stop asked for is a success
+        print(f"stopped by {result.stopped_by} after step {result.step}; checkpoint {result.last_checkpoint}; "
+              "continue with --resume auto")
+        return 0
     if not result.losses:  # resumed at the last step
         checkpoint = result.last_checkpoint or resolve_resume(args.resume or "auto", result.run_dir)
         print(f"already finished at step {result.step} (nothing to train)"
@@ -236,7 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None, metavar="PORT",
                         help="free port on --master-addr (default: any free port on one machine)")
     launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="c10d rendezvous instead of --master-addr/--master-port/--node-rank")
+                        help="c10d rendezvous instead of --master-addr/--master-port/--node-rank: the "
+                             "first node's address and a free port on it, the same on every node")
+    launch.add_argument("--rdzv-timeout", type=int, default=None, metavar="S",
+                        help="seconds to wait for every node to join, also after a restart (default 600)")
+    launch.add_argument("--local-addr", default=None, metavar="ADDR",
+                        help="the address other nodes reach this one by (default: the one the route to "
+                             "--rdzv-endpoint leaves from)")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart the group up to K times after a failure, resuming from the newest "
                              "checkpoint")

@@ -27,6 +27,12 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   pipeline once per pipeline step; in the reduce dtype), ZeRO 1's all-gather of updated parameters,
   the all-gathers of ZeRO 2 (once per micro-batch, FSDP2 reshards after each backward) and ZeRO 3
   (forward and backward of every micro-batch). The part that `overlap` of the concurrent compute can hide is hidden.
+- cp_comm: context parallelism (`parallel.context`, DeepSpeed-Ulysses): per layer and micro-batch four
+  all-to-alls forward (q, k, v, attention's output) and four backward, each of the rank's chunk of
+  [b, s / cp, heads x head_dim / tp] (key/value heads repeated up to the query heads when fewer than cp
+  per rank); recompute repeats the forward's. Not overlapped (attention waits for them). Compute,
+  activations and tensor-parallel traffic are per rank for s / cp tokens, and the gradients are reduced
+  over dp x cp ranks (dp_comm).
 - pp_comm: a point-to-point send of the stage's activations (forward) and their gradients (backward)
   per micro-batch and model chunk.
 - bubble: idle pipeline time, one micro-batch time of each rank other than the busiest (the fill and
@@ -88,6 +94,7 @@ class StepTime:
     tp_comm: float = 0.0
     dp_comm: float = 0.0
     pp_comm: float = 0.0
+    cp_comm: float = 0.0
     bubble: float = 0.0
     optimizer: float = 0.0
     offload: float = 0.0
@@ -97,7 +104,7 @@ class StepTime:
     peak_flops: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
-    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer", "offload")
+    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "bubble", "optimizer", "offload")
 
     @property
     def total(self) -> float:
@@ -324,6 +331,14 @@ def gather_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
     return (n - 1) / n * nbytes / bw + (n - 1) * lat
 
 
+def all_to_all_time(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """All-to-all of `nbytes` per device over `n` devices: each keeps 1/n and sends the rest, n - 1 messages."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
 def p2p_time(nbytes: float, link: tuple[float, float]) -> float:
     """One point-to-point send."""
     bw, lat = link
@@ -369,19 +384,24 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     """The step with compute, memory and links all `slowdown` times slower (CPU cores shared)."""
     p = cfg.parallel
     dp, tp, pp, v = p.dp_degree(devices), p.tensor_parallel, p.pipeline_parallel, p.virtual_stages
-    world = dp * tp * pp
+    cp = p.context_parallel
+    world = dp * tp * pp * cp
     per_node = max(1, world // nodes)
     peak = hw.peak_tflops(cfg.optimize.mixed_precision) * 1e12
     rate = peak * hw.compute_efficiency / slowdown
     m = cfg.model
     seq, mbs = cfg.data.seq_length, cfg.train.micro_batch_size
     ga = cfg.gradient_accumulation(world)
-    tokens_mb = mbs * seq
+    tokens_mb = mbs * seq // cp  # this rank's tokens of a micro-batch (context parallelism: its chunks)
     b = _bytes(cfg)
     loads = rank_loads(cfg, work)
 
     tp_link = _link(hw, tp > per_node, slowdown)
-    dp_link = _link(hw, dp * tp > per_node, slowdown)
+    dp_link = _link(hw, dp * cp * tp > per_node, slowdown)
+    cp_link = _link(hw, cp * tp > per_node, slowdown)
+    # Context parallelism: q and the output of every query head, k and v of the key/value heads (or repeated).
+    kv_heads = m.num_kv_heads if (m.num_kv_heads // tp) % cp == 0 else m.num_heads
+    exchange = tokens_mb * m.head_dim * b["activation"] / tp * (2 * m.num_heads + 2 * kv_heads)
     pp_link = _link(hw, nodes > 1, slowdown)
     act_bytes = tokens_mb * m.hidden_size * b["activation"]
     # optimize.float8 where the hardware has float8 tensor cores (the planner refuses it elsewhere).
@@ -411,8 +431,12 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         # Sequence parallelism sends each TP rank's share of the sequence between stages.
         send = act_bytes / (tp if p.sequence_parallel else 1)
         pp_comm = 2 * load.chunks * p2p_time(send, pp_link) if pp > 1 else 0.0
+        # Forward and backward exchange the same volume; a recomputed forward exchanges again (full recompute
+        # counts 2 tensor-parallel volumes per layer, selective fewer: as many halves of an exchange).
+        cp_comm = load.layers * (2 + load.recompute_collectives / max(1, load.layers) / 2) * \
+            all_to_all_time(exchange, cp, cp_link)
         return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm + tp_host, "pp_comm": pp_comm,
-                "host": tp_host}
+                "cp_comm": cp_comm, "host": tp_host}
 
     per_rank = [rank_times(load) for load in loads]
     host_work = [r.pop("host") for r in per_rank]
@@ -421,7 +445,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     load = loads[busiest]
     micro_time = sum(t.values())  # one micro-batch on the slowest rank (all its chunks)
     step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], tp_comm=ga * t["tp_comm"],
-                    pp_comm=ga * t["pp_comm"], tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
+                    pp_comm=ga * t["pp_comm"], cp_comm=ga * t["cp_comm"],
+                    tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
                     model_flops_per_token=work.flops.total, peak_flops=peak)
     if pp > 1:
         # Filling and draining the pipeline passes through the other stages once each: (pp - 1) micro-batch
@@ -430,12 +455,13 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         others = sum(sum(r.values()) for i, r in enumerate(per_rank) if i != busiest)
         step.bubble = others / v / factor
 
-    # Data parallelism, on this rank's share of the parameters.
+    # Data parallelism, on this rank's share of the parameters; the context-parallel ranks reduce theirs too.
+    ranks = dp * cp
     params_dev = load.params / tp
     trainable_dev = load.trainable / tp
     # optimize.offload_params on one accelerator: FSDP2's CPU offload alone, at ZeRO-3 (no collective).
     alone = cfg.optimize.offload_params and world == 1 and hw.kind != "cpu"
-    zero = p.zero_stage if dp > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
+    zero = p.zero_stage if ranks > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
     comm = 0.0
     if alone:
         # Each block's weights come from the host for its forward and again for its backward, prefetched
@@ -443,15 +469,15 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         comm = 2 * ga * params_dev * b["param"] / (hw.host_bandwidth_gbps * 1e9 / slowdown)
         window = (t["compute"] + t["recompute"]) * ga
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
-    if dp > 1:
+    if ranks > 1:
         grads = trainable_dev * b["grad"]
         params_bytes = params_dev * b["param"]
-        if rate8 and float8_all_gather(cfg, dp):  # FSDP2 all-gathers the float8 linears' weights in 1 byte
+        if rate8 and float8_all_gather(cfg, ranks):  # FSDP2 all-gathers the float8 linears' weights in 1 byte
             params_bytes -= load.float8_params / tp * (b["param"] - 1)
         if zero <= 1:
-            comm += all_reduce_time(grads, dp, dp_link)
+            comm += all_reduce_time(grads, ranks, dp_link)
             if zero == 1:
-                comm += gather_time(trainable_dev * b["param"], dp, dp_link)  # updated parts all-gathered
+                comm += gather_time(trainable_dev * b["param"], ranks, dp_link)  # updated parts all-gathered
         else:
             # Reduce-scatter: once per micro-batch (parallel.reduce_gradients, the default for ZeRO 2/3
             # without a pipeline), or once per step (a pipeline's schedule: once per pipeline step).
@@ -459,17 +485,17 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                 reductions = ga
             else:
                 reductions = ga // p.micro_batch_num if pp > 1 else 1
-            comm += reductions * gather_time(grads, dp, dp_link)
+            comm += reductions * gather_time(grads, ranks, dp_link)
             gathers = (1 if (zero == 2 or pp > 1) else 2) * (1 if (zero == 2 and pp > 1) else ga)
-            comm += gathers * gather_time(params_bytes, dp, dp_link)
+            comm += gathers * gather_time(params_bytes, ranks, dp_link)
             if cfg.optimize.offload_params:
                 # FSDP2's CPU offload copies each shard to the device before every all-gather.
-                comm += gathers * params_bytes / dp / (hw.host_bandwidth_gbps * 1e9 / slowdown)
+                comm += gathers * params_bytes / ranks / (hw.host_bandwidth_gbps * 1e9 / slowdown)
         # Reductions overlap the last backward; gathers are prefetched under each micro-batch's compute.
         window = (t["compute"] + t["recompute"]) * (ga if zero >= 2 else 2 / 3)
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
     # The optimizer step on this device's (ZeRO-sharded) trainable parameters.
-    shard = trainable_dev / (dp if zero >= 1 else 1)
+    shard = trainable_dev / (ranks if zero >= 1 else 1)
     o = cfg.optimize
     host = hw.host_bandwidth_gbps * 1e9 / slowdown
     if o.offload_params and zero >= 2:
@@ -486,7 +512,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         step.optimizer = shard * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
     if o.offload_activations:  # out in the forward, back in the backward, each micro-batch
         step.offload += 2 * ga * _offloaded_activation_bytes(cfg, devices, hw) / host
-    step.detail = {"dp": dp, "tp": tp, "pp": pp, "virtual_stages": v, "gradient_accumulation": ga,
+    step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual_stages": v, "gradient_accumulation": ga,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
                    "dp_comm_total": comm, "micro_batch_time": micro_time, "loads": loads,

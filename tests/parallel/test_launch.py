@@ -270,7 +270,7 @@ def test_strip_launch_args():
             "3", "--resume", "auto"]
     assert strip_launch_args(argv) == ["train", "cfg.yaml", "--set", "train.lr=1e-4", "--resume", "auto"]
     assert set(LAUNCH_FLAGS) == {"--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                                 "--rdzv-endpoint", "--max-restarts"}
+                                 "--rdzv-endpoint", "--rdzv-timeout", "--local-addr", "--max-restarts"}
 
 
 def test_check_local_devices(monkeypatch):
@@ -301,3 +301,46 @@ def test_record_failure_writes_the_agents_error_file(clean_env, tmp_path):
     assert launch._failure_text(failure) == "ConfigError: data.train_files matched no file"
     killed = ProcessFailure(local_rank=1, pid=2, exitcode=-9, error_file=str(tmp_path / "missing.json"))
     assert "SIGKILL" in launch._failure_text(killed) and launch._exit_code(-9) == 137
+
+
+# ------------------------------------------------------------------ several nodes: endpoint, addresses, lost nodes
+
+
+def test_split_endpoint():
+    assert launch.split_endpoint("node0:29400") == ("node0", 29400)
+    assert launch.split_endpoint("[::1]:29400") == ("::1", 29400)
+    for bad in ("node0", ":29400", "node0:port", "node0:70000"):
+        with pytest.raises(ConfigError, match="HOST:PORT"):
+            launch.split_endpoint(bad)
+
+
+def test_which_node_hosts_the_rendezvous_and_by_which_address_it_is_reached():
+    """The endpoint's node is the one that can listen on it: an address of this machine with a free port.
+    Neither check sends anything (a bind, and a UDP connect)."""
+    port = free_port()
+    assert launch.can_listen_on("127.0.0.1", port)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        assert not launch.can_listen_on("127.0.0.1", port)  # another node's store on this machine already
+    assert not launch.can_listen_on("192.0.2.1", port)  # TEST-NET-1: not an address of this machine
+    assert not launch.can_listen_on("no-such-host.invalid", port)
+    assert launch.route_address("127.0.0.1", port) == "127.0.0.1"
+
+
+def test_lost_node_message_names_the_node_with_the_peer_address(monkeypatch):
+    nodes = [launch.NodeOfRank("0", "hostA", "10.0.0.1"), launch.NodeOfRank("0", "hostA", "10.0.0.1"),
+             launch.NodeOfRank("1", "hostB", "10.0.0.2"), launch.NodeOfRank("1", "hostB", "10.0.0.2")]
+    monkeypatch.setattr(launch, "_NODES", nodes)
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:22153. This is "
+                        "typically caused by a remote worker crashing.")
+    message = launch.lost_node_message(gloo, rank=1)
+    assert "rank 1 (node 0, hostA) lost contact with node 1 (host hostB, address 10.0.0.2, ranks 2, 3)" in message
+    assert "--max-restarts" in message
+    # The peer is on this rank's own node (a local rank that stopped first): no node is blamed.
+    local = RuntimeError("Connection closed by peer [10.0.0.1]:3298.")
+    assert "lost a peer during a collective: a rank of this node or of node(s) 1" in launch.lost_node_message(
+        local, rank=0)
+    assert launch.lost_node_message(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), rank=0) is None
+    monkeypatch.setattr(launch, "_NODES", [])  # one process, or a group made by someone else
+    assert launch.lost_node_message(gloo, rank=0) is None

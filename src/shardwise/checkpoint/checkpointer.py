@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..config import LoraConfig
 from ..errors import CheckpointError, ConfigError
 from ..models.config import ModelConfig
-from ..parallel.collectives import distributed, rank0_first, sum_over
+from ..parallel.collectives import distributed, max_over, rank0_first, sum_over
 from ..parallel.dtensors import local_tensor
 from ..peft.lora import is_lora_name, save_adapter
 from . import rng
@@ -317,6 +317,7 @@ class Checkpointer:
         newer checkpoints are removed only with `overwrite`."""
         self.wait()  # a checkpoint still being written is published first
         path = resolve_resume(resume, self.run_dir)
+        _agree_on_checkpoint(path, self.run_dir)
         if path is None:
             log.info("--resume auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
             return 0
@@ -348,7 +349,8 @@ class Checkpointer:
             _restore_section(path, "loss scaler", self.scaler.load_state_dict, state["scaler"])
         step = int(state["step"])
         self._restore_random_state(path, state, step)
-        rank0_first(lambda: _clear_newer_checkpoints(self.run_dir, step, overwrite), self.rank)
+        rank0_first(lambda: _clear_newer_checkpoints(self.run_dir, step, overwrite), self.rank,
+                    "removing newer checkpoints")
         log.info("resumed from %s at step %d", path, step)
         return step
 
@@ -411,6 +413,24 @@ def _describe_layout(layout: dict[str, int]) -> str:
     if "dp" not in layout:
         return ranks
     return f"{ranks} (dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']})"
+
+
+def _agree_on_checkpoint(path: Path | None, run_dir: Path) -> None:
+    """Every rank resumes from the same step: ranks that see different checkpoints (a run directory that
+    is not one file system for all) stop together, before any of them loads."""
+    if not distributed():
+        return
+    step = float(step_of(path)) if path is not None else -1.0
+    newest, oldest = max_over(step), -max_over(-step)
+    if newest == oldest:
+        return
+
+    def seen(s: float) -> str:
+        return "none" if s < 0 else f"step {int(s)}"
+    raise CheckpointError(
+        f"the ranks do not see the same checkpoints in {run_dir}: the one to resume from is {seen(newest)} on "
+        f"some ranks and {seen(oldest)} on others. train.output_dir must be one file system for every rank "
+        "(NFS, Lustre, GPFS, ...; in Kubernetes a ReadWriteMany volume)")
 
 
 def _clear_newer_checkpoints(run_dir: Path, step: int, overwrite: bool) -> None:

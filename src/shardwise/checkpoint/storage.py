@@ -16,8 +16,10 @@ a checkpoint written under one layout (one process, FSDP2/ZeRO, tensor parallel,
 each hold some layers) loads under any other: every rank reads the pieces its own shards cover.
 
 A checkpoint is written into a hidden temporary directory shared by all ranks and renamed into place
-by rank 0 only when every rank's files are on disk; a failure on any rank stops every rank before the
-rename, so the previous checkpoints stay the newest good ones. An asynchronous save
+by rank 0 only when every rank's files are on disk (checked: every shard file the DCP metadata names,
+and every rank's state file, so that ranks writing to disks of their own nodes never publish a
+checkpoint with shards missing); a failure on any rank stops every rank before the rename, so the
+previous checkpoints stay the newest good ones. `is_complete` checks the shard files too. An asynchronous save
 (`start_async_save`, `finish_async_save`) copies the tensors into host memory and returns; DCP writes
 them into the same temporary directory in the background, and the directory is published the same
 way, later, once every rank's write has finished.
@@ -78,6 +80,10 @@ def _rank(group: Any = None) -> int:
     return dist.get_rank(group) if _distributed() else 0
 
 
+def _world(group: Any = None) -> int:
+    return dist.get_world_size(group) if _distributed() else 1
+
+
 # --- Per-rank state ------------------------------------------------------------------------------------------
 
 
@@ -114,8 +120,28 @@ def step_of(path: str | Path) -> int:
 
 
 def is_complete(path: Path) -> bool:
-    """A checkpoint counts only when its metadata and trainer state are both on disk."""
-    return (path / METADATA_FILE).is_file() and (path / STATE_FILE).is_file()
+    """A checkpoint counts only when its metadata and trainer state are both on disk, and every shard
+    file the metadata names (`missing_shards`)."""
+    return (path / METADATA_FILE).is_file() and (path / STATE_FILE).is_file() and not missing_shards(path)
+
+
+def shard_files(md: Metadata) -> list[str]:
+    """The shard files (names relative to the checkpoint directory) that DCP's metadata puts tensors in."""
+    return sorted({info.relative_path for info in (md.storage_data or {}).values()})
+
+
+def missing_shards(path: Path) -> list[str]:
+    """Shard files that `path`'s metadata names but that are not in the directory (a rank's files written
+    to a disk of its node's own, or lost since). A metadata file that cannot be read names none here: the
+    load refuses it with the reason."""
+    try:
+        storage = read_json_object(path / METADATA_FILE, path).get("storage")
+    except CheckpointError:
+        return []
+    if not isinstance(storage, list):
+        return []
+    names = {entry.get("path") for entry in storage if isinstance(entry, dict)}
+    return sorted(n for n in names if isinstance(n, str) and not (path / n).is_file())
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -141,11 +167,17 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
             raise CheckpointError(f"--resume {resume}: no complete checkpoint in that directory")
         return found[-1]
     if not is_complete(path):
-        raise CheckpointError(
-            f"--resume {resume}: the checkpoint is incomplete (missing {METADATA_FILE} or {STATE_FILE}); "
-            "use an older one or --resume auto"
-        )
+        raise CheckpointError(f"--resume {resume}: {_incomplete(path)}; use an older one or --resume auto")
     return path
+
+
+def _incomplete(path: Path) -> str:
+    """What makes the checkpoint `path` incomplete."""
+    missing = missing_shards(path) if (path / METADATA_FILE).is_file() else []
+    if missing:
+        return (f"the checkpoint is incomplete: its shard file(s) {', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''} are missing")
+    return f"the checkpoint is incomplete (missing {METADATA_FILE} or {STATE_FILE})"
 
 
 # --- Save and load: flat tensor groups -------------------------------------------------------------------
@@ -219,7 +251,7 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
     fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
     # Rank 0, once every rank's files are on disk; the other ranks wait in `fail_together` for the rename.
     _, error = attempt(lambda: _publish(tmp, final, step, trainer_state, metadata, list(tensors), extra_files,
-                                        keep)) if rank == 0 else (None, None)
+                                        keep, _world(group))) if rank == 0 else (None, None)
     fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     if rank == 0:
         log.info("saved checkpoint %s", final)
@@ -236,8 +268,9 @@ def _prepare_temporary(tmp: Path, rank: int, tensors: dict[str, dict[str, Any]])
 
 
 def _publish(tmp: Path, final: Path, step: int, trainer_state: dict, metadata: Metadata, groups: list[str],
-             extra_files: dict[str, str | Path] | None, keep: int) -> None:
-    """Rank 0, once every rank's files are in `tmp`: the extra files and the trainer state beside them,
+             extra_files: dict[str, str | Path] | None, keep: int, world: int) -> None:
+    """Rank 0, once every rank's files are in `tmp` (checked: the shard files the metadata names and the
+    state file of each of the `world` ranks): the extra files and the trainer state beside them,
     everything flushed, `tmp` renamed to `final`, then all but the newest `keep` checkpoints removed."""
     for name, src in (extra_files or {}).items():
         src = Path(src)
@@ -245,12 +278,30 @@ def _publish(tmp: Path, final: Path, step: int, trainer_state: dict, metadata: M
             shutil.copytree(src, tmp / name)
         elif src.is_file():
             shutil.copy2(src, tmp / name)
+    _check_every_file(tmp, final, metadata, world)
     state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, groups))
     write_json_atomic(tmp / STATE_FILE, state)
     fsync_tree(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     _prune(final.parent.parent, keep)
+
+
+def _check_every_file(tmp: Path, final: Path, metadata: Metadata, world: int) -> None:
+    """Every shard file DCP's metadata names, and every rank's state file, is in `tmp`: a rank whose
+    train.output_dir is a disk of its node's own wrote its files there, and the checkpoint must not be
+    published without them."""
+    missing = [name for name in shard_files(metadata) if not (tmp / name).is_file()]
+    missing += [rank_state_file(tmp, r).name for r in range(world) if not rank_state_file(tmp, r).is_file()]
+    if not missing:
+        return
+    shown = ", ".join(missing[:6]) + (", ..." if len(missing) > 6 else "")
+    raise CheckpointError(
+        f"checkpoint {final.name} was not published: {len(missing)} file(s) the ranks wrote are not in {tmp} as "
+        f"rank 0 sees it ({shown}). The ranks do not share train.output_dir's storage (a disk of each node's own?): "
+        "put train.output_dir on a file system that every node mounts at the same path (NFS, Lustre, GPFS, ...; "
+        f"in Kubernetes a ReadWriteMany volume). The newest complete checkpoint in {final.parent} is still the "
+        "one before it")
 
 
 # --- Asynchronous saves: staged in host memory, written in the background, published later ---------------
@@ -356,7 +407,7 @@ def finish_async_save(pending: PendingCheckpoint) -> Path:
     try:
         fail_together(error, group, f"the background write of checkpoint {final}", error_class=CheckpointError)
         _, error = attempt(lambda: _publish(tmp, final, pending.step, pending.trainer_state, metadata,
-                                            pending.groups, pending.extra_files, pending.keep)) \
+                                            pending.groups, pending.extra_files, pending.keep, _world(group))) \
             if rank == 0 else (None, None)
         fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     except CheckpointError:
@@ -586,7 +637,7 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} does not exist; give a checkpoint directory or a run directory")
     if _STEP_DIR.match(path.name):
         if not is_complete(path):
-            raise CheckpointError(f"{path} is an incomplete checkpoint; use an older one")
+            raise CheckpointError(f"{path}: {_incomplete(path)}; use an older one")
         return path
     found = list_checkpoints(path)
     if not found:

@@ -40,7 +40,7 @@ class _Section(BaseModel):
 
 
 class ParallelConfig(_Section):
-    """How the run is split over devices. The product dp x tp x pp must equal the device count."""
+    """How the run is split over devices. The product dp x tp x pp x cp must equal the device count."""
 
     data_parallel: int = Field(1, description="data-parallel degree; -1 = what the device count leaves")
     data_parallel_replicate: int = Field(
@@ -49,6 +49,13 @@ class ParallelConfig(_Section):
     tensor_parallel: int = Field(1, ge=1, description="tensor (model) parallel degree")
     sequence_parallel: bool = Field(True, description="shard norms/dropout over the sequence with TP")
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages")
+    context_parallel: int = Field(
+        1, ge=1, description="context parallel degree: each sequence is split into this many contiguous chunks, "
+        "one per rank, and attention runs over the whole sequence by two all-to-alls per layer (DeepSpeed-Ulysses: "
+        "heads split instead of tokens), for sequences whose activations do not fit one device; the ranks' "
+        "gradients are reduced with the data-parallel ones. Needs seq_length and the attention heads (per tensor-"
+        "parallel rank) divisible by it, the chunked loss, no pipeline parallelism"
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters"
     )
@@ -100,14 +107,14 @@ class ParallelConfig(_Section):
 
     def world_size(self, devices: int | None = None) -> int:
         """Number of devices this layout needs (resolving data_parallel=-1 against `devices`)."""
-        tp_pp = self.tensor_parallel * self.pipeline_parallel
+        tp_pp = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if self.data_parallel == -1:
             if devices is None:
                 return tp_pp
             if devices % tp_pp:
                 raise ConfigError(
                     f"parallel.data_parallel is -1 but {devices} devices are not divisible by "
-                    f"tensor_parallel x pipeline_parallel = {tp_pp}; use a device count that is a "
+                    f"tensor_parallel x pipeline_parallel x context_parallel = {tp_pp}; use a device count that is a "
                     f"multiple of {tp_pp} or lower those degrees"
                 )
             return devices
@@ -115,7 +122,7 @@ class ParallelConfig(_Section):
 
     def dp_degree(self, devices: int | None = None) -> int:
         """Resolved data-parallel degree."""
-        return self.world_size(devices) // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size(devices) // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel)
 
 
 class OptimizeConfig(_Section):
@@ -266,6 +273,10 @@ class TrainConfig(_Section):
     )
     eval_batches: Optional[int] = Field(None, ge=1, description="cap on eval micro-batches")
     save_steps: Optional[int] = Field(None, ge=1, description="checkpoint every N steps (and at the end)")
+    save_minutes: Optional[float] = Field(
+        None, gt=0, description="also checkpoint when this many minutes of wall-clock time have passed since the "
+        "last save (rank 0's clock, agreed by all ranks one step later); counts towards keep_checkpoints"
+    )
     keep_checkpoints: int = Field(3, ge=1, description="keep the newest K checkpoints")
     async_save: bool = Field(
         False, description="write checkpoints in the background: a save only copies the state into host memory "

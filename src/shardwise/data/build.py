@@ -22,7 +22,7 @@ from .files import default_cache_dir, expand_files, files_key, resolve_inputs
 from .instruction import InstructionDataset, inspect_instruction_file
 from .loader import unwrap_loader
 from .packing import PackedDataset
-from .prepare import prepare_cached
+from .prepare import cache_lock, prepare_cached
 from .shards import MANIFEST_FILE, TokenShards
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
 
@@ -66,6 +66,15 @@ def _train_tokenizer(globs: list[str], data: DataConfig, vocab_size: int, cache_
     if (out / "tokenizer.json").is_file():
         logger.info("using cached tokenizer %s", out)
         return load_tokenizer(out)
+    with cache_lock(out):  # one process per file system trains it; the others wait and load it
+        if (out / "tokenizer.json").is_file():
+            logger.info("using cached tokenizer %s, trained by another process meanwhile", out)
+            return load_tokenizer(out)
+        return _train_into(out, files, data, vocab_size)
+
+
+def _train_into(out: Path, files: list[Any], data: DataConfig, vocab_size: int) -> Tokenizer:
+    """Train the tokenizer in a temporary directory beside `out`, then rename it to `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:

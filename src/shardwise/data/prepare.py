@@ -17,7 +17,9 @@ replaced with `overwrite=True`, and only after the new one is complete.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import logging
@@ -743,22 +745,117 @@ def prepare_cached(
 
     Keyed by input paths, sizes and mtimes, tokenizer fingerprint and `options` (those of
     `prepare_corpus`, less `out`, `workers` and `overwrite`). Concurrent or interrupted runs are safe:
-    each prepares into its own temp directory and the first to finish is kept.
+    the processes that share the cache's file system prepare an entry once (`cache_lock`: the others
+    wait for it), and each preparation writes into its own temp directory, the first finished kept.
     """
     opts = _check_options(**options)
     n_workers = _check_workers(workers)
     files = resolve_inputs(inputs, opts["format"])
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
     out = Path(os.path.abspath(root / f"shards-{cache_key(files, tokenizer, opts)}"))
-    if (out / MANIFEST_FILE).is_file():
-        try:
-            shards = TokenShards(out, tokenizer)
-            logger.info("using prepared data %s (%d tokens)", out, shards.num_tokens)
-            return out
-        except DataError as e:
-            logger.warning("prepared data in %s is unusable (%s); preparing it again", out, e)
-    _prepare(files, tokenizer, out, opts, n_workers, "cache")
+    if _usable(out, tokenizer):
+        return out
+    with cache_lock(out):
+        if not _usable(out, tokenizer):  # else prepared by another process while this one waited
+            _prepare(files, tokenizer, out, opts, n_workers, "cache")
     return out
+
+
+def _usable(out: Path, tokenizer: Any) -> bool:
+    """Whether `out` holds complete prepared data for `tokenizer` (said in the log either way)."""
+    if not (out / MANIFEST_FILE).is_file():
+        return False
+    try:
+        shards = TokenShards(out, tokenizer)
+    except DataError as e:
+        logger.warning("prepared data in %s is unusable (%s); preparing it again", out, e)
+        return False
+    logger.info("using prepared data %s (%d tokens)", out, shards.num_tokens)
+    return True
+
+
+CACHE_LOCK_POLL_S = 0.5
+CACHE_LOCK_PROGRESS_S = 60.0
+_held_locks: dict[str, int] = {}  # lock files this process holds -> how deeply (the lock is re-entrant)
+
+
+@contextmanager
+def cache_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock for preparing the cache entry `target` (the file `.NAME.lock` beside it,
+    removed again when released).
+
+    The processes that use one file system for the cache (every rank with a shared cache, the ranks of
+    one node with a cache on its own disk) then prepare the entry once: the first one to come prepares
+    it, the others wait here, a line every CACHE_LOCK_PROGRESS_S seconds, and find it ready when they
+    get the lock. The lock is the operating system's (flock; NFS carries it to the server), so it goes
+    with a process that dies. Within one process it is re-entrant. Where the file system takes no locks
+    (Lustre mounted without `flock`), nothing is locked: each process prepares its own copy and the
+    first finished is kept, as without the lock.
+    """
+    path = target.parent / f".{target.name}.lock"
+    key = os.path.abspath(path)
+    if key in _held_locks:
+        _held_locks[key] += 1
+        try:
+            yield
+        finally:
+            _held_locks[key] -= 1
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = _acquire(path, target)
+    if fd is None:
+        yield
+        return
+    _held_locks[key] = 1
+    try:
+        yield
+    finally:
+        del _held_locks[key]
+        with contextlib.suppress(OSError):
+            path.unlink()  # before the unlock: a process that opened it meanwhile sees it gone and opens anew
+        os.close(fd)
+
+
+def _acquire(path: Path, target: Path) -> int | None:
+    """An open descriptor of the lock file `path`, locked; None where no lock can be had (said in the log)."""
+    start = last = time.monotonic()
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            logger.warning("cannot create the lock file %s (%s); preparing %s without one", path, e, target)
+            return None
+        try:
+            locked = _try_lock(fd)
+        except OSError as e:  # ENOLCK, EINVAL, ENOSYS: this file system takes no locks
+            os.close(fd)
+            logger.warning("the file system of %s takes no file locks (%s); preparing it without one", target, e)
+            return None
+        if locked and _still_there(fd, path):
+            return fd
+        os.close(fd)  # not ours yet, or released and removed by its holder meanwhile: look again
+        now = time.monotonic()
+        if now - last >= CACHE_LOCK_PROGRESS_S:
+            logger.info("waiting for another process to finish preparing %s (%.0f s so far)", target, now - start)
+            last = now
+        if not locked:
+            time.sleep(CACHE_LOCK_POLL_S)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Whether the locked descriptor `fd` is still the file at `path` (its holder removes it on release)."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
 
 
 __all__ = [
@@ -766,6 +863,7 @@ __all__ = [
     "DEFAULT_SHARD_TOKENS",
     "DigestSet",
     "cache_key",
+    "cache_lock",
     "default_workers",
     "prepare_cached",
     "prepare_corpus",

@@ -12,7 +12,9 @@ The counts follow what shardwise itself allocates, not a paper's formula:
   copy, SwiGLU saves both branches, SDPA's fused kernel saves q, k, v, the output and the log-sum-exp,
   GQA saves the repeated k and v, an explicit document mask becomes a float [B, 1, T, T] per layer),
   per micro-batch and layer, scaled by the tensor-parallel split (heads, MLP width, vocabulary) and
-  the sequence split of sequence parallelism (norms, residuals); recompute (per layer, as
+  the sequence split of sequence parallelism (norms, residuals) and of context parallelism (every
+  per-token tensor holds T / cp tokens; attention's q, k, v and output as many bytes, head-split over
+  the whole sequence; an explicit document mask stays [B, 1, T, T]); recompute (per layer, as
   `optimize.layer_recompute` says) keeps each wrapped block's input (full) or its input plus the
   outputs of attention and of q, v and gate (selective, `parallel.recompute`; the down projection's
   too where a dropout or adapter after it takes the recompute that far), and adds one block's
@@ -28,6 +30,8 @@ The counts follow what shardwise itself allocates, not a paper's formula:
   CPU offload moves shards, gradients and state to host memory (`host`);
 - float8 (`optimize.float8`): what autograd saves is unchanged (torchao saves the bf16 inputs); ZeRO 2/3
   gather the converted linears' weights in 1 byte; the casts add a transient (`_float8_transient`);
+- context parallelism (`parallel.context`): gradients reduced and ZeRO sharded over dp x cp ranks, and
+  each layer's all-to-all buffers around attention (`_exchange_bytes`), held in forward and backward;
 - pipelines: the schedule's own order of forwards and backwards (torch's pipeline_order) gives the
   micro-batches in flight on each rank (zero-bubble keeps a micro-batch until its weight gradient).
 
@@ -57,6 +61,7 @@ from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
+from ..parallel.context import check_context_parallel
 from ..parallel.data_parallel import one_process_fsdp_settings, zero1_buckets, zero1_split
 from ..parallel.float8 import converts, float8_all_gather, float8_on
 from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
@@ -114,6 +119,11 @@ class MemoryEstimate:
                          f"(no recompute: {gib(d['layer_activation_bytes_no_recompute'], 3)}, "
                          f"full recompute: {gib(d['layer_activation_bytes_full_recompute'], 3)}); "
                          f"{d.get('layers_on_rank')} layers on this device")
+        cp = d.get("layout", {}).get("cp", 1)
+        if cp > 1:
+            lines.append(f"  context parallel {cp}: {d['layout']['seq'] // cp} of every {d['layout']['seq']} tokens on "
+                         f"this device; all-to-all buffers around attention "
+                         f"{gib(d.get('context_parallel_exchange_bytes', 0), 3)}")
         if self.host:
             by = ", ".join(f"{p} {gib(self.host_phases[p], 3)}" for p in PHASES if p in self.host_phases)
             lines.append(f"  in host memory (CPU offload): {gib(self.host, 3)}" + (f" (by phase: {by})" if by else ""))
@@ -135,6 +145,8 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class _Layout:
+    # dp and dp_shard count the ranks gradients are reduced and ZeRO shards over: with context parallelism
+    # data parallel x cp (`cp` of them hold the chunks of the same samples; `seq` is the whole sequence).
     """Degrees and batch shape of a run, resolved against a device count."""
 
     dp: int
@@ -153,6 +165,7 @@ class _Layout:
     offload: bool
     reduce_every: bool  # ZeRO 2/3: gradients reduce-scattered every micro-batch (parallel.reduce_gradients)
     one_process_fsdp: bool = False  # offload_params on one accelerator: FSDP2 (ZeRO-3) on a one-process group
+    cp: int = 1  # context parallel: each sequence split over this many ranks
 
 
 def _layout(cfg: Any, devices: Optional[int], device: str = "cuda") -> _Layout:
@@ -162,7 +175,8 @@ def _layout(cfg: Any, devices: Optional[int], device: str = "cuda") -> _Layout:
     if devices is not None and world != devices:
         raise ConfigError(
             f"the layout needs data_parallel {p.dp_degree(devices)} x tensor_parallel {p.tensor_parallel} x "
-            f"pipeline_parallel {p.pipeline_parallel} = {world} devices, not {devices}; set "
+            f"pipeline_parallel {p.pipeline_parallel} x context_parallel {p.context_parallel} = {world} devices, "
+            f"not {devices}; set "
             "parallel.data_parallel: -1 to use every device, or change the degrees")
     dp = p.dp_degree(devices)
     if dp % p.data_parallel_replicate:
@@ -176,6 +190,12 @@ def _layout(cfg: Any, devices: Optional[int], device: str = "cuda") -> _Layout:
     if sp and seq % p.tensor_parallel:
         raise ConfigError(f"sequence parallel splits data.seq_length {seq} over tensor_parallel "
                           f"{p.tensor_parallel}: use a multiple of {p.tensor_parallel} or sequence_parallel: false")
+    check_context_parallel(cfg)
+    cp = p.context_parallel
+    if sp and (seq // cp) % p.tensor_parallel:
+        raise ConfigError(f"sequence parallel splits each context-parallel chunk of {seq // cp} tokens over "
+                          f"tensor_parallel {p.tensor_parallel}: make data.seq_length a multiple of "
+                          f"{cp * p.tensor_parallel} or set sequence_parallel: false")
     if p.pipeline_parallel > 1:
         counts = check_pipeline(m.num_layers, p.pipeline_parallel, p.virtual_stages, p.schedule, p.stage_layers,
                                 p.micro_batch_num)
@@ -185,19 +205,20 @@ def _layout(cfg: Any, devices: Optional[int], device: str = "cuda") -> _Layout:
     if (offload or cfg.optimize.offload_optimizer) and dp > 1 and p.zero_stage < 2:
         raise ConfigError(f"CPU offload needs zero_stage 2 or 3, got {p.zero_stage}: ZeRO 0 and 1 keep full "
                           "replicas on every device; set parallel.zero_stage: 3 to offload")
-    zero, reduce_every = (p.zero_stage if dp > 1 else 0), p.reduces_every_micro_batch()
+    zero, reduce_every = (p.zero_stage if dp * cp > 1 else 0), p.reduces_every_micro_batch()
     # On one accelerator offload_params is FSDP2's CPU offload on a one-process group, at ZeRO-3
     # (`parallel.data_parallel.fsdp_on_one_process`); on one CPU it changes nothing.
     alone = offload and world == 1 and device != "cpu"
     if alone:
         zero, reduce_every = one_process_fsdp_settings(cfg)
-    return _Layout(dp=dp, dp_shard=dp // p.data_parallel_replicate, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+    return _Layout(dp=dp * cp, dp_shard=dp // p.data_parallel_replicate * cp, tp=p.tensor_parallel,
+                   pp=p.pipeline_parallel,
                    virtual_stages=p.virtual_stages if p.pipeline_parallel > 1 else 1,
                    zero=zero,
                    sequence_parallel=sp, micro_batch=cfg.train.micro_batch_size, seq=seq,
                    accumulation=cfg.gradient_accumulation(world), micro_batch_num=p.micro_batch_num,
                    schedule=p.schedule, stage_counts=tuple(counts), offload=offload and (dp > 1 or alone),
-                   reduce_every=reduce_every, one_process_fsdp=alone)
+                   reduce_every=reduce_every, one_process_fsdp=alone, cp=cp)
 
 
 @dataclass(frozen=True)
@@ -376,6 +397,7 @@ class _Shape:
     v: int  # local vocabulary (logits columns)
     s: int  # bytes of an activation element
     mask: bool  # explicit document mask [B, 1, T, T]
+    cp: int = 1  # context parallel: t is a chunk of cp x t tokens, over which attention runs (heads / cp)
 
 
 def _norm_bytes(m: Any, sh: _Shape, input_grad: bool, weight_grad: bool, s: Optional[int] = None) -> int:
@@ -424,10 +446,10 @@ def _layer_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool], device: str, leve
     if attn_grad:
         total += 4 * bt * sh.q * s + sh.b * sh.heads * sh.t * 4
         if sh.mask:
-            total += sh.b * sh.t * sh.t * s  # SDPA turns the boolean mask into a float one, per layer
+            total += sh.b * (sh.t * sh.cp) ** 2 * s  # SDPA turns the boolean mask into a float one, per layer
     if drop:
         # Attention dropout runs the math kernel: it keeps the probabilities, the mask and the result.
-        total += 3 * sh.b * sh.heads * sh.t * sh.t * s + bt * sh.q * s
+        total += 3 * sh.b * sh.heads * sh.t * sh.t * sh.cp * s + bt * sh.q * s  # heads / cp over cp x t tokens
         total += 2 * sh.b * sh.tn * sh.h * _MASK_BYTES.get(device, 1)  # residual dropouts
     # MLP.
     if m.mlp == "gated":
@@ -631,10 +653,11 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
 
     # --- activations of one micro-batch, per stage
     tp = lay.tp
-    sh = _Shape(b=lay.micro_batch, t=lay.seq, tn=lay.seq // tp if lay.sequence_parallel else lay.seq, h=m.hidden_size,
+    chunk = lay.seq // lay.cp  # the tokens of a sequence this rank holds (context parallelism)
+    sh = _Shape(b=lay.micro_batch, t=chunk, tn=chunk // tp if lay.sequence_parallel else chunk, h=m.hidden_size,
                 q=m.num_heads * m.head_dim // tp, kv=m.num_kv_heads * m.head_dim // tp, heads=m.num_heads // tp,
                 f=m.intermediate_size // tp, v=_chunk(m.vocab_size, tp), s=prec.compute,
-                mask=_document_mask(cfg, device))
+                mask=_document_mask(cfg, device), cp=lay.cp)
     flags = _layer_flags(cfg, params)
     hidden = sh.b * sh.tn * sh.h * sh.s  # one micro-batch of hidden states between blocks / stages
     full: dict[int, int] = {}
@@ -672,6 +695,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     f8_gather = float8_all_gather(cfg, lay.dp)
     fsdp = _fsdp(lay, prec, held, local, layers, f8_gather)
     gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
+    exchange = _exchange_bytes(m, sh)
     dequant = _dequantized_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's
     dequant_back = _dequantized_transient(held, prec, backward=True)
     cast, cast_back = _float8_transient(sh, held, local, gathered=f8_gather, compiled=cfg.compiles(device)) \
@@ -702,6 +726,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             st.grads = 0
     pipe_buffers += _zero_bubble_leftovers(lay, stage_ids, hidden)
     static = param_bytes + optimizer_bytes + master_bytes + batch + pipe_buffers
+    gathered += exchange  # held around each attention, forward and backward (not in the optimizer step)
 
     # --- replay the step: forwards keep a micro-batch's activations, backwards release them
     held_mb = {st: 0 for st in stages}
@@ -804,11 +829,12 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         "masters_bytes": master_bytes,
         "batch_bytes": batch,
         "pipeline_buffer_bytes": pipe_buffers,
-        "gathered_parameter_bytes": gathered,
+        "gathered_parameter_bytes": gathered - exchange,
+        "context_parallel_exchange_bytes": exchange,
         "bytes_per_element": {"param": prec.param, "frozen_param": prec.frozen, "compute": prec.compute,
                               "grad": prec.grad, "state": prec.state},
         "precision_level": prec.level,
-        "layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero,
+        "layout": {"dp": lay.dp // lay.cp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero": lay.zero,
                    "sequence_parallel": lay.sequence_parallel,
                    "micro_batch": lay.micro_batch, "seq": lay.seq, "accumulation": lay.accumulation,
                    "schedule": lay.schedule if lay.pp > 1 else None, "virtual_stages": lay.virtual_stages},
@@ -1096,6 +1122,18 @@ def _float8_transient(sh: _Shape, held: list[_Param], local: dict[str, tuple[int
             fwd = max(fwd, 9 * x, x + 9 * w)
             back = max(back, 9 * g, g + 9 * w, 10 * g + w, 2 * g + w + 9 * x)
     return fwd, back
+
+
+def _exchange_bytes(m: Any, sh: _Shape) -> int:
+    """Context parallelism: what one attention's all-to-alls hold at once above the saved activations (0
+    without): q, k, v of the chunk as projected, and for the tensor being exchanged its send and receive
+    blocks (`parallel.context._all_to_all`); key/value heads repeated up to the query heads when fewer
+    than cp per rank. The backward's exchange of the three gradients holds as much."""
+    if sh.cp == 1:
+        return 0
+    bt = sh.b * sh.t
+    kv = sh.kv if (m.num_kv_heads * sh.heads // m.num_heads) % sh.cp == 0 else sh.q
+    return bt * sh.s * (sh.q + 2 * kv) + 2 * bt * sh.s * sh.q
 
 
 def _mlp_bytes(cfg: Any, sh: _Shape, flags: dict[str, bool]) -> int:

@@ -6,7 +6,9 @@ pipeline splitting are applied from outside. What that relies on:
 - `layers` is a ModuleDict keyed "0", "1", ... so a pipeline stage can delete the layers it does not
   own, and `tok_embeddings`, `norm`, `output` may be set to None off their stage (forward then takes
   or returns hidden states);
-- the model builds on the meta device and `init_weights()` fills every parameter and buffer.
+- the model builds on the meta device and `init_weights()` fills every parameter and buffer;
+- context parallelism hooks the model's forward from outside and sets each attention's
+  `sequence_exchange`, the all-to-alls that give the kernel the whole sequence for a share of the heads.
 
 Names and RoPE follow Hugging Face LLaMA (rotate_half convention), so weights map one to one.
 """
@@ -174,6 +176,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # Context parallelism (set from outside, `parallel.context`): x holds a chunk of the sequence, and this
+        # exchange gives attention the whole sequence for a share of the heads (to_heads) and back (to_sequence).
+        self.sequence_exchange = None
 
     def forward(
         self,
@@ -196,7 +201,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
+        if self.sequence_exchange is not None:
+            q, k, v = self.sequence_exchange.to_heads(q, k, v)
         out = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
+        if self.sequence_exchange is not None:
+            out = self.sequence_exchange.to_sequence(out)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.resid_dropout(self.wo(out))
 

@@ -1,6 +1,7 @@
 """The collectives shardwise itself issues: sums and maxima of small numbers, broadcasts and
-gathers, point-to-point sends (one at a time, or batched both ways: `exchange`), rank 0 first, and
-the replica check. Gradient reduction and DTensor redistribution happen inside FSDP2 / DTensor,
+gathers, point-to-point sends (one at a time, or batched both ways: `exchange`), rank 0 first (and
+then the others: waits that poll the job's store, so that work done in turn may outlast the group's
+timeout), and the replica check. Gradient reduction and DTensor redistribution happen inside FSDP2 / DTensor,
 which place their own tensors.
 
 Every tensor handed to a collective goes through `to_group_device` first: a group serves only the
@@ -13,7 +14,12 @@ costs no device sync. Counts travel as int64, maxima as float32, checksums as th
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 import torch
@@ -24,6 +30,7 @@ from ..errors import ShardwiseError
 from .dtensors import local_tensor
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _group(mesh: Any) -> Optional[dist.ProcessGroup]:
@@ -184,28 +191,191 @@ def attempt(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, Exception | None]:
         return None, e
 
 
-def rank0_first(fn: Callable[[], T], rank: int) -> Optional[T]:
+# --- work done in turn: waits that poll the job's store -------------------------------------------------
+#
+# Rank 0 may take longer than the process group's timeout (run.timeout_s) for work done once (tokenising a
+# big corpus into the shared cache, removing a previous run): the other ranks then wait by polling the
+# c10d store (`store.check`, `store.add(key, 0)`: neither blocks), with no collective in flight for the
+# timeout to end. Each call gets its own keys: every rank makes these calls in the same order, so the
+# n-th call has the same number everywhere; the group's restart count (agreed by its ranks) keeps a
+# restarted group off the keys of the attempt before it where a launcher's store outlives the attempt.
+
+_POLL_FIRST_S = 0.005
+_POLL_MAX_S = 1.0
+PROGRESS_S = 30.0  # a waiting rank logs a line this often
+_FAILURE_SEEN_S = 10.0  # how long a failed rank that may host the store waits for the others to read why
+_OK = "ok"
+_turns = itertools.count()
+
+
+@dataclass
+class _Turn:
+    """The store keys of one call: a status per rank ("ok" or "error:<message>"), and counters of the
+    ranks done, failed, and having read a failure."""
+
+    store: Any
+    base: str
+    world: int
+
+    def status_key(self, rank: int) -> str:
+        return f"{self.base}/status/{rank}"
+
+    def count(self, name: str, add: int = 0) -> int:
+        return int(self.store.add(f"{self.base}/{name}", add))
+
+    def publish(self, rank: int, error: BaseException | None) -> None:
+        """This rank's outcome; the status first, so that a rank counted as done has one."""
+        self.store.set(self.status_key(rank), _OK if error is None else "error:" + _describe(error))
+        if error is not None:
+            self.count("failed", 1)
+        self.count("done", 1)
+
+    def has_status(self, rank: int) -> bool:
+        return bool(self.store.check([self.status_key(rank)]))
+
+    def failure(self, rank: int) -> str | None:
+        """Rank `rank`'s error message, or None when it succeeded (its status must be there)."""
+        status = self.store.get(self.status_key(rank)).decode("utf-8", "replace")
+        return None if status == _OK else status[len("error:"):]
+
+    def first_failure(self) -> tuple[int, str] | None:
+        for r in range(self.world):
+            message = self.failure(r) if self.has_status(r) else None
+            if message is not None:
+                return r, message
+        return None
+
+    def read_failure(self, counter: str) -> None:
+        """Say (on `counter`) that this rank has read a failure and is about to stop."""
+        with contextlib.suppress(RuntimeError):
+            self.count(counter, 1)
+
+    def let_others_read_the_failure(self, counter: str) -> None:
+        """Before rank 0 raises: it may host the store (mpirun, the tests' groups), which goes with its
+        process, so it waits (bounded) until the other ranks have read the failure (on `counter`)."""
+        deadline = time.monotonic() + _FAILURE_SEEN_S
+        with contextlib.suppress(RuntimeError):
+            while self.count(counter) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:_MESSAGE_CHARS]
+
+
+_group_attempt = 0  # the group's restart count, as its ranks agreed (set_group_attempt)
+
+
+def set_group_attempt(restarts: int) -> None:
+    """The restart count that every rank of the group agreed on (`launch.init_distributed`). Not each
+    process's own TORCHELASTIC_RESTART_COUNT: a node that was lost and started again counts 0 where the
+    others count 1, and the turns' keys must be the same on every rank."""
+    global _group_attempt
+
+    _group_attempt = restarts
+
+
+def _new_turn() -> _Turn:
+    store = dist.distributed_c10d._get_default_store()
+    return _Turn(store, f"shardwise/turn/{_group_attempt}/{next(_turns)}", dist.get_world_size())
+
+
+def _wait_until(ready: Callable[[], bool], waiting_for: Callable[[], str], rank: int) -> None:
+    """Poll `ready()` until it is true, logging `waiting_for()` every PROGRESS_S seconds. The store going
+    away (the rank or agent that hosts it stopped) is a ShardwiseError, not a wait that never ends."""
+    start = last = time.monotonic()
+    delay = _POLL_FIRST_S
+    while True:
+        try:
+            if ready():
+                return
+        except RuntimeError as e:  # DistStoreError, or the connection to the store lost
+            raise ShardwiseError(
+                f"rank {rank} lost the job's store while waiting for {waiting_for()} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}): the process that hosts it (rank 0, or the "
+                "launcher's agent) has stopped; rank 0's log says why") from e
+        now = time.monotonic()
+        if now - last >= PROGRESS_S:
+            log.info("rank %d still waiting for %s (%.0f s so far)", rank, waiting_for(), now - start)
+            last = now
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_MAX_S)
+
+
+def _run_catching(fn: Callable[[], T]) -> tuple[Optional[T], BaseException | None]:
+    try:
+        return fn(), None
+    except BaseException as e:  # noqa: BLE001 - every rank must learn of it, then this rank raises it again
+        return None, e
+
+
+def _wait_for_rank0(turn: _Turn, rank: int, what: str) -> None:
+    """On a rank other than 0: wait for rank 0's outcome; raise, having said so, when it failed."""
+    _wait_until(lambda: turn.has_status(0), lambda: f"rank 0 to finish {what}", rank)
+    message = turn.failure(0)
+    if message is not None:
+        turn.read_failure("seen")
+        raise ShardwiseError(f"rank 0 failed {what}, so this rank stops too: {message}")
+
+
+def rank0_first(fn: Callable[[], T], rank: int, what: str = "its part") -> Optional[T]:
     """Run `fn` on rank 0 while the others wait; if it fails there, fail on every rank with its message.
 
     For work that must happen once (clearing a run directory, preparing data into a shared cache)
     before the other ranks go on; without it a failure on rank 0 would leave the others waiting for
-    the whole distributed timeout.
+    the whole distributed timeout. The others wait by polling the job's store, not in a collective, so
+    the work may take longer than the process group's timeout. Returns `fn()` on rank 0, None elsewhere.
     """
-    if not distributed():
+    if not distributed() or dist.get_world_size() == 1:
         return fn()
-    result, error = None, None
+    turn = _new_turn()
+    if rank != 0:
+        _wait_for_rank0(turn, rank, what)
+        return None
+    result, error = _run_catching(fn)
+    turn.publish(0, error)
+    if error is not None:
+        turn.let_others_read_the_failure("seen")
+        raise error
+    return result
+
+
+def rank0_then_others(fn: Callable[[], T], rank: int, what: str) -> T:
+    """`fn()` on every rank: rank 0 first (it fills a shared cache), then the others (which find it ready,
+    or fill their own node's); every rank returns once all have finished, or raises when any failed (the
+    failing rank its own error, the others a ShardwiseError naming that rank and its message).
+
+    Every wait polls the job's store with no collective in flight, so `fn` may take longer than the
+    process group's timeout (run.timeout_s); rank 0 logs every PROGRESS_S seconds whom it waits for.
+    A rank that dies instead of failing is the launcher's to stop the others (torchrun does)."""
+    if not distributed() or dist.get_world_size() == 1:
+        return fn()
+    turn = _new_turn()
+    if rank != 0:
+        _wait_for_rank0(turn, rank, what)
+    result, error = _run_catching(fn)
+    turn.publish(rank, error)
+    if rank == 0 and error is not None:
+        turn.let_others_read_the_failure("seen")
+        raise error
+
+    def waiting_for() -> str:
+        if rank != 0:
+            return f"the other ranks to finish {what} ({turn.count('done')} of {turn.world} done)"
+        pending = [r for r in range(turn.world) if not turn.has_status(r)]
+        shown = ", ".join(map(str, pending[:8])) + (", ..." if len(pending) > 8 else "")
+        return f"rank(s) {shown} to finish {what} ({turn.world - len(pending)} of {turn.world} done)"
+    _wait_until(lambda: turn.count("done") >= turn.world or turn.count("failed") > 0, waiting_for, rank)
+    failed = turn.first_failure()
+    if failed is None:
+        return result  # type: ignore[return-value]
     if rank == 0:
-        try:
-            result = fn()
-        except BaseException as e:  # every rank must learn of it, then rank 0 re-raises its own
-            error = e
-    message = [f"{type(error).__name__}: {error}" if error is not None else None]
-    dist.broadcast_object_list(message, src=0)
+        turn.let_others_read_the_failure("seen_all")
+    else:
+        turn.read_failure("seen_all")
     if error is not None:
         raise error
-    if message[0] is not None:
-        raise ShardwiseError(f"rank 0 failed, so this rank stops too: {message[0]}")
-    return result
+    raise ShardwiseError(f"{what} failed on rank {failed[0]}, so this rank stops too: {failed[1]}")
 
 
 def parameter_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:

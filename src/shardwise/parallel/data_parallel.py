@@ -145,7 +145,7 @@ def apply_data_parallel(
             "full gradients on every rank (set parallel.reduce_gradients: auto)")
     if param_dtype is not None and param_dtype not in (torch.float32, *_HALF):
         raise ConfigError(f"param_dtype must be fp32, bf16 or fp16, got {param_dtype}")
-    if dims.dp == 1 and not offload:
+    if dims.dp_cp == 1 and not offload:
         return model
 
     kwargs: dict[str, Any] = {}
@@ -154,7 +154,8 @@ def apply_data_parallel(
         store_frozen_in(model, param_dtype)  # the policy then leaves them as they are
     apart = frozen_16_bit(model) or None
     if zero_stage >= 2:
-        mesh = meshes["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else meshes["dp_shard"]
+        # Context parallel ranks hold other tokens of the same samples: their gradients are summed too.
+        mesh = meshes.hsdp_mesh() if dims.dp_replicate > 1 else meshes.gradient_mesh("dp_shard")
         device_type = mesh.device_type
         # Pinned host memory needs an accelerator; on a CPU-only run there is nothing to pin for.
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device_type != "cpu") if offload
@@ -166,7 +167,7 @@ def apply_data_parallel(
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     else:
 
-        mesh = meshes["dp"]
+        mesh = meshes.gradient_mesh("dp")
 
         def wrap(module: nn.Module) -> None:
             # 16-bit frozen weights stay plain replicated tensors: nothing to reduce, and replicate's
@@ -188,7 +189,7 @@ def apply_data_parallel(
     model._shardwise_zero_stage = zero_stage  # read by shard_optimizer, with the mesh of ZeRO-1's group
     model._shardwise_reduce_every_micro_batch = reduce_every_micro_batch  # read by grad_sync
     model._shardwise_hsdp = zero_stage >= 2 and dims.dp_replicate > 1
-    model._shardwise_dp_mesh = meshes["dp"]
+    model._shardwise_dp_mesh = meshes.gradient_mesh("dp")  # ZeRO-1's group: with context parallelism dp x cp
     return model
 
 
@@ -277,7 +278,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, zero_sta
         zero_stage = applied
     if zero_stage != 1 or applied is None:
         return optimizer
-    mesh = meshes["dp"] if meshes is not None else model._shardwise_dp_mesh
+    mesh = meshes.gradient_mesh("dp") if meshes is not None else model._shardwise_dp_mesh
     return ZeroOneOptimizer(optimizer, group=mesh.get_group())
 
 
@@ -644,7 +645,7 @@ def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
     problem = _offload_optimizer_problem(cfg, dims)
     if problem:
         raise ConfigError(f"optimize.offload_optimizer cannot run here: {problem}")
-    if not o.offload_params or dims.dp > 1:
+    if not o.offload_params or dims.dp_cp > 1:
         return
     if device.type == "cpu" and not dims.one_process_fsdp:
         log.info("optimize.offload_params: the run is on the CPU, so everything already lives in CPU memory")
@@ -669,7 +670,7 @@ def _offload_optimizer_problem(cfg: Any, dims: ParallelDims) -> Optional[str]:
         return ("each gradient goes to its host master from a post-accumulate-grad hook, which tensor "
                 "parallelism's partial gradients and a pipeline's hand-written weight gradients bypass; use data "
                 "parallelism with parallel.zero_stage 2 or 3, or optimize.offload_params (FSDP2's CPU offload)")
-    if dims.dp > 1 and cfg.parallel.zero_stage < 2:
+    if dims.dp_cp > 1 and cfg.parallel.zero_stage < 2:
         return (f"parallel.zero_stage {cfg.parallel.zero_stage} keeps full gradients and the whole optimizer on "
                 "every rank, so each rank would hold every master and all the state in host memory (one copy per "
                 "device of the machine); use parallel.zero_stage 2 or 3, whose ranks offload their own shards")

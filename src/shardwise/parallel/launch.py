@@ -22,13 +22,17 @@ Intel MPI).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
 import logging
 import os
+import re
 import signal
+import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +40,15 @@ import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 
 from ..errors import ConfigError, DeviceError
-from .collectives import all_reduce
+from .collectives import all_reduce, set_group_attempt
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +57,10 @@ _BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 #: `shardwise train` options that concern starting processes; `strip_launch_args` removes them from
 #: the command line the ranks get (each takes a value).
 LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint",
-                "--max-restarts")
+                "--rdzv-timeout", "--local-addr", "--max-restarts")
+
+#: The signals on which torchrun's agent stops the ranks at once (SIGTERM and SIGUSR1 are passed on to them).
+AGENT_STOP_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 _OWN_GROUP = False  # whether init_distributed created the current process group
 _GROUP_RESTARTS = 0  # the restart count its ranks agreed on
@@ -291,7 +304,67 @@ def init_distributed(device_kind: str = "auto", timeout_s: float = 600.0) -> Dis
         count = all_reduce(torch.tensor([restarts], dtype=torch.int64), op=dist.ReduceOp.MAX)
         ctx = dataclasses.replace(ctx, restart_count=int(count.item()))
     _GROUP_RESTARTS = ctx.restart_count
+    set_group_attempt(ctx.restart_count)
+    _record_nodes(ctx)
     return ctx
+
+
+@dataclass(frozen=True)
+class NodeOfRank:
+    """Where one rank runs, as it said when the group formed: to name a node that is lost later."""
+
+    node: str  # torchrun's node rank (GROUP_RANK), else the host name
+    host: str
+    address: str | None  # the address its traffic to rank 0 leaves from
+
+
+_NODES: list[NodeOfRank] = []  # by rank, filled by init_distributed
+
+# A collective's peer went away: gloo names its address, NCCL and the store say less.
+_PEER_GONE = re.compile(r"(?:Connection closed by peer|Connection reset by peer|Broken pipe|"
+                        r"failed to recv|Connection refused|Timed out waiting|timed out|NCCL communicator was aborted|"
+                        r"remote process exited)", re.IGNORECASE)
+_PEER_ADDRESS = re.compile(r"peer \[?([0-9a-fA-F.:]+?)\]?:\d+")
+
+
+def _record_nodes(ctx: DistContext) -> None:
+    """Every rank tells the others its node, host and address (one small collective when the group forms)."""
+    global _NODES
+
+    me = NodeOfRank(node=os.environ.get("GROUP_RANK") or socket.gethostname(), host=socket.gethostname(),
+                    address=route_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    table: list[NodeOfRank | None] = [None] * ctx.world_size
+    dist.all_gather_object(table, me)
+    _NODES = list(table)
+
+
+def _rank_span(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def lost_node_message(error: BaseException, rank: int) -> str | None:
+    """When `error` says a collective's peer went away, which node that was and what happens next; else None.
+
+    gloo names the peer's address: the node with that address is named (when it is this rank's own
+    node, a rank here stopped first, and the launcher reports which). Other backends' errors name no
+    peer: the message then says only that a peer was lost."""
+    text = str(error)
+    if not _NODES or not _PEER_GONE.search(text):
+        return None
+    me = _NODES[rank]
+    found = _PEER_ADDRESS.search(text)
+    lost = [r for r, n in enumerate(_NODES) if found and n.address == found.group(1)]
+    after = ("without --max-restarts the job stops here; with --max-restarts K the group re-forms when every node "
+             "is back and resumes from the newest checkpoint (--resume auto does the same by hand)")
+    if lost and _NODES[lost[0]].node != me.node:
+        node = _NODES[lost[0]]
+        return (f"rank {rank} (node {me.node}, {me.host}) lost contact with node {node.node} (host {node.host}, "
+                f"address {node.address}, {_rank_span(lost)}): its processes stopped answering (killed, crashed, "
+                f"or the machine or network went down); {after}. ({text.splitlines()[0][:300]})")
+    others = sorted({n.node for n in _NODES} - {me.node})
+    suspects = f"node(s) {', '.join(others)}" if others else "another rank"
+    return (f"rank {rank} (node {me.node}, {me.host}) lost a peer during a collective: a rank of this node or of "
+            f"{suspects} stopped answering; {after}. ({text.splitlines()[0][:300]})")
 
 
 def join_one_process_group(ctx: DistContext, timeout_s: float = 600.0) -> None:
@@ -444,6 +517,54 @@ def _root_cause(failures: dict) -> int:  # noqa: ANN001 - {rank: ProcessFailure}
     return min(candidates, key=lambda r: (when(failures[r]), r))
 
 
+def _child_pids() -> list[int]:
+    """This process's direct children (the agent's ranks), from /proc; none where there is no /proc."""
+    me, children = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in filter(str.isdigit, entries):
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[1]) == me:
+            children.append(int(name))
+    return children
+
+
+@contextlib.contextmanager
+def _forward_stop_signals():  # noqa: ANN202 - a context manager
+    """While torchrun's agent runs in this process: SIGTERM and SIGUSR1 are passed on to the ranks, which
+    finish their step, save a checkpoint together and exit 0 (train.stop_signals); the agent goes on
+    monitoring them and returns success. (Left to torch, SIGTERM would stop the ranks without a checkpoint,
+    and SIGUSR1 would end the agent and leave the ranks running: launch_processes gives torchrun
+    --signals-to-handle without SIGTERM.) With no rank running (rendezvous) the agent stops as torch's handler
+    would. Each rank leads its own session, so it gets the signal only from here (or the scheduler)."""
+
+    def forward(signum: int, frame: object) -> None:
+        ranks = _child_pids()
+        if not ranks:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        log.warning("%s: passed on to the ranks (pids %s); they stop after the current step with a checkpoint",
+                    signal.Signals(signum).name, " ".join(map(str, ranks)))
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python installs signal handlers from the main thread only
+        return
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _nnodes_range(nnodes: int | str) -> tuple[int, int]:
     text = str(nnodes)
     try:
@@ -454,6 +575,65 @@ def _nnodes_range(nnodes: int | str) -> tuple[int, int]:
     if not 0 < lo <= hi:
         raise ConfigError(f"--nnodes {text}: give a node count N (at least 1), or MIN:MAX with --rdzv-endpoint")
     return lo, hi
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT of --rdzv-endpoint as (host, port), or a ConfigError saying how to write it."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # [::1]:29400
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: give HOST:PORT, the address of the first node and a free "
+                          "TCP port on it, e.g. node0:29400")
+    return host, int(port)
+
+
+def can_listen_on(host: str, port: int) -> bool:
+    """Whether this machine could listen on host:port now: `host` is one of its addresses and the port is free.
+
+    Decides which node hosts the c10d rendezvous store: torch matches host names, which fails where a
+    node's name does not resolve to the endpoint's address (containers, network namespaces)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def route_address(host: str, port: int) -> str | None:
+    """The address of this machine that traffic to host:port leaves from (a UDP `connect` sends nothing),
+    or None when there is no route. Other nodes reach this node by it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _rendezvous_failure(e: RendezvousError, where: str, nnodes: int | str, timeout_s: int | None) -> str:
+    """What went wrong when the nodes could not (re)form the group, and what to do."""
+    if isinstance(e, RendezvousTimeoutError):
+        waited = f"{timeout_s} s" if timeout_s is not None else "600 s (torch's default)"
+        return (f"not all of the {nnodes} node(s) joined the rendezvous at {where} within {waited}: start "
+                f"`shardwise train ... --nnodes {nnodes} --rdzv-endpoint {where}` on every node; a node that "
+                f"comes back later than that finds the job gone (raise --rdzv-timeout to wait longer)"
+                + (f" ({e})" if str(e) else ""))
+    if isinstance(e, RendezvousConnectionError):
+        return (f"cannot reach the rendezvous at {where}: the node with that address has not started "
+                f"`shardwise train` yet, or it has stopped (it gave up waiting, or the job ended); check the "
+                f"address and port, and start that node first ({e.__cause__ or e})")
+    if isinstance(e, RendezvousClosedError):
+        return (f"the rendezvous at {where} is closed: the job it belonged to ended or gave up; start every node "
+                f"again to begin a new job (--resume auto continues from the newest checkpoint)")
+    return f"the nodes could not form a group at {where}: {type(e).__name__}: {e}"
 
 
 def launch_processes(
@@ -514,8 +694,20 @@ def launch_processes(
     if rdzv_endpoint or master_port is None:
         # c10d rendezvous: at the endpoint, or (one node) on a free port of this machine
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or "localhost:0"]
+        conf = []
         if join_timeout_s is not None:
-            args += ["--rdzv-conf", f"join_timeout={int(join_timeout_s)}"]
+            # read_timeout bounds each try to reach the store: a node that comes back after the others gave
+            # up learns so within the rendezvous timeout, not torch's 60 s (tried more than once).
+            conf += [f"join_timeout={int(join_timeout_s)}", f"read_timeout={max(1, min(60, int(join_timeout_s)))}"]
+        if rdzv_endpoint:
+            host, port = split_endpoint(rdzv_endpoint)
+            if can_listen_on(host, port):
+                conf.append("is_host=1")  # the endpoint is this node's: it hosts the rendezvous store
+            # The address other nodes reach this node by (rank 0's store when restarts are on), rather
+            # than what this node's host name resolves to, which may be 127.0.0.1.
+            local_addr = local_addr or route_address(host, port)
+        if conf:
+            args += ["--rdzv-conf", ",".join(conf)]
     else:
         # static rendezvous: rank 0's node listens on master_addr:master_port
         args += ["--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port)]
@@ -525,6 +717,7 @@ def launch_processes(
         args += ["--local-addr", local_addr]
     if stop_timeout_s is not None:
         args += ["--shutdown-timeout", str(int(stop_timeout_s))]
+    args += ["--signals-to-handle", AGENT_STOP_SIGNALS]  # not SIGTERM: _forward_stop_signals passes it on
     args += ["--module", module, *argv]
 
     env: dict[str, str] = {}
@@ -535,12 +728,14 @@ def launch_processes(
         # and the restarted ranks read the previous attempt's gloo/NCCL addresses from it and never
         # connect (pytorch/pytorch#135712). A store per attempt (hosted by rank 0) avoids it.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_STOP_SIGNALS  # torch sets it from the flag; restored after
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
-    log.info("starting %d process(es) on node %d of %s: python -m %s %s", nproc, node_rank, nnodes, module,
-             " ".join(argv))
+    log.info("starting %d process(es) on %s (nodes: %s): python -m %s %s", nproc,
+             "this node" if rdzv_endpoint else f"node {node_rank}", nnodes, module, " ".join(argv))
     try:
-        torchrun.run(torchrun.parse_args(args))
+        with _forward_stop_signals():
+            torchrun.run(torchrun.parse_args(args))
         return 0
     except ChildFailedError as e:
         root_rank = _root_cause(e.failures)
@@ -555,6 +750,11 @@ def launch_processes(
             print(f"shardwise: gave up after {max_restarts} restart(s)", file=sys.stderr)
         sys.stderr.flush()
         return _exit_code(root.exitcode)
+    except RendezvousError as e:
+        where = rdzv_endpoint or f"{master_addr}:{master_port}"
+        node = "this node" if rdzv_endpoint else f"node {node_rank}"  # c10d numbers the nodes as they join
+        print(f"shardwise: {node}: {_rendezvous_failure(e, where, nnodes, join_timeout_s)}", file=sys.stderr)
+        return 1
     except SignalException as e:  # the launcher itself was told to stop; the agent stopped the ranks
         print(f"shardwise: stopped by signal {e.sigval.name}; the ranks were stopped", file=sys.stderr)
         return 128 + int(e.sigval)

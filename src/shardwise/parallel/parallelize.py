@@ -1,7 +1,8 @@
 """Apply a run's parallelism and memory settings to a built model, in one fixed order, and make the
 parallel decisions that follow from the layout.
 
-pipeline split -> float8 -> tensor parallel -> recompute -> compile -> data parallel (ZeRO / FSDP2), as
+pipeline split -> float8 -> tensor parallel -> context parallel -> recompute -> compile -> data parallel
+(ZeRO / FSDP2, over the context-parallel ranks too), as
 torchtitan does: the split makes this rank's model parts (pipeline chunks; the whole model when
 there is no pipeline), and each later step wraps what the previous one made, part by part; FSDP2
 must come last so that it shards the final module tree. The model itself knows nothing of any of it.
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .context import apply_context_parallel
 from .data_parallel import apply_data_parallel, one_process_fsdp_settings, shard_optimizer
 from .dims import Meshes, ParallelDims
 from .float8 import apply_float8
@@ -71,6 +73,8 @@ def parallelize_model(
     apply_float8(model, cfg, dims)  # first: recompute, compile and FSDP2 wrap the float8 linears
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
+    if dims.cp > 1:  # before recompute and compile wrap the blocks, before FSDP2 hooks the root
+        apply_context_parallel(model, meshes["cp"])
     apply_recompute(model, cfg.optimize.layer_recompute([int(name) for name in model.layers]))
     if cfg.run.compile is True:  # the trainer resolves auto for its device first (RunConfig.compiles)
         compile_blocks(model)
@@ -78,7 +82,7 @@ def parallelize_model(
     stage, every = cfg.parallel.zero_stage, cfg.parallel.reduces_every_micro_batch()
     if dims.one_process_fsdp:  # offload_params on one device: FSDP2 on a one-process group
         stage, every = one_process_fsdp_settings(cfg)
-    if dims.dp > 1 or (offload and meshes is not None):
+    if dims.dp_cp > 1 or (offload and meshes is not None):
         model = apply_data_parallel(model, meshes, dims, stage, param_dtype=fsdp_param_dtype,
                                     offload=offload, reshard_after_forward=reshard_after_forward,
                                     reduce_every_micro_batch=every)
@@ -108,7 +112,7 @@ def weight_dtypes(param_dtype: torch.dtype, master_weights: bool, dims: Parallel
     (optimize.offload_optimizer): the masters live in host memory (`memory.offload.HostMasters`), so under
     data parallelism FSDP2 keeps 16-bit shards and only reduces in fp32."""
     if host_masters:
-        return param_dtype, (param_dtype if dims.dp > 1 and param_dtype != torch.float32 else None)
+        return param_dtype, (param_dtype if dims.dp_cp > 1 and param_dtype != torch.float32 else None)
     if master_weights and fsdp_holds_masters(dims):  # on one device too, with offload_params
         return torch.float32, param_dtype
     return param_dtype, None

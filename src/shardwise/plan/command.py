@@ -59,7 +59,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--freeze-layers", type=int, metavar="K", help="freeze the bottom K layers")
     s = p.add_argument_group("search (comma lists pin a dimension, e.g. --tp 1,2 --zero 1)")
     for flag, what in (("--dp", "data-parallel degrees"), ("--tp", "tensor-parallel degrees"),
-                       ("--pp", "pipeline stages"), ("--zero", "ZeRO stages"), ("--micro-batch", "micro-batch sizes")):
+                       ("--pp", "pipeline stages"), ("--zero", "ZeRO stages"), ("--micro-batch", "micro-batch sizes"),
+                       ("--cp", "context-parallel degrees (each sequence split over that many devices; tried by "
+                                "default from 16k tokens, or when nothing fits without)")):
         s.add_argument(flag, metavar="LIST", help=what)
     s.add_argument("--recompute", metavar="LIST", help="none, selective, full, auto (per layer, the least that fits)")
     s.add_argument("--schedule", metavar="LIST", help="1f1b, interleaved_1f1b, zero_bubble, gpipe")
@@ -148,7 +150,7 @@ def run_plan(args: argparse.Namespace) -> int:
                           lora_rank=lora_rank, freeze_layers=args.freeze_layers, hardware=hw)
     pins: dict[str, list[Any]] = {}
     for key, flag in (("dp", "--dp"), ("tp", "--tp"), ("pp", "--pp"), ("zero", "--zero"),
-                      ("micro_batch", "--micro-batch")):
+                      ("micro_batch", "--micro-batch"), ("cp", "--cp")):
         values = _ints(getattr(args, key), flag)
         if values is not None:
             pins[key] = values

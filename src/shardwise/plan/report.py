@@ -14,7 +14,8 @@ from ..units import GIB, gib, human
 from .search import Candidate, PlanResult
 
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
-              "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends", "bubble": "the pipeline bubble",
+              "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends",
+              "cp_comm": "context-parallel all-to-alls", "bubble": "the pipeline bubble",
               "optimizer": "the optimizer step", "offload": "host transfers (CPU offload)"}
 
 
@@ -117,7 +118,11 @@ def explain_winner(result: PlanResult) -> str:
                      f"{fastest.layout.describe()} ({fastest.step.total:.3g} s), needs {gib(fastest.peak, 1)} "
                      f"of the {best.usable / GIB:.1f} usable.")
     dp = result.best_data_parallel
-    if best.layout.tp == 1 and best.layout.pp == 1:
+    if best.layout.cp > 1:
+        parts.append(f"Context parallelism splits each {best.cfg.data.seq_length}-token sequence over {best.layout.cp} "
+                     "devices (two all-to-alls around every attention), so each holds the activations of "
+                     f"{best.cfg.data.seq_length // best.layout.cp} tokens.")
+    if best.layout.tp == 1 and best.layout.pp == 1 and best.layout.cp == 1:
         parts.append("Plain data parallelism wins, as the documents advise.")
     elif dp is None:
         parts.append("No pure data-parallel layout fits, so model parallelism is needed here.")

@@ -1,5 +1,7 @@
 """The layout search: every DP x TP x PP split, ZeRO stage, recompute, micro-batch and schedule of a
-workload, ranked by predicted step time among those whose estimated memory fits.
+workload, ranked by predicted step time among those whose estimated memory fits. Context parallelism
+(each sequence split over CP devices) joins the search for sequences of CP_MIN_SEQ tokens or more, when
+pinned (--cp), or when nothing fits without it.
 
 Layouts are timed first (cheap) and their memory is estimated (`shardwise.memory.estimate`) in order
 of speed until enough fit, so the ones shown are the fastest that fit, and the faster ones that do
@@ -36,6 +38,10 @@ AUTO = ("auto",)  # recompute per layer, the least that fits (the estimator's pl
 PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("zero_bubble", 1),
                       ("zero_bubble", 2))
 MAX_MICRO_BATCH = 32
+# Sequences from this many tokens on are long enough for context parallelism to be tried by default: below,
+# the activations of a sequence rarely outgrow a device that holds the model, and the all-to-alls cost more
+# than the memory they save (it is still tried when nothing fits without it).
+CP_MIN_SEQ = 16384
 
 
 @dataclass(frozen=True)
@@ -56,10 +62,11 @@ class Layout:
     offload_activations: bool = False  # tried with offload_optimizer where no pipeline runs
     loss_chunk: Optional[int] = None  # optimize.loss_chunk_tokens when the planner lowered it to fit (else as set)
     offload_params: bool = False  # one device: FSDP2's CPU offload (parameters, gradients, state on the host)
+    cp: int = 1  # parallel.context_parallel: devices each sequence is split over
 
     def short(self) -> str:
-        """'DP4 TP2 PP1' style degrees."""
-        return f"DP{self.dp} TP{self.tp} PP{self.pp}"
+        """'DP4 TP2 PP1' style degrees (and 'CP2' under context parallelism)."""
+        return f"DP{self.dp} TP{self.tp} PP{self.pp}" + (f" CP{self.cp}" if self.cp > 1 else "")
 
     def describe(self) -> str:
         """All settings in one line."""
@@ -221,9 +228,9 @@ def check_request(req: PlanRequest) -> None:
     m = req.cfg.model
     for key, values in req.pins.items():
         for v in values:
-            if key in ("tp", "pp", "dp", "micro_batch") and v < 1:
+            if key in ("tp", "pp", "dp", "cp", "micro_batch") and v < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} {v}: degrees and sizes are at least 1")
-            if key in ("tp", "pp", "dp") and n % v:
+            if key in ("tp", "pp", "dp", "cp") and n % v:
                 raise ConfigError(f"--{key} {v} does not divide {n} devices; degrees that do: "
                                   f"{', '.join(map(str, divisors(n)))}")
     for tp in req.pins.get("tp", []):
@@ -266,9 +273,27 @@ def check_float8_request(req: PlanRequest) -> None:
         raise ConfigError(f"optimize.float8 {problem}")
 
 
-def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
-    """Every layout of the request that the trainer can run (validity only; memory comes later)."""
+def context_parallel_degrees(req: PlanRequest, tp: int, pp: int, wanted: bool) -> list[int]:
+    """The context-parallel degrees to try with `tp` x `pp`: 1, and (when `wanted` or pinned) every degree
+    that divides the devices left, the sequence and the query heads per tensor-parallel rank, without a
+    pipeline and with the chunked loss (`parallel.context.check_context_parallel`'s conditions)."""
+    cfg, pins = req.cfg, req.pins
+    if not (wanted or "cp" in pins):
+        return [1]
+    seq, heads = cfg.data.seq_length, cfg.model.num_heads // tp
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    ok = [c for c in divisors(req.devices // (tp * pp))
+          if c == 1 or (pp == 1 and cfg.optimize.chunked_loss and seq % c == 0 and heads % c == 0
+                        and not (sp and (seq // c) % tp))]
+    return _allowed(pins, "cp", ok)
+
+
+def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None) -> list[tuple[Layout, RunConfig]]:
+    """Every layout of the request that the trainer can run (validity only; memory comes later).
+    `context_parallel`: whether to try CP > 1 (default: for sequences of CP_MIN_SEQ tokens or more)."""
     cfg, n, pins = req.cfg, req.devices, req.pins
+    if context_parallel is None:
+        context_parallel = cfg.data.seq_length >= CP_MIN_SEQ
     m = cfg.model
     seq = cfg.data.seq_length
     gbs = cfg.train.global_batch_size
@@ -281,10 +306,11 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
             continue
         if tp > per_node and "tp" not in pins:
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
-        for pp in _allowed(pins, "pp", divisors(n // tp)):
+        for pp, cp in [(pp, cp) for pp in _allowed(pins, "pp", divisors(n // tp))
+                       for cp in context_parallel_degrees(req, tp, pp, context_parallel)]:
             if pp > m.num_layers:
                 continue
-            dp = n // (tp * pp)
+            dp = n // (tp * pp * cp)
             if "dp" in pins and dp not in pins["dp"]:
                 continue
             if gbs % dp:
@@ -306,10 +332,10 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                             check_pipeline(m.num_layers, pp, v, schedule, None, ga)
                         except ConfigError:
                             continue
-                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp > 1 else (0,)):
+                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
                         can_offload = req.offload and req.hardware.kind != "cpu" and (
-                            zero >= 2 or (dp == 1 and tp == 1 and pp == 1))
+                            zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1))
                         offloads = (False, True) if can_offload else (False,)
                         # ZeRO 2/3 accumulating without a pipeline: reduce-scatter every micro-batch
                         # (sharded gradients) or once per step (full-size ones, fewer collectives).
@@ -320,14 +346,15 @@ def enumerate_layouts(req: PlanRequest) -> list[tuple[Layout, RunConfig]]:
                                                                              else (False,))]
                         # On one device, offload_params too: FSDP2's CPU offload alone (the parameters as
                         # well, each block copied in for its forward and backward; LoRA's base leaves).
-                        if can_offload and dp * tp * pp == 1:
+                        if can_offload and dp * tp * pp * cp == 1:
                             offloads += [("params", acts) for acts in (False, True)]
                         for offload, acts in offloads:
                             for recompute in _allowed(pins, "recompute", RECOMPUTE + AUTO * ("auto" in pins.get(
                                     "recompute", []))):
                                 for reduce in reductions:
                                     layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v,
-                                                    offload is True, reduce, acts, offload_params=offload == "params")
+                                                    offload is True, reduce, acts, offload_params=offload == "params",
+                                                    cp=cp)
                                     out.append((layout, layout_config(cfg, layout)))
     return out
 
@@ -354,7 +381,7 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
                               zero_stage=layout.zero, micro_batch_num=layout.accumulation if layout.pp > 1 else 1,
                               schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                               sequence_parallel=base.parallel.sequence_parallel,
-                              reduce_gradients=layout.reduce_gradients)
+                              reduce_gradients=layout.reduce_gradients, context_parallel=layout.cp)
     optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
                                                "recompute_layers": None,
                                                "gradient_accumulation_steps": None,
@@ -380,17 +407,24 @@ def usable_bytes(hw: Hardware, margin: float, devices_on_node: int) -> int:
 MemoryFn = Callable[[RunConfig, int, str], Any]
 
 
-def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = True) -> PlanResult:
+def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = True,
+         context_parallel: Optional[bool] = None) -> PlanResult:
     """Time every layout, estimate memory in order of speed, and rank the fastest that fit (when none
-    does and `advise`, say what would help)."""
+    does and `advise`, say what would help). `context_parallel`: try CP > 1 (default: for long sequences;
+    when nothing fits without it, the search runs again with it)."""
     memory_fn = memory_fn or estimate_memory
     check_request(req)
+    if context_parallel is None and req.cfg.data.seq_length < CP_MIN_SEQ and "cp" not in req.pins:
+        result = plan(req, memory_fn, advise=False, context_parallel=False)
+        if result.ranked:  # advice is only for when nothing fits
+            return result
+        return plan(req, memory_fn, advise, context_parallel=True)
     hw, n = req.hardware, req.devices
     nodes = req.nodes or hw.nodes_for(n)
     usable = usable_bytes(hw, req.memory_margin, n // nodes)
     work = work_of(req.cfg)  # the same FLOPs and adapters in every layout
     candidates = []
-    for layout, cfg in enumerate_layouts(req):
+    for layout, cfg in enumerate_layouts(req, context_parallel):
         if quantized_layout_problem(cfg, layout):  # QLoRA's base cannot be split, sharded or offloaded
             continue
         if float8_layout_problem(cfg, layout):  # float8 under tensor parallelism is not wired
@@ -433,7 +467,8 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
                 break
         elif not ranked:
             faster_not_fitting.append(c)
-    best_dp = next((c for c in candidates if c.layout.tp == 1 and c.layout.pp == 1 and estimate(c).fits), None)
+    best_dp = next((c for c in candidates if c.layout.tp == 1 and c.layout.pp == 1 and c.layout.cp == 1
+                    and estimate(c).fits), None)
     result = PlanResult(request=req, ranked=ranked, evaluated=len(candidates), estimated=estimated,
                         faster_not_fitting=faster_not_fitting, best_data_parallel=best_dp,
                         limit=physical_limit(req.cfg, hw))
@@ -454,8 +489,8 @@ def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
     half = cfg.optimize.mixed_precision != "fp32"
     elem = 2 if half else 4
     state = 4 if cfg.optimize.level() == "O3" else 8
-    dp, tp, pp = layout.dp, layout.tp, layout.pp
-    tokens = layout.micro_batch * cfg.data.seq_length
+    dp, tp, pp = layout.dp * layout.cp, layout.tp, layout.pp  # ZeRO shards over dp x cp
+    tokens = layout.micro_batch * cfg.data.seq_length // layout.cp
     if layout.recompute in ("full", "auto"):  # each block keeps its input (auto: at least that)
         per_layer = tokens * m.hidden_size * elem / tp
     else:  # at least selective's: the input, q, v, the attention output and the gate (or the MLP's input)

@@ -25,7 +25,8 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
         f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} kv heads, "
         f"FFN {m.intermediate_size}, vocab {m.vocab_size}, {m.position} positions, {m.norm}",
         f"layout       {world} device(s) = data {dp} x tensor {p.tensor_parallel} x pipeline "
-        f"{p.pipeline_parallel}{dp_note}; ZeRO stage {p.zero_stage}"
+        f"{p.pipeline_parallel}" + (f" x context {p.context_parallel}" if p.context_parallel > 1 else "")
+        + f"{dp_note}; ZeRO stage {p.zero_stage}"
         + (f"; {p.schedule} schedule, {p.micro_batch_num} micro-batches" if p.pipeline_parallel > 1 else ""),
         f"device       {cfg.run.device}; {_compiled(cfg)}",
         f"precision    {o.mixed_precision} level {o.level()}; recompute {o.recompute}"

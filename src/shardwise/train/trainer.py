@@ -41,11 +41,11 @@ from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
 from ..memory.estimate import run_flops
 from ..memory.offload import ActivationOffload, HostMasters, master_dtype_for
 from ..memory.precision import LossScaler, MasterWeights, PrecisionPlan, loss_scaler_for, precision_plan
-from ..parallel.collectives import all_reduce, max_over, rank0_first, replicas_problem
+from ..parallel.collectives import all_reduce, max_over, rank0_first, rank0_then_others, replicas_problem
 from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
 from ..parallel.float8 import after_optimizer_step, check_float8
-from ..parallel.launch import init_distributed, join_one_process_group
+from ..parallel.launch import init_distributed, join_one_process_group, lost_node_message
 from ..parallel.parallelize import (
     allocate,
     build_pipeline,
@@ -71,7 +71,9 @@ from .metrics import (
 from .oom import device_memory_bytes, explain_out_of_memory, is_out_of_memory
 from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
+from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
+from .stop_signals import StopSignals, StopVote
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     eval: dict[str, float] | None = None
     last_checkpoint: Path | None = None
+    stopped_by: str | None = None  # the signal (SIGTERM, SIGUSR1) that stopped the run before its last step
 
 
 @dataclass
@@ -186,7 +189,8 @@ class Trainer:
     # --- the run ----------------------------------------------------------------------------------
 
     def train(self, resume: str | None = None, overwrite: bool = False) -> TrainResult:
-        """Run training to `max_steps` (or the epochs' worth), resuming when asked."""
+        """Run training to `max_steps` (or the epochs' worth), resuming when asked. SIGTERM or SIGUSR1 stops it
+        after a step that every rank agrees on, with that step's checkpoint (`stop_signals`; `stopped_by`)."""
         s = self.state = self.setup(resume, overwrite)
         cfg, run_dir = self.config, Path(self.config.train.output_dir)
         mfu = MfuMeter(run_flops(cfg).total, device_peak(s.device, s.plan.dtype, cfg.train.peak_tflops,
@@ -200,15 +204,20 @@ class Trainer:
         compile_clock = CompileClock(cfg.run.compile is True, window.start)
         reset_peak_memory(s.device)
         pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
+        signals = StopSignals().install()  # SIGTERM / SIGUSR1: stop after a step, with its checkpoint
+        vote = StopVote(signals, cfg.train.save_minutes, s.ctx.is_main)
         try:
             for step in range(s.start, s.total_steps):
                 lr = s.schedule.apply(s.optimizer, step)
                 pending.append(self.train_step(s.loader.next_step(), step))
                 done = result.step = step + 1
                 bar.update(1)
-                logs = done % cfg.train.log_steps == 0 or done == s.total_steps
-                saves = (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == s.total_steps
-                evaluates = self.eval_dataset is not None and (
+                decision = vote.after_step()  # the same on every rank, after the same step
+                stops = bool(decision.signal) and done < s.total_steps
+                logs = done % cfg.train.log_steps == 0 or done == s.total_steps or stops
+                saves = (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == s.total_steps or \
+                    decision.save_due or stops
+                evaluates = not stops and self.eval_dataset is not None and (
                     done == s.total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0))
                 if logs or saves or evaluates or compile_clock.waiting:
                     self._settle(pending[-1])  # nothing is saved, evaluated or logged past a step that must stop
@@ -233,21 +242,33 @@ class Trainer:
                 # Save first: a failure during evaluation must not cost the step's checkpoint.
                 if saves:
                     result.last_checkpoint = self.save(done)
+                    vote.saved()
                     window.start = time.perf_counter()
+                if stops:
+                    s.checkpointer.wait()  # train.async_save: published before the process ends
+                    result.stopped_by = decision.signal_name
+                    log.info("stopped by %s after step %d: checkpoint %s saved; continue with --resume auto",
+                             result.stopped_by, done, result.last_checkpoint.name)
+                    break
                 if evaluates:
                     result.eval = self.evaluate()
                     writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
                     log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
                              result.eval["perplexity"])
                     window.start = time.perf_counter()
+            vote.close()
             s.checkpointer.wait()  # train.async_save: publish the last checkpoint (a failed write raises here)
         except Exception as exc:
+            lost = lost_node_message(exc, s.ctx.rank) if isinstance(exc, RuntimeError) else None
+            if lost:  # a collective's peer went away: say which node, not gloo's words alone
+                raise TrainingError(lost) from exc
             if not is_out_of_memory(exc):
                 raise
             pp_rank = s.meshes["pp"].get_local_rank() if s.dims.pp > 1 else 0
             raise TrainingError(explain_out_of_memory(cfg, s.ctx.world_size, s.ctx.rank, self.phase, s.device,
                                                       pp_rank, s.ctx.local_world_size)) from exc
         finally:
+            signals.restore()
             s.checkpointer.wait(training_failed=True)  # an earlier, finished step's pending save is still published
             s.loader.close()
             bar.close()
@@ -279,7 +300,8 @@ class Trainer:
             resume = "auto"
             if ctx.is_main:
                 log.warning("restart %d of the process group: resuming from the newest checkpoint", ctx.restart_count)
-        rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank)
+        rank0_first(lambda: check_run_dir(run_dir, resume, overwrite), ctx.rank, "checking the run directory")
+        check_shared_run_dir(run_dir, ctx.rank)  # one file system for every rank's checkpoint shards
         if cfg.optimize.recompute == "auto" and cfg.optimize.recompute_layers is None:
             cfg = self.config = _resolve_recompute(cfg, ctx)  # before the model is built; config.yaml records it
         check_host_memory(cfg, ctx)
@@ -289,14 +311,14 @@ class Trainer:
         if dims.one_process_fsdp:
             join_one_process_group(ctx, cfg.run.timeout_s)  # FSDP2 needs a group and meshes, even alone
         meshes = dims.build_meshes(ctx.device.type) if dims.needs_meshes else None
-        # Rank 0 prepares the data (and the shared cache) first; the others then find it ready.
-        rank0_first(self._prepare_data, ctx.rank)
-        if not ctx.is_main:
-            self._prepare_data()
+        # Rank 0 prepares the data (and the shared cache) first; the others then find it ready (or, with a cache
+        # of each node's own, the first rank of each node prepares it). They wait by polling the store, with no
+        # collective in flight, so that tokenising a big corpus may take longer than run.timeout_s.
+        rank0_then_others(self._prepare_data, ctx.rank, "data preparation")
         if cfg.run.compile == "auto":  # before the model is built; config.yaml records what it became
             cfg = self.config = _resolve_compile(cfg, ctx, len(self.train_dataset))
         # Only now, with the data read, may --overwrite remove the old run.
-        rank0_first(lambda: prepare_run_dir(run_dir, resume, overwrite), ctx.rank)
+        rank0_first(lambda: prepare_run_dir(run_dir, resume, overwrite), ctx.rank, "preparing the run directory")
         if ctx.is_main:
             self._save_tokenizer(run_dir)
 
@@ -332,7 +354,8 @@ class Trainer:
                               cfg.train.decay_style, cfg.train.wsd_decay_ratio)
         # A pipeline's last-stage copy of a tied embedding matrix: stepped, but counted in the norm once.
         excluded = {names[id(p)] for p in self.pipeline.norm_exclusions()} if self.pipeline is not None else set()
-        layout = {"world_size": ctx.world_size, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+        layout = {"world_size": ctx.world_size, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp,
+                  **({"cp": dims.cp} if dims.cp > 1 else {})}  # without cp as before: older checkpoints match
         checkpointer = Checkpointer(run_dir, parts, optimizer, masters=masters, scaler=scaler, loader=loader,
                                     tied_copy=TIED_COPY in excluded, layout=layout, device=ctx.device, rank=ctx.rank,
                                     keep=cfg.train.keep_checkpoints, seed=cfg.train.seed, lora=cfg.lora,
