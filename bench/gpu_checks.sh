@@ -8,6 +8,7 @@
 #             attention over changing shapes.
 #   issue 13: max_memory_allocated / max_memory_reserved against the estimate on several configurations;
 #             offload_params on one device (losses against the plain path, pinned host state).
+#   issue 16: train.profile on CUDA (kernels in the trace, a memory snapshot, the summary's shares).
 # Usage: bash bench/gpu_checks.sh OUT_DIR [STEP,STEP,...]   (python3 with CUDA torch and shardwise's dependencies
 # importable; the second argument reruns only the named steps)
 set -uo pipefail
@@ -40,4 +41,5 @@ step step_profile 50 python3 bench/step_profile.py bench/bench_llama.yaml "${mod
 step offload_params_cuda 45 python3 tests/train/offload_params_cuda.py
 step async_save_cuda 30 python3 tests/checkpoint/async_save_cuda.py /tmp/async_save_cuda
 step input_shapes_cuda 50 python3 tests/models/input_shapes_cuda.py --parts loader,kernels
+step profile_cuda 30 python3 tests/train/profile_cuda.py /tmp/profile_cuda
 echo "=== done ($(date +%T))"

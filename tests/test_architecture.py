@@ -32,12 +32,13 @@ LAYERS = {
     "step_time": 7,
     "train": 8,
     "resolve": 9,
-    "inference": 10, "export": 10, "plan": 10,
+    "inference": 10, "export": 10, "plan": 10, "report": 10,
     "api": 11, "cli": 11,
     "__main__": 12, "__init__": 12,
 }
 # Imported inside functions on purpose: extras a user may not have installed, or device libraries.
-OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft", "torchao")
+OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft", "torchao",
+            "matplotlib", "wandb", "mlflow")
 
 
 def _modules() -> dict[str, Path]:

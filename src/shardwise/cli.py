@@ -31,6 +31,7 @@ from .plan.command import DESCRIPTION as PLAN_DESCRIPTION
 from .plan.command import EPILOG as PLAN_EPILOG
 from .plan.command import add_plan_arguments, run_plan
 from .plan.estimate_command import add_estimate_arguments, describe_memory, device_kind, run_estimate
+from .report import write_report
 from .resolve import load_run_config
 from .train.dry_run import describe_run
 from .train.trainer import Trainer
@@ -51,6 +52,7 @@ EPILOG = """examples:
   shardwise convert runs/demo --to hf hf_model/                a checkpoint as a Hugging Face model directory
   shardwise estimate cfg.yaml                                memory per device, by phase, before a run
   shardwise plan --model llama_7b --devices 8 --hardware H100   the fastest layouts that fit
+  shardwise report runs/demo                                 plots of a run in runs/demo/report/report.html
 
 `shardwise COMMAND --help` describes each command's options."""
 
@@ -209,6 +211,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    print(f"report: {write_report(args.run_dirs, args.out)}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,6 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plan_arguments(pl)
     pl.set_defaults(func=_cmd_plan)
+
+    rp = sub.add_parser("report", help="one self-contained report.html of one or more runs, with plots",
+                        description="Plot a run's metrics (loss against step and tokens, learning rate, gradient "
+                                    "norm, loss scale, tokens/s, MFU, peak memory; restarts and skipped steps "
+                                    "marked), its config and layout, memory estimate against the measured peak, "
+                                    "data summary and profile, into OUT/report.html (images embedded) and the "
+                                    "PNGs beside it. Several runs are overlaid, with their loss differences "
+                                    "against the first. A run still in progress can be reported. Needs "
+                                    "matplotlib: pip install 'shardwise[report]'.")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (train.output_dir)")
+    rp.add_argument("--out", metavar="DIR", default=None, help="output directory (default: the first RUN_DIR/report)")
+    rp.set_defaults(func=_cmd_report)
     return parser
 
 

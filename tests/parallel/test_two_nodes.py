@@ -170,6 +170,21 @@ def _wait_for(path: Path, seconds: float, logs: list[Path]) -> None:
         time.sleep(0.2)
 
 
+def _start_and_lose_node_b(nodes, argv: list[str], logs: list[Path], tmp_path: Path) -> subprocess.Popen:  # noqa: ANN001
+    """Start both nodes; once node b's local rank 0 has saved the step-2 checkpoint (and paused), SIGKILL
+    every process of node b. Returns node a's process."""
+    a, b = nodes
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_PAUSE_AFTER_SAVE)
+    marker = tmp_path / "paused"
+    first = a.start(argv, logs[0])
+    b.start(argv, logs[1], pythonpath=(str(hook),), SHARDWISE_TEST_PAUSE=f"2:{marker}")
+    _wait_for(marker, 200, logs)
+    b.kill_everything()
+    return first
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run_dir)}
 
@@ -181,17 +196,10 @@ def test_two_nodes_train_like_one_process_and_resume_after_losing_one(nodes, dat
     agent, with --max-restarts, re-forms the group with it, and the job resumes from step 2 and ends with
     the uninterrupted run's losses (steps 1-2 from before the loss, 3-5 after)."""
     a, b = nodes
-    cfg = _two_node_config(data, tmp_path)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_PAUSE_AFTER_SAVE)
-    marker = tmp_path / "paused"
-    argv = _argv(cfg, f"{a.address}:{PORT + 1}", "--max-restarts", "1", "--rdzv-timeout", "90")
+    argv = _argv(_two_node_config(data, tmp_path), f"{a.address}:{PORT + 1}", "--max-restarts", "1",
+                 "--rdzv-timeout", "90")
     logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "b-again.log"]
-    first = a.start(argv, logs[0])
-    b.start(argv, logs[1], pythonpath=(str(hook),), SHARDWISE_TEST_PAUSE=f"2:{marker}")
-    _wait_for(marker, 200, logs[:2])
-    b.kill_everything()
+    first = _start_and_lose_node_b(nodes, argv, logs[:2], tmp_path)
     again = b.start(argv, logs[2])
     codes = [_wait(first, 250, logs[0]), _wait(again, 60, logs[2])]
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
@@ -203,17 +211,9 @@ def test_two_nodes_train_like_one_process_and_resume_after_losing_one(nodes, dat
 @pytest.mark.timeout(300)
 def test_without_restarts_the_other_node_stops_and_names_the_lost_one(nodes, data, tmp_path) -> None:
     a, b = nodes
-    cfg = _two_node_config(data, tmp_path)
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_PAUSE_AFTER_SAVE)
-    marker = tmp_path / "paused"
-    argv = _argv(cfg, f"{a.address}:{PORT + 2}")
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    first = a.start(argv, logs[0])
-    b.start(argv, logs[1], pythonpath=(str(hook),), SHARDWISE_TEST_PAUSE=f"2:{marker}")
-    _wait_for(marker, 200, logs)
-    b.kill_everything()
+    first = _start_and_lose_node_b(nodes, _argv(_two_node_config(data, tmp_path), f"{a.address}:{PORT + 2}"), logs,
+                                   tmp_path)
     code = _wait(first, 60, logs[0])  # gloo sees the closed connections at once; the agent then stops
     text = logs[0].read_text()
     assert code != 0

@@ -87,6 +87,8 @@ def test_a_killed_and_resumed_run_logs_one_curve(tmp_path) -> None:
     proc = _train(str(killed), "--resume", "auto", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 3, "resumed": True} in records  # where the curve continues
+    records = [r for r in records if "loss" in r]
     steps = [r["step"] for r in records]
     assert steps == list(range(1, 9))  # every line whole, each step once, in order
     assert {r["step"]: r["loss"] for r in records} == pytest.approx(reference, abs=1e-6)

@@ -228,6 +228,18 @@ class OptimizeConfig(_Section):
         return self.loss_chunk_tokens if self.chunked_loss else None
 
 
+class ProfileConfig(_Section):
+    """train.profile: which optimizer steps torch.profiler records (train/profiling.py)."""
+
+    start_step: int = Field(..., ge=1, description="the first profiled step (1-based, as metrics.jsonl counts "
+                            "them); the step before it warms the profiler up")
+    steps: int = Field(..., ge=1, description="how many steps to record from start_step (a few: a trace grows "
+                       "with every operator)")
+
+
+LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers
+
+
 class TrainConfig(_Section):
     """Optimizer, schedule, length, batch sizes, logging, evaluation and checkpoints."""
 
@@ -289,7 +301,44 @@ class TrainConfig(_Section):
     )
     peak_tflops: Optional[float] = Field(None, gt=0, description="device peak for MFU (default: table/measured)")
     progress_bar: bool = Field(True, description="show a progress bar")
-    tensorboard: bool = Field(True, description="write TensorBoard events when it is installed")
+    tensorboard: bool = Field(True, description="write TensorBoard events when it is installed; the same as "
+                              "tensorboard in train.loggers (kept for older configs)")
+    loggers: Optional[list[str]] = Field(
+        None, description="where metrics.jsonl's records also go (rank 0): tensorboard (RUN_DIR/tensorboard), wandb "
+        "(Weights & Biases; pip install 'shardwise[wandb]'; honours WANDB_MODE, WANDB_PROJECT), mlflow (pip install "
+        "'shardwise[mlflow]'; MLFLOW_TRACKING_URI, else file:RUN_DIR/mlruns); a resumed run continues the same "
+        "W&B / MLflow run (ids in RUN_DIR/trackers.json); null = [tensorboard] when train.tensorboard, else []"
+    )
+    profile: Optional[ProfileConfig] = Field(
+        None, description="record steps start_step..start_step+steps-1 with torch.profiler (rank 0): "
+        "RUN_DIR/profile/trace_rank0.json (Chrome / Perfetto), summary.json (top operators; compute, "
+        "communication and idle shares) and on CUDA memory_snapshot.pickle; null = off"
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is None:
+            return v
+        unknown = [name for name in v if name not in LOGGERS]
+        if unknown:
+            raise ValueError(f"train.loggers: unknown logger(s) {', '.join(map(repr, unknown))}; the allowed values "
+                             f"are {', '.join(LOGGERS)}")
+        return list(dict.fromkeys(v))  # each once, in the order given
+
+    @model_validator(mode="after")
+    def _resolve_loggers(self) -> "TrainConfig":
+        """train.loggers and the older train.tensorboard switch, made one: tensorboard is in the list exactly when
+        train.tensorboard is true."""
+        if self.loggers is None:
+            self.loggers = ["tensorboard"] if self.tensorboard else []
+        elif "tensorboard" in self.model_fields_set and self.tensorboard != ("tensorboard" in self.loggers):
+            if not self.tensorboard:
+                raise ValueError(f"train.tensorboard is false but train.loggers {self.loggers} names tensorboard; "
+                                 "drop one of the two (train.loggers alone is enough)")
+            self.loggers = ["tensorboard", *self.loggers]  # an explicit train.tensorboard: true still counts
+        self.tensorboard = "tensorboard" in self.loggers
+        return self
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from ..config import load_config
+from ..config import RunConfig, load_config, validate
 from ..errors import ConfigError
 from ..hardware import CATALOGUE, Hardware, custom_hardware, get_hardware, known_names, load_hardware_file
+from .budget import BudgetPlan, plan_budget
+from .charts import write_plan_report
 from .profile import profile_plan
-from .report import format_plan
-from .search import PlanRequest, plan, workload_config
+from .report import format_budget, format_plan
+from .search import PlanRequest, PlanResult, plan, workload_config
 
 DESCRIPTION = """\
 Rank parallel layouts of a model on some hardware: every DP x TP x PP split, ZeRO stage, recompute
@@ -19,7 +21,9 @@ share of peak, TP/DP/PP communication over the node's and the network's links, p
 recompute, the optimizer step); those whose estimated memory does not fit (with a safety margin)
 are dropped; the fastest 10 are printed with memory, tokens/s per device and MFU, and why the first
 wins. The physical limit (tokens/s per device at 100% MFU) is always shown. With --profile N the top
-layouts run N real steps on the devices present, the model is calibrated, and the plan is ranked again."""
+layouts run N real steps on the devices present, the model is calibrated, and the plan is ranked again.
+With --budget-hours, --budget-flops or --tokens it first sizes the model and its tokens for the budget
+(Hoffmann et al. 2022's fit, an extrapolation) and plans that model; --report DIR draws the charts."""
 
 EPILOG = """\
 examples:
@@ -29,6 +33,8 @@ examples:
   shardwise plan --model llama_7b --devices 8 --hardware 910B --lora --seq-length 2048 --global-batch 128
   shardwise plan --model llama_13b --devices 16 --memory-gb 48 --tflops 362 --bandwidth-gbps 32
   shardwise plan configs/demo.yaml --devices 2 --hardware cpu --profile 3
+  shardwise plan --budget-hours 720 --devices 64 --hardware H100 --price-per-device-hour 2.5 --report plan_out
+  shardwise plan --budget-flops 1e22 --tokens 5e10 --devices 8 --hardware A100-80GB
   shardwise plan --list-hardware"""
 
 
@@ -75,6 +81,16 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--profile", type=int, metavar="N", help="run N real steps of the top layouts here, calibrate, "
                                                              "and rank again")
     pr.add_argument("--profile-top", type=int, default=3, metavar="K", help="layouts to profile (default 3)")
+    b = p.add_argument_group("budget (compute-optimal size from Hoffmann et al. 2022's fit: an extrapolation)")
+    b.add_argument("--budget-hours", type=float, metavar="H", help="wall hours on the devices: the model size and "
+                                                                   "tokens they buy at the planner's throughput")
+    b.add_argument("--budget-flops", type=float, metavar="F", help="training FLOPs (6 x parameters x tokens)")
+    b.add_argument("--tokens", type=float, metavar="T", help="distinct training tokens available: caps the data "
+                                                             "(repeats discounted); alone, sizes the model for them")
+    b.add_argument("--price-per-device-hour", type=float, metavar="P", help="price of one device for an hour: "
+                                                                            "prints the cost")
+    p.add_argument("--report", metavar="DIR", help="write charts (PNG) and a self-contained index.html to DIR "
+                                                    "(needs matplotlib: pip install 'shardwise[report]')")
 
 
 def _ints(text: Optional[str], flag: str) -> Optional[list[int]]:
@@ -126,7 +142,7 @@ def list_hardware(extra_file: Optional[str] = None) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Plan (and profile) as the options say; print the report."""
+    """Plan (and profile) as the options say; print the report (with a budget: the sizing first)."""
     if args.list_hardware:
         print(list_hardware(args.hardware_file))
         return 0
@@ -134,20 +150,55 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--devices N is required: how many devices to plan for")
     if args.devices < 1:
         raise ConfigError(f"--devices {args.devices}: give at least 1 device")
-    if args.config is None and args.model is None:
-        raise ConfigError("give a model preset (--model NAME, e.g. llama_7b) or a run config file to plan for")
+    budgeted = any(getattr(args, k, None) is not None for k in ("budget_hours", "budget_flops", "tokens"))
+    if args.config is None and args.model is None and not budgeted:
+        raise ConfigError("give a model preset (--model NAME, e.g. llama_7b) or a run config file to plan for "
+                          "(or a budget: --budget-hours, --budget-flops or --tokens)")
     if args.config is not None and args.model is not None:
         raise ConfigError("give either a run config or --model, not both")
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: give at least 1")
+    if args.price_per_device_hour is not None and not budgeted:
+        raise ConfigError("--price-per-device-hour prices a budget: give --budget-hours, --budget-flops or --tokens")
+    if args.profile is not None and args.profile < 1:
+        raise ConfigError(f"--profile {args.profile}: give at least 1 step")
     hw = hardware_from_args(args)
     base = load_config(args.config) if args.config else None
     lora_rank = args.lora_rank if args.lora_rank is not None else (8 if args.lora else None)
     if lora_rank is not None and lora_rank < 1:
         raise ConfigError(f"--lora-rank {lora_rank}: give at least 1")
-    cfg = workload_config(model=args.model, config=base, seq_length=args.seq_length, global_batch=args.global_batch,
-                          devices=args.devices, precision=args.precision, precision_level=args.precision_level,
-                          lora_rank=lora_rank, freeze_layers=args.freeze_layers, hardware=hw)
+    pins = _pins(args)
+    if args.nodes is not None and args.nodes > 1 and args.devices_per_node is None:
+        hw = hw.with_changes(devices_per_node=max(1, args.devices // args.nodes))
+
+    def plan_for(config: Optional[RunConfig], model: Optional[str]) -> PlanResult:
+        cfg = workload_config(model=model, config=config, seq_length=args.seq_length, global_batch=args.global_batch,
+                              devices=args.devices, precision=args.precision, precision_level=args.precision_level,
+                              lora_rank=lora_rank, freeze_layers=args.freeze_layers, hardware=hw)
+        return plan(PlanRequest(cfg=cfg, devices=args.devices, hardware=hw, nodes=args.nodes,
+                                memory_margin=args.memory_margin, top=args.top, pins=pins,
+                                offload=not args.no_offload, target_tokens_per_s=args.target_tokens_per_s))
+
+    budget: Optional[BudgetPlan] = None
+    if budgeted:
+        budget = run_budget(args, hw, base, plan_for)
+        result = budget.result
+        print(format_budget(budget))
+        print()
+    else:
+        result = plan_for(base, args.model)
+    print(format_plan(result))
+    profiled = None
+    if args.profile is not None:
+        profiled = profile_plan(result, args.profile, top=max(1, args.profile_top))
+        print(profiled.report())
+    if args.report:
+        print(f"\nreport: {write_plan_report(result, args.report, profiled, budget)}")
+    return 0
+
+
+def _pins(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The search dimensions the options pin."""
     pins: dict[str, list[Any]] = {}
     for key, flag in (("dp", "--dp"), ("tp", "--tp"), ("pp", "--pp"), ("zero", "--zero"),
                       ("micro_batch", "--micro-batch"), ("cp", "--cp")):
@@ -158,16 +209,25 @@ def run_plan(args: argparse.Namespace) -> int:
         text = getattr(args, key)
         if text is not None:
             pins[key] = [x.strip() for x in text.split(",") if x.strip()]
-    if args.nodes is not None and args.nodes > 1 and args.devices_per_node is None:
-        hw = hw.with_changes(devices_per_node=max(1, args.devices // args.nodes))
-    req = PlanRequest(cfg=cfg, devices=args.devices, hardware=hw, nodes=args.nodes, memory_margin=args.memory_margin,
-                      top=args.top, pins=pins, offload=not args.no_offload,
-                      target_tokens_per_s=args.target_tokens_per_s)
-    result = plan(req)
-    print(format_plan(result))
-    if args.profile is not None:
-        if args.profile < 1:
-            raise ConfigError(f"--profile {args.profile}: give at least 1 step")
-        profiled = profile_plan(result, args.profile, top=max(1, args.profile_top))
-        print(profiled.report())
-    return 0
+    return pins
+
+
+def run_budget(args: argparse.Namespace, hw: Hardware, base: Optional[RunConfig], plan_for: Any) -> BudgetPlan:
+    """Size the budget the options give; the model is the one given (--model or the config) or, without
+    one, a LLaMA-like shape near the compute-optimal size (`budget.family_model`)."""
+    fixed = None
+    if base is not None or args.model is not None:
+        fixed = plan_for(base, args.model).request.cfg.model.model_dump(mode="json")
+
+    precision = args.precision or ("fp32" if hw.kind == "cpu" else "bf16")
+
+    def plan_model(fields: dict[str, Any]) -> PlanResult:
+        if fixed is not None and fields == fixed:
+            return plan_for(base, args.model)
+        return plan_for(validate({"model": fields, "train": {"max_steps": 1},
+                                  "optimize": {"mixed_precision": precision}}), None)
+
+    peak = hw.peak_tflops(precision) * 1e12 * args.devices * hw.compute_efficiency
+    return plan_budget(plan_model, peak, hours=args.budget_hours, flops=args.budget_flops, unique_tokens=args.tokens,
+                       model=fixed, price_per_device_hour=args.price_per_device_hour,
+                       max_positions=max(2048, args.seq_length or 0))

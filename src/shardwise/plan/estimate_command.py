@@ -18,6 +18,7 @@ from ..train.dry_run import describe_run
 from ..train.oom import device_memory_bytes
 from ..train.run_dir import available_host_memory
 from ..units import GIB
+from .charts import write_estimate_report
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,9 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--memory-gib", type=float, default=None, metavar="GIB",
                    help="recompute auto: memory of one device to plan for (default: this machine's device)")
+    p.add_argument("--report", metavar="DIR", help="write a memory chart (PNG, against --memory-gib or this "
+                                                    "machine's device) and index.html to DIR (pip install "
+                                                    "'shardwise[report]')")
     flags = p.add_argument_group("without a config file")
     flags.add_argument("--model", metavar="PRESET", help="model preset, e.g. llama_7b")
     flags.add_argument("--seq-length", type=int, default=2048)
@@ -134,10 +138,15 @@ def run_estimate(args: argparse.Namespace) -> int:
     device = device_kind(cfg, args.device)
     devices = args.nproc or cfg.parallel.world_size()
     planned = resolve_recompute(cfg, devices, device, args.memory_gib)
-    estimate_all_ranks(planned, devices, device)  # raises the ConfigError that says why
+    estimates = estimate_all_ranks(planned, devices, device)  # raises the ConfigError that says why
     if args.json:
-        print(json.dumps([e.as_dict() for e in estimate_all_ranks(planned, devices, device)], indent=1))
-        return 0
-    print(describe_run(cfg, devices))
-    print(describe_memory(cfg, devices, device, args.memory_gib))
+        print(json.dumps([e.as_dict() for e in estimates], indent=1))
+    else:
+        print(describe_run(cfg, devices))
+        print(describe_memory(cfg, devices, device, args.memory_gib))
+    if getattr(args, "report", None):
+        capacity = int(args.memory_gib * GIB) if args.memory_gib else local_capacity(device)
+        index = write_estimate_report(estimates, args.report, capacity)
+        if not args.json:
+            print(f"report: {index}")
     return 0

@@ -138,7 +138,8 @@ def run_config(cfg: RunConfig, devices: int, steps: int, warmup: int, out_dir: s
     raw = cfg.model_dump(mode="json")
     raw["parallel"]["data_parallel"] = cfg.parallel.dp_degree(devices)
     raw["train"].update(output_dir=out_dir, max_steps=warmup + steps, log_steps=1, save_steps=None, eval_steps=None,
-                        progress_bar=False, tensorboard=False, epochs=None)
+                        progress_bar=False, tensorboard=False, loggers=[], epochs=None, profile=None,
+                        save_minutes=None)
     raw["run"].update(device=device, num_threads=threads)
     raw["model"]["init_from"] = None
     raw["data"]["train_files"] = []

@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..models import count_parameters
 from ..units import GIB, gib, human
+from .budget import EXTRAPOLATION_WARNING, BudgetPlan, rule_of_20
 from .search import Candidate, PlanResult
 
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
@@ -192,3 +193,54 @@ def target_check(result: PlanResult) -> Optional[str]:
 def wrap(text: str, width: int = 110) -> list[str]:
     """Text wrapped to lines of at most `width` characters."""
     return textwrap.wrap(text, width=width, break_on_hyphens=False) or [""]
+
+
+def format_budget(bp: BudgetPlan) -> str:
+    """What `shardwise plan --budget-hours/--budget-flops/--tokens` prints before the plan of the model taken."""
+    s, req = bp.sizing, bp.result.request
+    fit, m = s.fit, bp.model
+    hw = req.hardware
+    lines = []
+    if bp.given == "hours":
+        lines += wrap(f"budget     {bp.hours:g} h on {req.devices} x {hw.name} = {s.flops:.3g} FLOPs (6ND: 6 x "
+                      f"{human(s.params)} parameters x {bp.tokens_per_s:,.0f} tokens/s predicted x {bp.hours:g} h; "
+                      f"of {bp.rounds} size(s) planned, the lowest predicted loss at its own throughput)"
+                      if bp.fits else f"budget     {bp.hours:g} h on {req.devices} x {hw.name}: {s.flops:.3g} FLOPs "
+                      "at the last model's size")
+    elif bp.given == "flops":
+        lines.append(f"budget     {s.flops:.3g} FLOPs (6ND)")
+    else:
+        lines.append(f"budget     {s.flops:.3g} FLOPs (6ND): the compute whose optimum is one pass over the "
+                     f"{human(s.unique_tokens)} tokens")
+    n20, d20 = rule_of_20(s.flops)
+    lines += wrap(f"fit        L(N, D) = {fit.E:g} + {fit.A:g} / N^{fit.alpha:g} + {fit.B:g} / D^{fit.beta:g}: "
+                  f"{fit.source}")
+    lines += wrap(f"optimum    N_opt {human(s.n_opt)} parameters, D_opt {human(s.d_opt)} tokens "
+                  f"({s.d_opt / s.n_opt:.0f} tokens per parameter), predicted loss {s.loss_opt:.3f}")
+    lines += wrap(f"rule of 20 {human(n20)} parameters, {human(d20)} tokens (the paper's Approaches 1-2: ~20 tokens "
+                  "per parameter; Chinchilla: 70B on 1.4T)")
+    if s.unique_tokens is not None:
+        if s.data_bound:
+            lines += wrap(f"data       {human(s.unique_tokens)} unique tokens, fewer than D_opt: the best size with "
+                          f"repeats discounted (Muennighoff et al. 2023, arXiv:2305.16264, R* = 15.4) is "
+                          f"{human(s.n_best)} parameters on {human(s.d_best)} tokens "
+                          f"({s.d_best / s.unique_tokens:.2g} epochs), predicted loss {s.loss_best:.3f}")
+        else:
+            lines.append(f"data       {human(s.unique_tokens)} unique tokens: enough for D_opt "
+                         f"({s.d_opt / s.unique_tokens:.2g} of an epoch)")
+    repeats = f", {s.epochs:.2g} epochs worth {human(s.effective_tokens)}" if s.epochs > 1 else ""
+    lines += wrap(f"model      {m.preset or 'LLaMA-like'} {m.hidden_size} wide, {m.num_layers} layers, "
+                  f"{m.num_heads} heads: {human(s.params)} parameters on {human(s.tokens)} tokens{repeats}; "
+                  f"predicted loss {s.loss:.3f} ({s.loss - s.loss_opt:+.3f} against the optimum)")
+    if bp.fits:
+        best = bp.result.best
+        lines += wrap(f"layout     {best.layout.describe()}: {best.step.tokens_per_s_per_device:,.0f} tokens/s per "
+                      f"device ({100 * best.step.mfu:.1f}% MFU), {bp.tokens_per_s:,.0f} tokens/s on all {req.devices}")
+        cost = f"; cost {bp.device_hours:,.0f} device-hours x {bp.price_per_device_hour:g} = {bp.cost:,.0f}" \
+            if bp.cost is not None else f"; {bp.device_hours:,.0f} device-hours"
+        lines.append(f"time       {human(s.tokens)} tokens / {bp.tokens_per_s:,.0f} tokens/s = {bp.hours:,.1f} h "
+                     f"({bp.hours / 24:,.1f} days) wall{cost}")
+    else:
+        lines.append(f"time       the model fits no layout of {req.devices} x {hw.name} (below)")
+    lines += [""] + wrap("NOTE: " + EXTRAPOLATION_WARNING)
+    return "\n".join(lines)

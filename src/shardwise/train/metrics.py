@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory: what each step costs, logged to the console, JSONL and TensorBoard.
+"""Throughput, MFU and memory: what each step costs, logged to the console, JSONL, TensorBoard, W&B and MLflow.
 
 tokens/s counts real tokens: the input tokens of a step that are not padding, over all ranks (packed
 pre-training has none; padded instruction data does), with the tokens that carry a loss beside them
@@ -23,7 +23,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from ..hardware import Peak
 from ..loss import IGNORE_INDEX
 from ..parallel.collectives import max_over
 from ..units import GIB
+from .trackers import check_installed, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,8 @@ class Window:
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": loss_scale,
                 "tokens_per_s": tps, "target_tokens_per_s": self.target_tokens / elapsed,
                 "tokens_per_s_per_device": per_device, "mfu": value, "peak_in_doubt": doubt,
-                "peak_memory_gb": memory, "skipped_steps": self.skipped}
+                "peak_memory_gb": memory, "skipped_steps": self.skipped,
+                "device": device.type}  # what peak_memory_gb measured: device memory, or a CPU's resident set
 
 
 def format_record(r: Mapping[str, Any]) -> str:
@@ -257,24 +259,33 @@ def keep_records_through(path: Path, step: int) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to RUN_DIR/metrics.jsonl, and TensorBoard when present.
+    """Appends one JSON object per record to RUN_DIR/metrics.jsonl, and to the other `loggers`: TensorBoard
+    when present, W&B and MLflow (trackers.py: the same records). `loggers` None means the old switch:
+    ["tensorboard"] when `tensorboard`, else none. `config` (the run config as a dict) goes to the trackers
+    (W&B config, MLflow parameters).
 
     `resume_step`: the run continues from the checkpoint of this step, so records after it (logged
-    by the run before it stopped) are dropped first, from the file and from TensorBoard's view.
+    by the run before it stopped) are dropped first, from the file and from TensorBoard's view, and the
+    first record written after it is preceded by {"step": resume_step, "resumed": true}.
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, loggers: Sequence[str] | None = None,
+                 config: Mapping[str, Any] | None = None) -> None:
+        loggers = list(loggers) if loggers is not None else (["tensorboard"] if tensorboard else [])
+        check_installed(loggers)  # on every rank, so that no rank goes on alone
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
         self.tb = None
+        self.trackers: list[Any] = []
         self._fd: int | None = None
         if not enabled:
             return
         if resume_step is not None:
             keep_records_through(self.path, resume_step)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if tensorboard:
+        self.trackers = open_trackers(loggers, Path(run_dir), config, resume=bool(resume_step))
+        if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # optional extra: shardwise[tensorboard]
 
@@ -283,23 +294,41 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
             except ImportError:
                 log.debug("tensorboard is not installed; skipping event files")
+        # Where the curve continues (`shardwise report` marks it): written with the first record after the resume,
+        # so that a finished run resumed at its end is left as it was.
+        self._resumed_at = resume_step or None
 
     def write(self, record: dict[str, Any]) -> None:
         """Record metrics for `record['step']`: one line, in one write (a kill cannot tear it but mid-write)."""
         if not self.enabled or self._fd is None:
             return
-        data = (json.dumps(record) + "\n").encode("utf-8")
-        while data:  # a regular file takes the whole write at once; a short write is finished here
-            data = data[os.write(self._fd, data):]
+        if self._resumed_at:
+            self._append_and_track({"step": self._resumed_at, "resumed": True})
+            self._resumed_at = None
+        self._append_and_track(record)
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
 
+    def _append_and_track(self, record: dict[str, Any]) -> None:
+        """The line of metrics.jsonl, and the same record to each tracker (W&B, MLflow)."""
+        self._append(record)
+        for tracker in self.trackers:
+            tracker.write(record)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        while data:  # a regular file takes the whole write at once; a short write is finished here
+            data = data[os.write(self._fd, data):]
+
     def close(self) -> None:
-        """Close the file and flush TensorBoard."""
+        """Close the file, flush TensorBoard and finish the trackers' runs."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if self.tb is not None:
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

@@ -41,7 +41,7 @@ def measure_training(cfg: RunConfig, train_dataset: Any, steps: int = 2, save: b
     """
     raw = cfg.model_dump(mode="json")
     raw["train"].update(max_steps=steps, save_steps=None, eval_steps=None, log_steps=steps, progress_bar=False,
-                        tensorboard=False)
+                        tensorboard=False, loggers=[], profile=None, save_minutes=None)
     trainer = _ProbedTrainer(validate(raw), train_dataset, save)
     tracker = tracker or MemoryTracker()
 

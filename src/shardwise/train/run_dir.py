@@ -17,7 +17,8 @@ from .fit_search import describe_fits, find_fits, hardware_for, usable_bytes
 
 log = logging.getLogger(__name__)
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml", "tokenizer")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml", "tokenizer", "trackers.json", "wandb",
+             "mlruns", "profile", "report")
 
 
 def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> list[str]:

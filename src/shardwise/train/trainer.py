@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ from ..parallel.parallelize import (
 from ..parallel.pipeline import concat_micro_batches, pipeline_step
 from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
+from ..units import GIB
 from .evaluation import evaluate_held_out, model_inputs
 from .metrics import (
     CompileClock,
@@ -70,7 +72,9 @@ from .metrics import (
 )
 from .oom import device_memory_bytes, explain_out_of_memory, is_out_of_memory
 from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
+from .profiling import StepProfiler
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
+from .run_summary import RunFigures, RunTally, summary_lines
 from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
 from .stop_signals import StopSignals, StopVote
@@ -90,6 +94,7 @@ class TrainResult:
     eval: dict[str, float] | None = None
     last_checkpoint: Path | None = None
     stopped_by: str | None = None  # the signal (SIGTERM, SIGUSR1) that stopped the run before its last step
+    summary: list[str] = field(default_factory=list)  # the end-of-run summary lines (run_summary.py)
 
 
 @dataclass
@@ -195,22 +200,29 @@ class Trainer:
         cfg, run_dir = self.config, Path(self.config.train.output_dir)
         mfu = MfuMeter(run_flops(cfg).total, device_peak(s.device, s.plan.dtype, cfg.train.peak_tflops,
                                                          measure=s.ctx.is_main))  # only rank 0 logs MFU
-        writer = MetricsWriter(run_dir, tensorboard=cfg.train.tensorboard, enabled=s.ctx.is_main,
-                               resume_step=s.start)
+        writer = MetricsWriter(run_dir, loggers=cfg.train.loggers, config=cfg.model_dump(mode="json"),
+                               enabled=s.ctx.is_main, resume_step=s.start)
         result = TrainResult(run_dir=run_dir, step=s.start)
-        bar = tqdm(total=s.total_steps, initial=s.start, disable=not (cfg.train.progress_bar and s.ctx.is_main),
-                   unit="step", dynamic_ncols=True, desc="train")
+        # The bar only on a terminal; elsewhere (a log file) the log line of each log step is the progress.
+        bar = tqdm(total=s.total_steps, initial=s.start, unit="step", dynamic_ncols=True, desc="train",
+                   disable=not (cfg.train.progress_bar and s.ctx.is_main and sys.stderr.isatty()))
         window = Window(time.perf_counter())
         compile_clock = CompileClock(cfg.run.compile is True, window.start)
         reset_peak_memory(s.device)
         pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
+        tally = RunTally(window.start)  # the figures of the end-of-run summary
+        profiler = StepProfiler(cfg.train.profile, run_dir, s.device, s.ctx.rank).start(s.start + 1, s.total_steps)
         signals = StopSignals().install()  # SIGTERM / SIGUSR1: stop after a step, with its checkpoint
         vote = StopVote(signals, cfg.train.save_minutes, s.ctx.is_main)
         try:
             for step in range(s.start, s.total_steps):
                 lr = s.schedule.apply(s.optimizer, step)
-                pending.append(self.train_step(s.loader.next_step(), step))
+                fetched = time.perf_counter()
+                micro_batches = s.loader.next_step()
+                tally.data_s += time.perf_counter() - fetched  # the host's time in the loader (no device sync)
+                pending.append(self.train_step(micro_batches, step))
                 done = result.step = step + 1
+                window.start += profiler.step(done)  # train.profile; its files' writing is left out of the metrics
                 bar.update(1)
                 decision = vote.after_step()  # the same on every rank, after the same step
                 stops = bool(decision.signal) and done < s.total_steps
@@ -230,6 +242,7 @@ class Trainer:
                     out = pending.pop(0)
                     result.losses[out.step + 1] = out.loss
                     window.add(out.loss, out.tokens.real, out.tokens.target, out.skipped)
+                    tally.booked(out.tokens.real, out.skipped)
                 if cfg.train.check_replicas_steps and done % cfg.train.check_replicas_steps == 0:
                     self.check_replicas(done)
                 if logs:
@@ -239,9 +252,11 @@ class Trainer:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                     log.info(format_record(record))
                     window = Window(time.perf_counter())
+                    tally.last_record = record
                 # Save first: a failure during evaluation must not cost the step's checkpoint.
                 if saves:
                     result.last_checkpoint = self.save(done)
+                    tally.checkpoints += 1
                     vote.saved()
                     window.start = time.perf_counter()
                 if stops:
@@ -268,12 +283,32 @@ class Trainer:
             raise TrainingError(explain_out_of_memory(cfg, s.ctx.world_size, s.ctx.rank, self.phase, s.device,
                                                       pp_rank, s.ctx.local_world_size)) from exc
         finally:
+            profiler.stop()
             signals.restore()
             s.checkpointer.wait(training_failed=True)  # an earlier, finished step's pending save is still published
             s.loader.close()
             bar.close()
             writer.close()
+        result.summary = self._summary(tally, result, mfu)
         return result
+
+    def _summary(self, tally: RunTally, result: TrainResult, mfu: MfuMeter) -> list[str]:
+        """The end-of-run summary (run_summary.py): its lines, logged (by rank 0: the others log warnings only)."""
+        s, cfg = self.state, self.config
+        wall = tally.elapsed()
+        capacity = device_memory_bytes(s.device)
+        record = tally.last_record or {}
+        figures = RunFigures(
+            steps=tally.steps, last_step=result.step, tokens=tally.tokens, wall_s=wall, data_s=tally.data_s,
+            mfu=mfu.of(tally.tokens / wall / s.ctx.world_size)[0] if wall > 0 else float("nan"),
+            peak_memory_gb=record.get("peak_memory_gb", float("nan")), capacity_gb=capacity / GIB if capacity else None,
+            device_type=s.device.type, final_loss=result.losses.get(result.step, float("nan")),
+            eval_loss=result.eval["loss"] if result.eval else None, checkpoints=tally.checkpoints,
+            skipped_steps=tally.skipped, mixed_precision=cfg.optimize.mixed_precision, recompute=cfg.optimize.recompute)
+        lines = summary_lines(figures)
+        for line in lines:
+            log.info(line)
+        return lines
 
     def setup(self, resume: str | None = None, overwrite: bool = False) -> TrainState:
         """Build the run's state: processes and layout, run directory, data, model parts, optimizer,

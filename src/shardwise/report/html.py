@@ -1,0 +1,185 @@
+"""The report as one self-contained HTML page: inline CSS, PNGs as base64 data URIs, every text escaped.
+
+Numbers are shown with 6 significant digits (`num`), the same in every table.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any, Iterable
+
+from ..units import GIB
+from .plots import MEMORY_PARTS, Plot, common_losses
+from .runs import Run
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 0.2em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+.plots { display: flex; flex-wrap: wrap; gap: 0.6em; }
+.plots figure { margin: 0; } .plots img { width: 580px; border: 1px solid #eee; }
+.note { color: #8a4b00; } pre { background: #f6f6f6; padding: 0.6em; overflow-x: auto; font-size: 0.85em; }
+"""
+
+
+def num(value: Any) -> str:
+    """A number as the report shows it (6 significant digits); a dash for none."""
+    if value is None:
+        return "\u2013"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return f"{value:.6g}"
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text))
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]], table_id: str = "") -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    ident = f' id="{_e(table_id)}"' if table_id else ""
+    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def img(plot: Plot) -> str:
+    """An <img> holding the PNG itself (a data URI), with the plot's id and title."""
+    data = base64.b64encode(plot.png).decode("ascii")
+    return (f'<figure><img id="plot-{_e(plot.id)}" alt="{_e(plot.title)}" title="{_e(plot.title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} ({_e(plot.id)}.png)</figcaption>'
+            "</figure>")
+
+
+def summary_rows(runs: list[Run]) -> list[list[str]]:
+    """One row per run: what it reached and what it cost."""
+    rows = []
+    for run in runs:
+        steps = run.steps()
+        last = steps[-1] if steps else None
+        planned = run.config.train.max_steps if run.config is not None else None
+        tokens = last * run.tokens_per_step if last is not None and run.tokens_per_step else None
+        tps = run.series("tokens_per_s")[1]
+        e_steps, e_values = run.eval_series()
+        rows.append([
+            run.name,
+            f"{num(last)} of {num(planned)}" if planned else num(last),
+            num(run.final("loss")),
+            num(e_values[-1]) if e_values else num(None),
+            num(tokens),
+            num(run.max_peak_memory_gb()),
+            num(sum(tps) / len(tps)) if tps else num(None),
+            num(run.final("mfu")),
+            num(sum(n for _, n in run.skipped())),
+            ", ".join(str(s) for s in run.restarts) or "none",
+        ])
+    return rows
+
+
+SUMMARY_HEADER = ("run", "last step", "final loss", "final eval loss", "tokens seen", "max peak memory (GiB)",
+                  "mean tokens/s", "final MFU", "skipped steps", "resumed after step")
+
+
+def difference_rows(runs: list[Run]) -> list[list[str]]:
+    """Per later run: its training loss against the first run's at the steps both logged."""
+    rows = []
+    for run in runs[1:]:
+        pairs = common_losses(runs[0], run)
+        if not pairs:
+            rows.append([run.name, "0", num(None), num(None), num(None)])
+            continue
+        diffs = [abs(b - a) for _, a, b in pairs]
+        rels = [abs(b - a) / abs(a) if a else float("inf") for _, a, b in pairs]
+        worst = max(range(len(pairs)), key=lambda k: diffs[k])
+        rows.append([run.name, str(len(pairs)), num(max(diffs)), num(max(rels)), num(pairs[worst][0])])
+    return rows
+
+
+DIFFERENCE_HEADER = ("run", "common steps", "max |loss difference|", "max relative difference", "at step")
+
+
+def layout_text(run: Run) -> str:
+    """The layout and the settings that decide memory and speed, in one line."""
+    cfg = run.config
+    p, o, t = cfg.parallel, cfg.optimize, cfg.train
+    devices = run.devices or p.world_size()
+    dp = p.dp_degree(run.devices)
+    return (f"{devices} device(s): data {dp} x tensor {p.tensor_parallel} x pipeline {p.pipeline_parallel} x "
+            f"context {p.context_parallel}, ZeRO stage {p.zero_stage}; micro-batch {t.micro_batch_size}, "
+            f"gradient accumulation {cfg.gradient_accumulation(run.devices)}, sequence {cfg.data.seq_length}, "
+            f"{num(run.tokens_per_step)} tokens per step; {o.mixed_precision} {o.level()}, recompute {o.recompute}; "
+            f"device {cfg.run.device}")
+
+
+def memory_rows(run: Run) -> list[list[str]]:
+    rows = [[name, num(getattr(run.memory, attr) / GIB)] for name, attr in MEMORY_PARTS]
+    rows.append([f"estimated peak ({run.memory.peak_phase})", num(run.memory.peak / GIB)])
+    rows.append(["measured peak (max peak_memory_gb)", num(run.max_peak_memory_gb())])
+    return rows
+
+
+def data_rows(manifest: dict[str, Any]) -> list[list[str]]:
+    c = manifest.get("counts", {})
+    keys = (("documents", "documents"), ("tokens", "tokens"), ("documents read", "documents_read"),
+            ("dropped (shorter than min_chars)", "dropped_short"), ("duplicates", "duplicates"),
+            ("truncated", "truncated"), ("bad lines", "bad_lines"))
+    return [[label, num(c.get(key))] for label, key in keys if key in c]
+
+
+def run_section(run: Run, index: int) -> str:
+    """Config, layout, memory, data, fine-tuning and profile of one run."""
+    parts = [f'<h2 id="run-{index}">Run {_e(run.name)}</h2>', f"<p>{_e(run.path.resolve())}</p>"]
+    parts += [f'<p class="note">{_e(n)}</p>' for n in run.notes]
+    if run.config is not None:
+        parts.append(f"<h3>Layout</h3><p>{_e(layout_text(run))}</p>")
+    if run.config_text:
+        parts.append(f"<details><summary>config.yaml (the config in force)</summary><pre>{_e(run.config_text)}</pre>"
+                     "</details>")
+    if run.memory is not None:
+        parts.append(f"<h3>Memory per device (estimate for {_e(run.memory_device)}, GiB)</h3>"
+                     + _table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
+        if run.memory_device == "cpu":
+            parts.append("<p>On the CPU the measured peak is the process's resident set (the Python interpreter "
+                         "and libraries included); the estimate counts tensors only.</p>")
+    if run.manifest is not None:
+        parts.append(f"<h3>Data</h3><p>prepared data: {_e(run.manifest_path)}</p>"
+                     + _table(("", "count"), data_rows(run.manifest), f"data-{index}"))
+    if run.finetuning is not None:
+        f = run.finetuning
+        rows = [["fine-tuning", f.description], ["trainable", f.summary], ["trainable share", num(f.share)]]
+        if f.adapter_params:
+            rows.append(["adapter", f"{f.adapter_params:,} parameters ({num(f.adapter_params * 4 / 2**20)} MiB "
+                                    "in fp32)"])
+        parts.append("<h3>Fine-tuning</h3>" + _table(("", ""), rows, f"finetuning-{index}"))
+    if run.profile:
+        parts.append(profile_section(run, index))
+    return "\n".join(parts)
+
+
+def profile_section(run: Run, index: int) -> str:
+    prof = run.profile
+    rows = [[o.get("name", ""), num(o.get("self_time_ms")), num(o.get("share"))] for o in prof.get("top_operators", [])]
+    shares = prof.get("shares", {})
+    text = ", ".join(f"{k} {num(v)}" for k, v in shares.items())
+    trace = f"<p>trace (Perfetto / Chrome JSON): {_e(run.path / prof['trace'])}</p>" if prof.get("trace") else ""
+    steps = prof.get("steps")
+    recorded = f" (steps {_e(', '.join(str(s) for s in steps))})" if isinstance(steps, list) and steps else ""
+    return (f"<h3>Profile</h3><p>shares of the profiled time{recorded}: {_e(text)}</p>{trace}"
+            + _table(("operator", "self time (ms)", "share"), rows, f"profile-{index}"))
+
+
+def render(runs: list[Run], plots: list[Plot]) -> str:
+    """The whole page."""
+    names = ", ".join(r.name for r in runs)
+    body = [f"<h1>shardwise report</h1><p>{_e(names)}</p>",
+            "<h2>Summary</h2>" + _table(SUMMARY_HEADER, summary_rows(runs), "summary")]
+    if len(runs) > 1:
+        body.append(f"<h2>Differences against {_e(runs[0].name)}</h2>"
+                    + _table(DIFFERENCE_HEADER, difference_rows(runs), "differences"))
+    body.append('<h2>Plots</h2><div class="plots">' + "".join(img(p) for p in plots) + "</div>")
+    body += [run_section(run, i) for i, run in enumerate(runs)]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>shardwise report: {_e(names)}</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")

@@ -1,0 +1,221 @@
+"""The report's figures, drawn with matplotlib (the `report` extra) on the Agg canvas: PNG bytes, no window.
+
+Every curve of a run has the run's colour; restarts are dashed vertical lines and skipped steps
+crosses, on every plot against the step. matplotlib is imported inside `require_matplotlib`, so the
+rest of shardwise works without it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ShardwiseError
+from ..units import GIB
+from .runs import Run
+
+MISSING_MATPLOTLIB = ("shardwise report draws its plots with matplotlib, which is not installed: "
+                      "pip install 'shardwise[report]' (or pip install matplotlib)")
+
+# (id, title, metrics field, y label) of the plots against the step
+STEP_PLOTS = (
+    ("loss_step", "Loss against step", "loss", "loss"),
+    ("lr", "Learning rate", "lr", "learning rate"),
+    ("grad_norm", "Gradient norm (before clipping)", "grad_norm", "gradient norm"),
+    ("loss_scale", "Loss scale", "loss_scale", "loss scale"),
+    ("tokens_per_s", "Throughput", "tokens_per_s", "tokens/s (all devices)"),
+    ("mfu", "Model FLOPs utilisation", "mfu", "MFU"),
+    ("peak_memory", "Peak memory", "peak_memory_gb", "GiB (the largest of any rank)"),
+)
+MEMORY_PARTS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
+                ("activations", "activations"), ("buffers", "buffers"), ("allocator overhead", "overhead"))
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One figure: its id (the PNG's file name and the <img> id), title, and PNG bytes."""
+
+    id: str
+    title: str
+    png: bytes
+
+
+def require_matplotlib() -> Any:
+    """matplotlib's Figure class, or a ShardwiseError naming the extra to install."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ShardwiseError(MISSING_MATPLOTLIB) from exc
+    return Figure
+
+
+def colour(i: int) -> str:
+    """The colour of the i-th run (matplotlib's default cycle)."""
+    return f"C{i % 10}"
+
+
+def all_plots(runs: list[Run]) -> list[Plot]:
+    """Every figure of the report, in the order it shows them."""
+    figure = require_matplotlib()
+    plots = [loss_against_step(figure, runs), loss_against_tokens(figure, runs)]
+    plots += [against_step(figure, runs, *spec) for spec in STEP_PLOTS[1:]]
+    if len(runs) > 1:
+        plots.append(loss_differences(figure, runs))
+    if any(r.memory is not None or r.max_peak_memory_gb() is not None for r in runs):
+        plots.append(memory_bars(figure, runs))
+    if any(r.profile for r in runs):
+        plots.append(profile_shares(figure, runs))
+    return plots
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _axes(figure: Any, title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    fig = figure(figsize=(7.5, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _finish(fig: Any, ax: Any, has_data: bool) -> None:
+    if has_data:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no values logged", ha="center", va="center", transform=ax.transAxes)
+
+
+def _marks(ax: Any, run: Run, i: int, steps: list[int], values: list[float], first: bool) -> None:
+    """Restarts (dashed lines) and skipped steps (crosses on the curve) of one run."""
+    for j, step in enumerate(run.restarts):
+        ax.axvline(step, color=colour(i), linestyle="--", linewidth=1,
+                   label=f"{run.name}: resumed" if j == 0 else None)
+    at = dict(zip(steps, values))
+    skipped = [(s, at[s]) for s, _ in run.skipped() if s in at]
+    if skipped:
+        ax.scatter([s for s, _ in skipped], [v for _, v in skipped], marker="x", color="red", zorder=3,
+                   label="skipped steps" if first else None)
+
+
+def against_step(figure: Any, runs: list[Run], plot_id: str, title: str, key: str, ylabel: str) -> Plot:
+    """One metrics field against the step, every run overlaid."""
+    fig, ax = _axes(figure, title, "step", ylabel)
+    has_data = False
+    for i, run in enumerate(runs):
+        steps, values = run.series(key)
+        if steps:
+            has_data = True
+            ax.plot(steps, values, color=colour(i), label=run.name, marker="." if len(steps) < 30 else None)
+            _marks(ax, run, i, steps, values, first=i == 0)
+    if key == "loss_scale" and has_data:
+        ax.set_yscale("log", base=2)
+    _finish(fig, ax, has_data)
+    return Plot(plot_id, title, _png(fig))
+
+
+def loss_against_step(figure: Any, runs: list[Run]) -> Plot:
+    """Training loss (line) and evaluation loss (dashed, circles) against the step."""
+    fig, ax = _axes(figure, "Loss against step (train; eval dashed)", "step", "loss")
+    has_data = False
+    for i, run in enumerate(runs):
+        steps, values = run.series("loss")
+        if steps:
+            has_data = True
+            ax.plot(steps, values, color=colour(i), label=f"{run.name} train")
+            _marks(ax, run, i, steps, values, first=i == 0)
+        e_steps, e_values = run.eval_series()
+        if e_steps:
+            has_data = True
+            ax.plot(e_steps, e_values, color=colour(i), linestyle="--", marker="o", label=f"{run.name} eval")
+    _finish(fig, ax, has_data)
+    return Plot("loss_step", "Loss against step", _png(fig))
+
+
+def loss_against_tokens(figure: Any, runs: list[Run]) -> Plot:
+    """Training and evaluation loss against tokens seen (step x tokens per step)."""
+    fig, ax = _axes(figure, "Loss against tokens seen (train; eval dashed)", "tokens seen", "loss")
+    has_data = False
+    for i, run in enumerate(runs):
+        if not run.tokens_per_step:
+            continue
+        steps, values = run.series("loss")
+        e_steps, e_values = run.eval_series()
+        if steps:
+            ax.plot([s * run.tokens_per_step for s in steps], values, color=colour(i), label=f"{run.name} train")
+        if e_steps:
+            ax.plot([s * run.tokens_per_step for s in e_steps], e_values, color=colour(i), linestyle="--",
+                    marker="o", label=f"{run.name} eval")
+        has_data = has_data or bool(steps or e_steps)
+    _finish(fig, ax, has_data)
+    return Plot("loss_tokens", "Loss against tokens seen", _png(fig))
+
+
+def loss_differences(figure: Any, runs: list[Run]) -> Plot:
+    """Each later run's training loss minus the first run's, at the steps both logged."""
+    base = runs[0]
+    fig, ax = _axes(figure, f"Loss difference against {base.name}", "step", f"loss - loss of {base.name}")
+    ax.axhline(0.0, color=colour(0), linewidth=1)
+    has_data = False
+    for i, run in enumerate(runs[1:], start=1):
+        pairs = common_losses(base, run)
+        if pairs:
+            has_data = True
+            ax.plot([s for s, _, _ in pairs], [b - a for _, a, b in pairs], color=colour(i), marker=".",
+                    label=run.name)
+    _finish(fig, ax, has_data)
+    return Plot("loss_diff", "Loss difference against the first run", _png(fig))
+
+
+def common_losses(base: Run, other: Run) -> list[tuple[int, float, float]]:
+    """(step, loss of base, loss of other) at the steps both runs logged (the last record of a step counts)."""
+    a, b = dict(zip(*base.series("loss"))), dict(zip(*other.series("loss")))
+    return [(s, a[s], b[s]) for s in sorted(set(a) & set(b))]
+
+
+def memory_bars(figure: Any, runs: list[Run]) -> Plot:
+    """Per run: the estimate stacked by part beside the measured peak (max peak_memory_gb), in GiB."""
+    fig, ax = _axes(figure, "Memory per device: estimate (stacked) and measured peak", "", "GiB")
+    labels, x = [], 0
+    for i, run in enumerate(runs):
+        if run.memory is not None:
+            bottom = 0.0
+            for j, (name, attr) in enumerate(MEMORY_PARTS):
+                value = getattr(run.memory, attr) / GIB
+                ax.bar(x, value, bottom=bottom, color=f"C{j}", label=name if i == 0 else None, width=0.6)
+                bottom += value
+            labels.append((x, f"{run.name}\nestimate ({run.memory_device})"))
+            x += 1
+        peak = run.max_peak_memory_gb()
+        if peak is not None:
+            ax.bar(x, peak, color="0.35", hatch="//", label="measured peak" if i == 0 else None, width=0.6)
+            labels.append((x, f"{run.name}\nmeasured"))
+            x += 1
+        x += 0.5
+    ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize="small")
+    ax.grid(False)
+    _finish(fig, ax, bool(labels))
+    return Plot("memory", "Memory: estimate and measured peak", _png(fig))
+
+
+def profile_shares(figure: Any, runs: list[Run]) -> Plot:
+    """Per run with a profile: the step's shares of compute, communication and idle time."""
+    fig, ax = _axes(figure, "Where the profiled steps' time went", "", "share of the time")
+    kinds = ("compute", "communication", "idle")
+    with_profile = [(i, r) for i, r in enumerate(runs) if r.profile]
+    width = 0.8 / max(len(with_profile), 1)
+    for k, (i, run) in enumerate(with_profile):
+        shares = run.profile.get("shares", {})
+        values = [float(shares.get(kind, math.nan)) for kind in kinds]
+        ax.bar([j + k * width for j in range(len(kinds))], values, width=width, color=colour(i), label=run.name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+    ax.set_ylim(0, 1)
+    _finish(fig, ax, bool(with_profile))
+    return Plot("profile_shares", "Profile: compute, communication and idle shares", _png(fig))

@@ -1,0 +1,293 @@
+"""A run directory read for the report: its metrics (a run still in progress too), config, memory
+estimate, data manifest, fine-tuning share and profile summary. Nothing here draws or writes.
+
+What cannot be found is said in `Run.notes` instead of guessed: a config that does not load, prepared
+data that is not where the config points, tokens seen when the device count is unknown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..builder import build_run_model, describe_finetuning, trainable_summary
+from ..config import RunConfig, load_config, tokens_per_step
+from ..data.build import prepared_dir
+from ..data.files import default_cache_dir, expand_files
+from ..data.shards import MANIFEST_FILE
+from ..data.tokenizer import load_tokenizer
+from ..errors import ShardwiseError
+from ..memory.estimate import MemoryEstimate, estimate_memory
+from ..train.metrics import METRICS_FILE, read_metrics
+
+CONFIG_FILE = "config.yaml"
+PROFILE_SUMMARY = Path("profile") / "summary.json"
+
+
+@dataclass
+class FineTuning:
+    """What trains in a fine-tune: in words, the share, and the adapter's size (LoRA)."""
+
+    description: str  # "LoRA r=16 alpha=32 on 8 projections"
+    summary: str  # "4,358,144 of 1,548,072,448 parameters train (0.28%)"
+    trainable: int
+    total: int
+    adapter_params: int  # LoRA parameters (0 for frozen layers)
+
+    @property
+    def share(self) -> float:
+        return self.trainable / max(self.total, 1)
+
+
+@dataclass
+class Run:
+    """One run directory, as the report shows it."""
+
+    path: Path
+    name: str
+    records: list[dict[str, Any]]  # training records (with a loss), in file order
+    evals: list[dict[str, Any]]  # evaluation records (eval_loss, ...)
+    restarts: list[int] = field(default_factory=list)  # steps after which the run resumed
+    config: RunConfig | None = None
+    config_text: str = ""
+    tokens_per_step: int | None = None
+    devices: int | None = None
+    memory: MemoryEstimate | None = None
+    memory_device: str = ""
+    manifest: dict[str, Any] | None = None
+    manifest_path: Path | None = None
+    finetuning: FineTuning | None = None
+    profile: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.records]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of a numeric field of the training records (missing or non-finite left out)."""
+        pairs = [(r["step"], float(r[key])) for r in self.records if _finite(r.get(key))]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+    def eval_series(self) -> tuple[list[int], list[float]]:
+        pairs = [(r["step"], float(r["eval_loss"])) for r in self.evals if _finite(r.get("eval_loss"))]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+    def skipped(self) -> list[tuple[int, int]]:
+        """(step, skipped steps in the window ending there) where steps were skipped (a non-finite gradient)."""
+        return [(r["step"], int(r["skipped_steps"])) for r in self.records if r.get("skipped_steps")]
+
+    def max_peak_memory_gb(self) -> float | None:
+        values = self.series("peak_memory_gb")[1]
+        return max(values) if values else None
+
+    def final(self, key: str) -> float | None:
+        values = self.series(key)[1]
+        return values[-1] if values else None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Legend names: each directory's name, with its parent's where two runs share a name."""
+    names = [p.resolve().name for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{p.resolve().parent.name}/{p.resolve().name}" for p in paths]
+
+
+def read_run(path: str | Path, name: str | None = None) -> Run:
+    """Everything the report shows of one run directory (a ShardwiseError when it holds no metrics)."""
+    path = Path(path)
+    if not (path / METRICS_FILE).is_file():
+        raise ShardwiseError(f"{path} holds no {METRICS_FILE}: give the run directory (train.output_dir) of a "
+                             "run that has logged at least one step")
+    all_records = [r for r in read_metrics(path) if isinstance(r.get("step"), int)]
+    records = [r for r in all_records if "loss" in r]
+    evals = [r for r in all_records if "eval_loss" in r]
+    run = Run(path=path, name=name or path.resolve().name, records=records, evals=evals,
+              restarts=find_restarts(all_records))
+    if not records:
+        run.notes.append(f"{METRICS_FILE} holds no training record yet")
+    _read_config(run)
+    if run.config is not None:
+        _tokens(run)
+        _memory(run)
+        _manifest(run)
+        _finetuning(run)
+    _profile(run)
+    return run
+
+
+def find_restarts(records: list[dict[str, Any]]) -> list[int]:
+    """Steps after which a run resumed, as metrics.jsonl shows them.
+
+    A resumed run keeps only the records through the step it resumes from (`MetricsWriter`), so a restart
+    shows as: a record that says so (`"resumed": true` at the step resumed from), a step that goes back
+    (a file from before that rule: marked just before the resumed run's first record), or a training record
+    off the `log_steps`
+    grid that is not the last: the trainer logs off the grid only when it stops (a signal, or the end
+    of max_steps), so more records after one mean the run went on from there.
+    """
+    found: set[int] = set()
+    train = [r for r in records if "loss" in r]
+    grid = _log_grid(train)
+    for r in records:
+        if r.get("resumed") is True:
+            found.add(r["step"])
+    for prev, cur in zip(train, train[1:]):
+        if cur["step"] <= prev["step"]:
+            found.add(cur["step"] - 1 if cur["step"] > 0 else 0)
+        elif grid and prev["step"] % grid:
+            found.add(prev["step"])
+    return sorted(found)
+
+
+def _log_grid(train: list[dict[str, Any]]) -> int | None:
+    """The log interval: the most common step difference of the training records (None for one record)."""
+    gaps = [b["step"] - a["step"] for a, b in zip(train, train[1:]) if b["step"] > a["step"]]
+    if not gaps:
+        return None
+    return max(set(gaps), key=lambda g: (gaps.count(g), -g))
+
+
+def _read_config(run: Run) -> None:
+    path = run.path / CONFIG_FILE
+    if not path.is_file():
+        run.notes.append(f"no {CONFIG_FILE} in {run.path}: config, tokens seen, memory estimate and data summary "
+                         "are left out")
+        return
+    run.config_text = path.read_text(encoding="utf-8")
+    try:
+        run.config = load_config(path)
+    except (ShardwiseError, ValueError) as exc:
+        run.notes.append(f"{CONFIG_FILE} does not load ({exc}): tokens seen, memory estimate and data summary "
+                         "are left out")
+
+
+def _tokens(run: Run) -> None:
+    """Tokens per step from the config; the device count from the records where data_parallel is -1."""
+    cfg = run.config
+    devices = None
+    if cfg.parallel.data_parallel == -1:
+        devices = _devices_from_records(run.records)
+        if devices is None:
+            run.notes.append("parallel.data_parallel is -1 and the records do not show the device count: "
+                             "tokens seen are left out")
+            return
+    run.devices = devices or cfg.parallel.world_size()
+    run.tokens_per_step = tokens_per_step(cfg, devices)
+
+
+def _devices_from_records(records: list[dict[str, Any]]) -> int | None:
+    """World size = tokens/s over tokens/s per device (both in every training record)."""
+    for r in records:
+        total, per = r.get("tokens_per_s"), r.get("tokens_per_s_per_device")
+        if _finite(total) and _finite(per) and per > 0:
+            return max(1, round(total / per))
+    return None
+
+
+def _device_from_records(records: list[dict[str, Any]]) -> str | None:
+    """The device kind a record names (`"device": "cuda"`), if any."""
+    kinds = [str(r["device"]).split(":")[0] for r in records if r.get("device")]
+    return kinds[-1] if kinds and kinds[-1] in ("cuda", "npu", "cpu") else None
+
+
+def _memory(run: Run) -> None:
+    cfg = run.config
+    device = cfg.run.device if cfg.run.device in ("cuda", "npu", "cpu") else _device_from_records(run.records)
+    if device is None:
+        device = "cuda"
+        run.notes.append("run.device is auto and the records do not name the device: the memory estimate is for "
+                         "cuda (set run.device to choose)")
+    run.memory_device = device
+    try:
+        run.memory = estimate_memory(cfg, run.devices, device)
+    except (ShardwiseError, ValueError) as exc:
+        run.notes.append(f"memory estimate: none ({exc})")
+
+
+def _manifest(run: Run) -> None:
+    """The prepared data's manifest: the directory train_files names, or the cache entry of the raw files."""
+    data = run.config.data
+    if data.kind == "instruction":
+        run.notes.append("data summary: instruction data is read directly (no prepared manifest)")
+        return
+    try:
+        directory = prepared_dir(list(data.train_files)) or _cached_dir(run)
+    except ShardwiseError as exc:
+        run.notes.append(f"data summary: {exc}")
+        return
+    if directory is None:
+        return
+    run.manifest_path = directory / MANIFEST_FILE
+    run.manifest = json.loads(run.manifest_path.read_text(encoding="utf-8"))
+
+
+def _cached_dir(run: Run) -> Path | None:
+    """The cache entry prepared from exactly these files (paths and sizes) with the run's tokenizer and
+    options; None (said in the notes) when there is none or more than one."""
+    data = run.config.data
+    cache = Path(data.cache_dir or default_cache_dir()).expanduser()
+    tokenizer_dir = Path(data.tokenizer).expanduser() if data.tokenizer else run.path / "tokenizer"
+    try:
+        files = expand_files(list(data.train_files))
+        fingerprint = load_tokenizer(tokenizer_dir).fingerprint
+    except (ShardwiseError, OSError) as exc:
+        run.notes.append(f"data summary: left out, the run's inputs or tokenizer cannot be read ({exc})")
+        return None
+    want = sorted((f, os.path.getsize(f)) for f in files)  # absolute paths, as the manifest records them
+    found = [d for d in sorted(cache.glob("shards-*")) if _manifest_matches(d / MANIFEST_FILE, want, fingerprint,
+                                                                           data)]
+    if len(found) == 1:
+        return found[0]
+    run.notes.append(f"data summary: left out, {'no' if not found else len(found)} prepared entr"
+                     f"{'y' if len(found) == 1 else 'ies'} in {cache} match data.train_files with the run's "
+                     "tokenizer (give data.train_files a `shardwise prepare` directory to point at it)")
+    return None
+
+
+def _manifest_matches(path: Path, want: list[tuple[str, int]], fingerprint: str, data: Any) -> bool:
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(m, dict):
+        return False
+    inputs = sorted((str(i.get("path")), i.get("bytes")) for i in m.get("inputs", []))
+    options = m.get("options", {})
+    return (inputs == want and m.get("tokenizer", {}).get("fingerprint") == fingerprint
+            and options.get("min_chars") == data.min_chars and options.get("max_length") == data.max_length
+            and options.get("text_field") == data.text_field)
+
+
+def _finetuning(run: Run) -> None:
+    """Trainable share and adapter size from the model on the meta device (no weights are made)."""
+    cfg = run.config
+    if cfg.lora is None and not (cfg.freeze is not None and cfg.freeze.active()):
+        return
+    model = build_run_model(cfg, "meta")
+    params = list(model.named_parameters())
+    run.finetuning = FineTuning(
+        description=describe_finetuning(model, cfg.lora, cfg.freeze) or "",
+        summary=trainable_summary(model),
+        trainable=sum(p.numel() for _, p in params if p.requires_grad),
+        total=sum(p.numel() for _, p in params),
+        adapter_params=sum(p.numel() for n, p in params if "lora_" in n),
+    )
+
+
+def _profile(run: Run) -> None:
+    path = run.path / PROFILE_SUMMARY
+    if not path.is_file():
+        return
+    try:
+        run.profile = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        run.notes.append(f"{PROFILE_SUMMARY} does not read ({exc}): the profile section is left out")
