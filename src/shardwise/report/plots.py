@@ -196,7 +196,8 @@ def memory_bars(figure: Any, runs: list[Run]) -> Plot:
         peak = run.max_peak_memory_gb()
         if peak is not None:
             ax.bar(x, peak, color="0.35", hatch="//", label="measured peak" if i == 0 else None, width=0.6)
-            labels.append((x, f"{run.name}\nmeasured"))
+            # A CPU's peak is the process's resident set (interpreter and libraries included), not tensors only.
+            labels.append((x, f"{run.name}\nmeasured" + (" (process RSS)" if run.memory_device == "cpu" else "")))
             x += 1
         x += 0.5
     ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize="small")
