@@ -146,6 +146,17 @@ def max_over(value: float, mesh: Any = None) -> float:
     return float(all_reduce(torch.tensor([value], dtype=torch.float32), mesh, dist.ReduceOp.MAX).item())
 
 
+def texts_of_ranks(text: str, width: int = 64, group: Any = None) -> list[str]:
+    """Every rank's `text` (its first `width` UTF-8 bytes), by rank, for every rank of `group`. No pickle: each
+    rank fills its row of a table of character codes, and one sum gives every rank the whole table."""
+    if not distributed():
+        return [text]
+    table = torch.zeros(dist.get_world_size(group), width, dtype=torch.int32)
+    codes = list(text.encode("utf-8", "replace"))[:width]
+    table[dist.get_rank(group), :len(codes)] = torch.tensor(codes, dtype=torch.int32)
+    return [bytes(c for c in row if c).decode("utf-8", "replace") for row in all_reduce(table, group).tolist()]
+
+
 _MESSAGE_CHARS = 2048
 
 

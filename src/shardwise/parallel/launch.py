@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from ..errors import ConfigError, DeviceError
-from .collectives import all_reduce, set_group_attempt
+from .collectives import all_reduce, set_group_attempt, texts_of_ranks
 
 log = logging.getLogger(__name__)
 
@@ -331,11 +331,12 @@ def _record_nodes(ctx: DistContext) -> None:
     """Every rank tells the others its node, host and address (one small collective when the group forms)."""
     global _NODES
 
-    me = NodeOfRank(node=os.environ.get("GROUP_RANK") or socket.gethostname(), host=socket.gethostname(),
-                    address=route_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
-    table: list[NodeOfRank | None] = [None] * ctx.world_size
-    dist.all_gather_object(table, me)
-    _NODES = list(table)
+    address = route_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])) or ""
+    me = "\t".join((os.environ.get("GROUP_RANK") or socket.gethostname(), socket.gethostname(), address))
+    _NODES = []
+    for row in texts_of_ranks(me, width=192):
+        node, host, address = (row.split("\t") + ["", ""])[:3]
+        _NODES.append(NodeOfRank(node=node, host=host, address=address or None))
 
 
 def _rank_span(ranks: list[int]) -> str:

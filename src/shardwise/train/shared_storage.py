@@ -4,7 +4,7 @@ Every rank writes its checkpoint shards into train.output_dir and a resume reads
 a directory that each node has on its own disk (a local path, a Kubernetes emptyDir or
 ReadWriteOnce volume) would hold a different part of every checkpoint on each node. At start, rank 0
 writes a token file (random name and content) into the run directory, every rank looks for it, and
-one reduction gives every rank each rank's answer and host; where any rank could not read it, every
+one reduction (`texts_of_ranks`) gives every rank each rank's answer and host; where any rank could not read it, every
 rank stops with a ConfigError naming those ranks and hosts. The token file goes afterwards.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..parallel.collectives import all_reduce, attempt, broadcast_, distributed, fail_together
+from ..parallel.collectives import attempt, broadcast_, distributed, fail_together, texts_of_ranks
 
 SEE_S = 5.0  # how long a rank looks for the token (a shared file system's caches may be behind)
 _TOKEN_CHARS = 32
@@ -41,16 +41,12 @@ def check_shared_run_dir(run_dir: Path, rank: int) -> None:
     broadcast_(codes, src=0)
     token = bytes(codes.tolist()).decode("ascii")
     seen = rank == 0 or _sees(run_dir / f"{_PREFIX}{token}", token)
-    table = torch.zeros(dist.get_world_size(), 1 + _HOST_CHARS, dtype=torch.int32)
-    table[rank, 0] = int(seen)
-    host = list(socket.gethostname().encode("utf-8", "replace")[:_HOST_CHARS])
-    table[rank, 1:1 + len(host)] = torch.tensor(host, dtype=torch.int32)
-    table = all_reduce(table).cpu()  # every rank's answer and host, in one collective
+    answers = texts_of_ranks(("seen " if seen else "unseen ") + socket.gethostname(), width=6 + 1 + _HOST_CHARS)
     if rank == 0:
         _remove_token(run_dir, token, made)
-    unseen = [r for r in range(table.shape[0]) if not table[r, 0]]
+    unseen = [r for r, answer in enumerate(answers) if answer.startswith("unseen ")]
     if unseen:
-        raise ConfigError(_not_shared(run_dir, unseen, [_host(row) for row in table[:, 1:].tolist()]))
+        raise ConfigError(_not_shared(run_dir, unseen, [a.split(" ", 1)[1] or "?" for a in answers]))
 
 
 def _write_token(run_dir: Path, token: str) -> bool:
@@ -86,10 +82,6 @@ def _remove_token(run_dir: Path, token: str, made: bool) -> None:
             run_dir.rmdir()  # made for the check only: the run makes it when it starts writing
         except OSError:
             pass
-
-
-def _host(codes: list[int]) -> str:
-    return bytes(c for c in codes if c).decode("utf-8", "replace") or "?"
 
 
 def _not_shared(run_dir: Path, unseen: list[int], hosts: list[str]) -> str:
