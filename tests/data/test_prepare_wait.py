@@ -47,7 +47,26 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+_REAL_WRITE_CORPUS = prepare._write_corpus
+
+
+def _slow_write_corpus(files, tokenizer, directory, options, workers):  # noqa: ANN001, ANN202
+    """Tokenising that takes SLOW_S seconds, and fails on rank 0 for the "fails" corpus."""
+    time.sleep(SLOW_S)
+    if dist.get_rank() == 0 and any("/fails/" in f.path for f in files):
+        raise DataError("the corpus is broken (on purpose)")
+    return _REAL_WRITE_CORPUS(files, tokenizer, directory, options, workers)
+
+
 def _ranks(rank: int, world: int, root: Path, corpora: dict[str, list[str]], tokenizer: Path) -> dict:
+    with pytest.MonkeyPatch.context() as patch:  # in this rank's process (the workers are not forks of the test)
+        patch.setattr(prepare, "_write_corpus", _slow_write_corpus)
+        patch.setattr(collectives, "PROGRESS_S", 2.0)
+        return _slow_ranks(root, corpora, tokenizer)
+
+
+def _slow_ranks(root: Path, corpora: dict[str, list[str]], tokenizer: Path) -> dict:
+    rank = dist.get_rank()
     lines = _Lines()
     logging.getLogger("shardwise.parallel.collectives").addHandler(lines)
     logging.getLogger("shardwise.parallel.collectives").setLevel(logging.INFO)
@@ -66,19 +85,8 @@ def _ranks(rank: int, world: int, root: Path, corpora: dict[str, list[str]], tok
 
 
 @pytest.mark.timeout(300)
-def test_slow_preparation_outlasts_the_collective_timeout(tmp_path: Path, tiny_tokenizer_dir: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slow_preparation_outlasts_the_collective_timeout(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     corpora = {name: write_corpus(tmp_path / name / "corpus", n_files=3, sentences=80) for name in ("trains", "fails")}
-    real = prepare._write_corpus
-
-    def slow(files, tokenizer, directory, options, workers):  # noqa: ANN001, ANN202
-        time.sleep(SLOW_S)
-        if dist.get_rank() == 0 and any("/fails/" in f.path for f in files):
-            raise DataError("the corpus is broken (on purpose)")
-        return real(files, tokenizer, directory, options, workers)
-
-    monkeypatch.setattr(prepare, "_write_corpus", slow)  # in the forked ranks too
-    monkeypatch.setattr(collectives, "PROGRESS_S", 2.0)
     results = run_distributed(_ranks, 2, tmp_path, corpora, tiny_tokenizer_dir, timeout=240, pg_timeout=PG_TIMEOUT_S)
     assert sorted(results[0]["losses"]) == [1, 2] and results[0]["losses"] == results[1]["losses"]
     for rank in (0, 1):  # each rank prepared its own cache

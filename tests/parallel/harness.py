@@ -1,10 +1,14 @@
-"""Helpers for distributed tests: run a function in N forked gloo processes, and a reference loop.
+"""Helpers for distributed tests: run a function in N gloo processes, and a reference loop.
 
-`run_distributed(fn, world_size, *args)` forks `world_size` workers from the test process (a fork
-costs far less than a fresh interpreter: `import torch` is already paid), initialises a gloo
-process group over `tcp://127.0.0.1:<free port>` with a timeout so that a hang fails, runs
-`fn(rank, world_size, *args)` in each, and returns the per-rank results in rank order. A worker's
-exception is re-raised in the parent as `WorkerError` naming the rank and carrying its traceback;
+`run_distributed(fn, world_size, *args)` starts `world_size` workers through multiprocessing's fork
+server: a clean single-threaded process that has imported torch and shardwise once, so that each worker
+is a cheap fork of it, never of the test process (whose threads, from tokenizers, OpenMP, checkpoint
+writers and earlier tests, a fork would copy mid-work: the suite once saw a worker die of heap
+corruption, "free(): invalid size"). `fn` must be a module-level function and `args` picklable; each
+worker gets the test's environment variables of the moment, but not its monkeypatches (patch inside
+`fn`). It initialises a gloo process group over `tcp://127.0.0.1:<free port>` with a timeout so
+that a hang fails, runs `fn(rank, world_size, *args)` in each, and returns the per-rank results in
+rank order. A worker's exception is re-raised in the parent as `WorkerError` naming the rank and carrying its traceback;
 the other workers are then terminated. Run many variants inside one `fn` so the launch is paid once.
 
 `tiny_config`, `make_steps`, `build_tiny_model` and `train_loop` give a reference training loop
@@ -57,7 +61,9 @@ def free_port() -> int:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout: float, args: tuple,
-            out: "mp.Queue") -> None:
+            out: "mp.Queue", environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the test's environment now, not the fork server's at its start
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     for key, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world_size),
@@ -78,18 +84,26 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout: flo
                 dist.destroy_process_group()
 
 
+def _workers_context():  # noqa: ANN202 - multiprocessing context
+    """The fork server's context; what it preloads is imported once for every worker of the session."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardwise.train.trainer", "tests.parallel.harness"])
+    return ctx
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0,
                     pg_timeout: float = 90.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` forked gloo workers; return results by rank.
+    """Run `fn(rank, world_size, *args)` in `world_size` gloo workers; return results by rank.
 
-    `fn` and `args` reach the workers through fork (no pickling); the return value is pickled back,
+    `fn` (module-level) and `args` are pickled to the workers, and the return value is pickled back,
     so return plain data or CPU tensors (not DTensors). Raises WorkerError with the first failing rank's
     traceback, or when the workers do not finish within `timeout` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx = _workers_context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout, args, out), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout, args, out, environ), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -97,15 +97,20 @@ def _refusing(name: str, real):  # noqa: ANN001, ANN202 - wraps a torch.distribu
     return collective
 
 
-@pytest.fixture
-def device_only_groups(monkeypatch):  # noqa: ANN001, ANN201
-    monkeypatch.setattr(collectives, "group_device_types", lambda group=None: ("npu",))
-    monkeypatch.setattr(collectives, "_move", lambda t, kind: t.detach().clone().as_subclass(OnGroupDevice))
+def _device_only_groups(patch: pytest.MonkeyPatch) -> None:
+    patch.setattr(collectives, "group_device_types", lambda group=None: ("npu",))
+    patch.setattr(collectives, "_move", lambda t, kind: t.detach().clone().as_subclass(OnGroupDevice))
     for name in _TENSOR_COLLECTIVES:
-        monkeypatch.setattr(dist, name, _refusing(name, getattr(dist, name)))
+        patch.setattr(dist, name, _refusing(name, getattr(dist, name)))
 
 
 def _trainer_collectives(rank: int, world: int, root: Path) -> dict:
+    with pytest.MonkeyPatch.context() as patch:  # in this rank's process (the workers are not forks of the test)
+        _device_only_groups(patch)
+        return _trainer_runs(root)
+
+
+def _trainer_runs(root: Path) -> dict:
     def run(name: str, steps: int = 3, resume: str | None = None, **sections: dict) -> dict[int, float]:
         train = {"output_dir": str(root / name), "max_steps": steps, "save_steps": 2, "micro_batch_size": 2,
                  "check_replicas_steps": 1, "eval_steps": 3, "eval_batches": 1, "decay_style": "constant"}
@@ -126,7 +131,7 @@ def _trainer_collectives(rank: int, world: int, root: Path) -> dict:
 
 
 @pytest.mark.timeout(400)
-def test_trainer_collectives_run_on_groups_without_a_cpu_backend(device_only_groups, tmp_path: Path) -> None:
+def test_trainer_collectives_run_on_groups_without_a_cpu_backend(tmp_path: Path) -> None:
     results = run_distributed(_trainer_collectives, 2, tmp_path, timeout=360)
     for res in results:
         assert sorted(res["zero1"]) == [1, 2, 3] and sorted(res["zero1_resumed"]) == [3]

@@ -135,6 +135,13 @@ def test_root_cause_passes_over_ranks_the_agent_stopped(tmp_path):
     assert launch._root_cause(failures) == 0  # SIGTERM: stopped by the agent, not the cause
     failures[0] = SimpleNamespace(exitcode=-9, error_file="<N/A>", timestamp=100)  # killed (OOM), no file
     assert launch._root_cause(failures) == 0
+    # A rank ended by a signal in the second of another rank's Python error (gloo aborts a rank whose peer
+    # died): torch truncates the signalled rank's time to 100 s, before the error's 100.7 s; the error wins.
+    failures = {0: SimpleNamespace(exitcode=-6, error_file="<N/A>", timestamp=100),
+                1: SimpleNamespace(exitcode=1, error_file=str(later), timestamp=100)}
+    assert launch._root_cause(failures) == 1
+    failures[0] = SimpleNamespace(exitcode=-6, error_file="<N/A>", timestamp=99)  # a second before: the cause
+    assert launch._root_cause(failures) == 0
 
 
 # ------------------------------------------------------------------ mpirun-style environments

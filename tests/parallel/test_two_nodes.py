@@ -154,11 +154,27 @@ def _argv(cfg: Path, endpoint: str, *extra: str) -> list[str]:
     return ["train", str(cfg), "--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", endpoint, *extra]
 
 
+_TELLING = ("shardwise", "Error", "error:", "exit code", "restart", "Signal", "signal", "free()", "terminate")
+
+
+def _story(logs: list[Path], lines: int = 25) -> str:
+    """What each node said that tells what happened: the lines naming the launcher, errors, exit codes,
+    restarts and signals, the last `lines` of each, so that a failure's message stays short enough to read
+    whole in a CI log."""
+    parts = []
+    for log in logs:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        telling = [line[:300] for line in text.splitlines() if any(word in line for word in _TELLING)]
+        head = f"--- {log.name} ({len(text.splitlines())} lines; the telling ones):"
+        parts.append("\n".join([head, *telling[-lines:]]))
+    return "\n".join(parts)
+
+
 def _wait(proc: subprocess.Popen, seconds: float, log: Path) -> int:
     try:
         return proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{log.name} did not end within {seconds:.0f} s:\n{log.read_text()[-3000:]}")
+        pytest.fail(f"{log.name} did not end within {seconds:.0f} s:\n{_story([log])}")
 
 
 def _wait_for(path: Path, seconds: float, logs: list[Path]) -> None:
@@ -166,7 +182,7 @@ def _wait_for(path: Path, seconds: float, logs: list[Path]) -> None:
     while not path.exists():
         if time.monotonic() > deadline:
             pytest.fail(f"{path.name} did not appear within {seconds:.0f} s:\n"
-                        + "\n".join(log.read_text()[-2000:] for log in logs))
+                        + _story(logs))
         time.sleep(0.2)
 
 
@@ -196,13 +212,16 @@ def test_two_nodes_train_like_one_process_and_resume_after_losing_one(nodes, dat
     agent, with --max-restarts, re-forms the group with it, and the job resumes from step 2 and ends with
     the uninterrupted run's losses (steps 1-2 from before the loss, 3-5 after)."""
     a, b = nodes
-    argv = _argv(_two_node_config(data, tmp_path), f"{a.address}:{PORT + 1}", "--max-restarts", "1",
+    # Two restarts allowed, as a real job would: the loss of node b takes one. A second is there for gloo, which
+    # now and then aborts a rank (SIGABRT) rather than raising when its peer vanishes; the losses must still
+    # equal the uninterrupted run's, and the log must show the first restart and the resume from step 2.
+    argv = _argv(_two_node_config(data, tmp_path), f"{a.address}:{PORT + 1}", "--max-restarts", "2",
                  "--rdzv-timeout", "90")
     logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "b-again.log"]
     first = _start_and_lose_node_b(nodes, argv, logs[:2], tmp_path)
     again = b.start(argv, logs[2])
     codes = [_wait(first, 250, logs[0]), _wait(again, 60, logs[2])]
-    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert codes == [0, 0], _story(logs)
     text = logs[0].read_text()
     assert "restart 1 of the process group" in text and "resumed from" in text and "step_00000002" in text
     assert _losses(tmp_path / "run") == pytest.approx(one_process, rel=1e-5)

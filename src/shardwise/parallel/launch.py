@@ -504,18 +504,22 @@ def _failure_text(failure) -> str:  # noqa: ANN001 - ProcessFailure
 
 
 def _root_cause(failures: dict) -> int:  # noqa: ANN001 - {rank: ProcessFailure}
-    """The rank that failed first. torch orders by whole-second timestamps (ties go to the lowest
-    rank); this breaks ties by the error file's time and passes over ranks ended by SIGTERM, which
-    is what the agent sends to the survivors of another rank's failure."""
+    """The rank that failed first. torch orders by whole-second timestamps (ties go to the lowest rank).
+    Here ranks ended by SIGTERM, which the agent sends to the survivors of another rank's failure, are
+    passed over. Within one second, a rank that recorded a Python error comes before a rank that a signal
+    ended with no error file (often gloo's SIGABRT when its peer vanished; torch knows only the second in
+    which the agent saw it), then the earlier error file, then the lower rank."""
 
-    def when(failure) -> float:  # noqa: ANN001
+    def order(rank: int) -> tuple:
+        failure = failures[rank]
         try:
-            return os.path.getmtime(failure.error_file)
+            recorded = os.path.getmtime(failure.error_file)
         except OSError:  # no error file (killed, or exited without @record / record_failure)
-            return float(failure.timestamp)
+            return int(failure.timestamp), 1, float(failure.timestamp), rank
+        return int(recorded), 0, recorded, rank
 
     candidates = [r for r, f in failures.items() if f.exitcode != -signal.SIGTERM] or list(failures)
-    return min(candidates, key=lambda r: (when(failures[r]), r))
+    return min(candidates, key=order)
 
 
 def _child_pids() -> list[int]:
