@@ -22,6 +22,8 @@ from shardwise.plan.budget import (
     check_budget,
     constrained_loss,
     constrained_optimum,
+    default_global_batch,
+    effective_params,
     effective_tokens,
     family_model,
     isoflop_curve,
@@ -44,6 +46,16 @@ def test_the_optimum_spends_the_budget_and_minimises_the_loss(flops: float) -> N
     n, d = HOFFMANN_2022.optimum(flops)
     assert 6 * n * d == pytest.approx(flops, rel=1e-12)
     assert n == pytest.approx(brute_force_optimum(flops), rel=1e-3)
+
+
+@pytest.mark.parametrize("flops", [1e19, GOPHER_FLOPS])
+def test_the_optimum_meets_the_lagrange_condition(flops: float) -> None:
+    """On 6 N D = C the minimum has alpha A / N^alpha = beta B / D^beta (d/dN of A N^-a + B (C/6N)^-b = 0),
+    written from the fit's form, not from the closed-form solution; and it beats its neighbours on the curve."""
+    n, d = HOFFMANN_2022.optimum(flops)
+    assert 0.34 * 406.4 / n ** 0.34 == pytest.approx(0.28 * 410.7 / d ** 0.28, rel=1e-9)
+    for step in (0.99, 1.01):
+        assert HOFFMANN_2022.loss(n * step, d / step) > HOFFMANN_2022.loss(n, d)
 
 
 def test_gopher_budget_against_the_paper() -> None:
@@ -86,13 +98,44 @@ def test_repeated_tokens_lose_value() -> None:
     assert effective_tokens(4 * u, None) == 4 * u
 
 
-def test_scarce_data_buys_a_larger_model() -> None:
+def muennighoff_loss(n: float, flops: float, unique: float) -> float:
+    """Muennighoff et al. 2023, eqs. 5-6, written out here: L(N', D') with the Hoffmann constants, D = C / 6N,
+    R_D = D/U - 1, U_N = min(N, N_opt of the budget whose D_opt is U), R_N = N/U_N - 1, R_D* 15.4, R_N* 5.3."""
+    d = flops / (6 * n)
+    g = (0.34 * 406.4 / (0.28 * 410.7)) ** (1 / 0.62)
+    u_n = min(n, g * (g * unique) ** (0.28 / 0.34))  # N_opt = G (C/6)^(b/(a+b)) with (C/6) = (G U)^(0.62/0.34)
+    d_eff = d if d <= unique else unique + unique * 15.4 * (1 - math.exp(-(d / unique - 1) / 15.4))
+    n_eff = u_n + u_n * 5.3 * (1 - math.exp(-(n / u_n - 1) / 5.3))
+    return 1.69 + 406.4 / n_eff ** 0.34 + 410.7 / d_eff ** 0.28
+
+
+def test_excess_parameters_lose_value() -> None:
+    """Muennighoff et al.'s eq. 6: parameters beyond U_N (the fit's optimum for one pass over U) count at a value
+    decaying with R_N* = 5.3, so with scarce data the spare compute goes mostly into epochs."""
+    u = 1e9
+    u_n = HOFFMANN_2022.optimum(HOFFMANN_2022.flops_for_tokens(u))[0]
+    assert effective_params(0.5 * u_n, u, HOFFMANN_2022) == pytest.approx(0.5 * u_n, rel=1e-12)
+    assert effective_params(3 * u_n, u, HOFFMANN_2022) == pytest.approx(u_n * (1 + 5.3 * (1 - math.exp(-2 / 5.3))))
+    assert effective_params(3 * u_n, None, HOFFMANN_2022) == 3 * u_n
+    flops = 1e22
+    d_opt = HOFFMANN_2022.optimum(flops)[1]
+    for n in (1e9, 1e10, 1e11):
+        assert constrained_loss(HOFFMANN_2022, n, flops, d_opt / 10) == pytest.approx(
+            muennighoff_loss(n, flops, d_opt / 10), rel=1e-12)
+
+
+def test_scarce_data_buys_epochs_not_parameters() -> None:
+    """Muennighoff et al.'s data-constrained frontier: with a tenth of D_opt the best model is smaller than the
+    unconstrained optimum (excess parameters lose value faster than repeated tokens) but larger than U_N."""
     flops = 1e22
     n_opt, d_opt = HOFFMANN_2022.optimum(flops)
     n, d = constrained_optimum(HOFFMANN_2022, flops, d_opt / 10)
     assert 6 * n * d == pytest.approx(flops, rel=1e-9)
-    assert n > n_opt
+    assert HOFFMANN_2022.optimum(HOFFMANN_2022.flops_for_tokens(d_opt / 10))[0] < n < n_opt
     assert n == pytest.approx(brute_force_optimum(flops, d_opt / 10), rel=2e-3)
+    grid = [10 ** (8 + 4 * i / 20000) for i in range(20001)]  # against eqs. 5-6 as written in this file
+    assert n == pytest.approx(min(grid, key=lambda m: muennighoff_loss(m, flops, d_opt / 10)), rel=2e-3)
+    assert d / (d_opt / 10) > 4  # the data is repeated more than 4 times rather than the model grown 10x
     # Data enough: the closed form; barely short of it: hardly different (the search is continuous there).
     assert constrained_optimum(HOFFMANN_2022, flops, 2 * d_opt) == HOFFMANN_2022.optimum(flops)
     assert constrained_optimum(HOFFMANN_2022, flops, 0.999 * d_opt)[0] == pytest.approx(n_opt, rel=0.01)
@@ -117,6 +160,21 @@ def test_the_family_reaches_llama_7b() -> None:
             assert fields["num_heads"] % 8 == 0 and fields["intermediate_size"] % 8 == 0
 
 
+def test_the_family_takes_the_vocabulary_given() -> None:
+    fields = family_model(1e9, vocab_size=128256)
+    assert fields["vocab_size"] == 128256
+    assert abs(math.log(count_parameters(ModelConfig(**fields)) / 1e9)) < 0.05
+
+
+def test_the_default_batch_follows_deepseeks_rule() -> None:
+    """DeepSeek LLM (arXiv:2401.02954, eq. 1): B_opt = 0.2920 C^0.3271 tokens, capped at 16M tokens (LLaMA 3 405B),
+    in samples rounded to a multiple of the devices."""
+    tokens = 0.2920 * 1e21 ** 0.3271  # ~2.2M tokens
+    assert default_global_batch(1e21, 2048, 8) == 8 * round(tokens / 2048 / 8)
+    assert default_global_batch(1e27, 4096, 64) == 16 * 2 ** 20 // 4096  # the cap: 4096 samples of 4096
+    assert default_global_batch(1e12, 4096, 16) == 16  # at least one sample per device
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(hours=1.0, flops=1e20), "not both"), (dict(), "needs --budget-hours"), (dict(hours=-1.0), "positive"),
     (dict(flops=0.0), "positive"), (dict(unique_tokens=-5.0), "--tokens"),
@@ -134,7 +192,7 @@ HW = get_hardware("A100-40GB")
 DEVICES = 2
 
 
-def plan_model(fields: dict) -> object:
+def plan_model(fields: dict, flops: float = 0.0) -> object:
     cfg = workload_config(config=validate({"model": fields, "train": {"max_steps": 1},
                                            "optimize": {"mixed_precision": "bf16"}}), devices=DEVICES, hardware=HW,
                           seq_length=1024, global_batch=8)
@@ -158,15 +216,17 @@ def test_hours_agree_with_the_planners_throughput() -> None:
 def stub_planner(flops_per_s: float, cliff: float = math.inf, slower: float = 30.0, limit: float = math.inf):
     """A planner whose best layout runs `flops_per_s` model FLOPs (6 N per token), `slower` times slower above
     `cliff` parameters (offload), and fits nothing above `limit`; it records the sizes planned."""
-    planned = []
+    planned, sized_for = [], []
 
-    def plan_model(fields: dict) -> SimpleNamespace:
+    def plan_model(fields: dict, flops: float) -> SimpleNamespace:
         n = count_parameters(ModelConfig(**fields))
         planned.append(n)
+        sized_for.append(flops)
         if n > limit:
             return SimpleNamespace(best=None)
         tps = flops_per_s / (6 * n) / (slower if n > cliff else 1.0)
         return SimpleNamespace(best=SimpleNamespace(step=SimpleNamespace(tokens_per_s=tps)))
+    plan_model.sized_for = sized_for
     return plan_model, planned
 
 
@@ -176,6 +236,18 @@ def test_hours_settle_on_the_optimum_when_compute_bound() -> None:
     n_opt = HOFFMANN_2022.optimum(1e15 * 36000)[0]
     assert bp.sizing.flops == pytest.approx(1e15 * 36000, rel=1e-9)
     assert abs(math.log(bp.sizing.params / n_opt)) < 0.1 and len(planned) <= 3
+    # Each model is planned (its batch chosen) for the FLOPs it was sized for: the guess, then the last spent.
+    assert plan_model.sized_for[0] == 3e14 * 36000 and plan_model.sized_for[-1] == pytest.approx(1e15 * 36000)
+
+
+def test_hours_of_a_given_model_plan_it_at_the_flops_it_spends() -> None:
+    """A fixed model: the first plan (at the peak-based guess) gives its throughput; it is planned again with the
+    FLOPs that throughput spends, so its batch is that budget's, and those FLOPs are the sizing's."""
+    plan_model, planned = stub_planner(1e15)
+    fields = family_model(1e9)
+    bp = plan_budget(plan_model, 3e14, hours=10.0, model=fields)
+    assert plan_model.sized_for == [3e14 * 36000, pytest.approx(1e15 * 36000)]
+    assert bp.sizing.flops == pytest.approx(1e15 * 36000) and not bp.family and bp.hours == 10.0
 
 
 def test_hours_with_a_throughput_cliff_take_the_lowest_loss() -> None:
@@ -222,7 +294,7 @@ def test_cli_tokens_cap_the_data(capsys: pytest.CaptureFixture) -> None:
               "--seq-length", "1024", "--global-batch", "8", "--top", "1")
     assert "100M unique tokens, fewer than D_opt" in out and "arXiv:2305.16264" in out and "epochs worth" in out
     s = size_budget(1e19, 1e8)
-    assert s.n_best > s.n_opt and s.epochs > 4
+    assert s.n_best < s.n_opt and s.epochs > 4
 
 
 def test_cli_tokens_alone_and_a_fixed_model(capsys: pytest.CaptureFixture) -> None:
@@ -237,7 +309,43 @@ def test_cli_tokens_alone_and_a_fixed_model(capsys: pytest.CaptureFixture) -> No
 @pytest.mark.parametrize("argv, message", [
     (["--budget-hours", "1", "--budget-flops", "1e20"], "not both"),
     (["--model", "tiny_llama", "--price-per-device-hour", "2"], "prices a budget"),
+    (["--model", "tiny_llama", "--vocab-size", "50000"], "shapes the model a budget sizes"),
+    (["--budget-flops=-1e20"], "positive number of FLOPs"), (["--budget-hours", "0"], "positive number of hours"),
 ])
 def test_cli_budget_mistakes(capsys: pytest.CaptureFixture, argv: list, message: str) -> None:
     code = main(["plan", "--devices", "2", "--hardware", "A100-40GB", *argv])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_default_batch_vocabulary_and_cost(capsys: pytest.CaptureFixture) -> None:
+    """Without --global-batch the budget's runs get DeepSeek's batch for the budget (not 4 x devices); the family
+    takes --vocab-size; a cost under 100 keeps its decimals (2.5 device-hours is not "2")."""
+    out = run(capsys, "--budget-flops", "1e19", "--devices", "2", "--hardware", "A100-40GB", "--seq-length", "1024",
+              "--top", "1", "--vocab-size", "128256")
+    samples = 2 * round(0.2920 * 1e19 ** 0.3271 / 1024 / 2)  # 468 samples of 1024 tokens
+    assert f"batch {samples:,} samples x 1,024 tokens" in out and "arXiv:2401.02954" in out
+    assert f"global batch {samples} " in out  # the plan printed below is the one made at that batch
+    assert "vocabulary 128,256" in out
+    assert "the fit's runs spanned 70M-16B parameters and 5B-500B tokens: this optimum lies inside them" in out
+    out = run(capsys, "--budget-flops", "1e12", "--devices", "2", "--hardware", "A100-40GB", "--top", "1")
+    assert "this optimum lies OUTSIDE them, a further extrapolation" in out  # N_opt ~ 100k parameters
+    out = run(capsys, "--budget-hours", "1.25", "--devices", "2", "--hardware", "A100-40GB", "--seq-length", "1024",
+              "--global-batch", "8", "--top", "1", "--price-per-device-hour", "1")
+    assert "batch 8 samples" in out and "(--global-batch)" in out and "cost 2.5 device-hours x 1 = 2.5" in out
+
+
+def test_cli_refuses_a_budget_for_a_fine_tune(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    """6ND sizes a model pre-trained from scratch: LoRA, frozen layers and fine-tune configs are refused, the
+    option or field named, before any planning."""
+    for extra, named in ((["--model", "tiny_llama", "--lora"], "--lora"),
+                         (["--freeze-layers", "2"], "--freeze-layers")):
+        code = main(["plan", "--budget-flops", "1e19", "--devices", "2", "--hardware", "A100-40GB", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and named in err and "pre-trained from scratch" in err
+    config = tmp_path / "lora.yaml"
+    config.write_text("model: {preset: tiny_llama}\ntrain: {max_steps: 1}\nlora: {r: 4}\n")
+    code = main(["plan", str(config), "--budget-flops", "1e19", "--devices", "2", "--hardware", "A100-40GB"])
+    assert code == 2 and "lora makes this a fine-tune: remove lora" in capsys.readouterr().err
+    code = main(["plan", "--model", "tiny_llama", "--vocab-size", "128256", "--budget-flops", "1e19", "--devices",
+                 "2", "--hardware", "A100-40GB"])
+    assert code == 2 and "drop --vocab-size" in capsys.readouterr().err

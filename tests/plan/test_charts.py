@@ -17,7 +17,7 @@ from shardwise.errors import ConfigError
 from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import estimate_all_ranks
 from shardwise.plan import PlanRequest, plan, workload_config
-from shardwise.plan.charts import MEMORY_PARTS, write_estimate_report, write_plan_report
+from shardwise.plan.charts import MEMORY_PARTS, plan_numbers, write_estimate_report, write_plan_report
 from shardwise.plan.estimate_command import config_from_args
 from shardwise.plan.profile import Run
 from shardwise.step_time import StepTime
@@ -74,6 +74,33 @@ def test_profile_predicted_against_measured(tmp_path: Path) -> None:
     assert [r["measured_s"] for r in rows] == [1.1, 2.1, 3.1]  # the medians
     assert [r["predicted_s"] for r in rows] == [c.step.total for c in result.ranked]
     assert [r["calibrated_s"] for r in rows] == [0.9, 2.05, 3.2]
+    # memory too: the estimate's peak against the measured one, per profiled layout, in the page's table
+    page = index.read_text()
+    for c in result.ranked:
+        assert f"{c.peak / GIB:.4g}" in page and f"{c.peak // 2 / GIB:.4g}" in page
+
+
+def test_the_charts_leave_the_matplotlib_backend_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library call must not switch the process's backend (a notebook's inline one, say)."""
+    import matplotlib
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("matplotlib.use called")
+
+    monkeypatch.setattr(matplotlib, "use", refuse)
+    assert write_plan_report(small_plan(), tmp_path).is_file()
+
+
+def test_a_cpus_capacity_is_its_share_of_the_nodes_ram() -> None:
+    """The processes of a CPU node share its RAM: the capacity line per device is RAM / processes (as the
+    planner's usable memory), not the whole node's RAM."""
+    cpu = get_hardware("cpu")
+    request = SimpleNamespace(hardware=cpu, devices=4, nodes=None)
+    shown = plan_numbers(SimpleNamespace(request=request, ranked=[]))
+    assert shown["capacity_bytes"] == int(cpu.memory_gib * GIB / 4)
+    gpu = SimpleNamespace(request=SimpleNamespace(hardware=get_hardware("A100-40GB"), devices=4, nodes=None),
+                          ranked=[])
+    assert plan_numbers(gpu)["capacity_bytes"] == 40 * GIB
 
 
 def test_estimate_report_per_pipeline_rank(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -90,6 +117,8 @@ def test_estimate_report_per_pipeline_rank(tmp_path: Path, capsys: pytest.Captur
     assert [r["peak"] for r in shown["ranks"]] == [e.peak for e in expected]
     assert [r["activations"] for r in shown["ranks"]] == [e.activations for e in expected]
     assert decodes(tmp_path / "memory.png") and embedded(tmp_path / "index.html", tmp_path / "memory.png")
+    page = (tmp_path / "index.html").read_text()
+    assert "pipeline rank 0" in page and "pipeline rank 1" in page  # not a global rank: one per pipeline stage
 
 
 def test_the_report_refuses_a_file(tmp_path: Path) -> None:
@@ -100,7 +129,9 @@ def test_the_report_refuses_a_file(tmp_path: Path) -> None:
 
 
 def test_without_matplotlib_the_message_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in [m for m in sys.modules if m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` raises ImportError
     with pytest.raises(ConfigError, match=r"pip install 'shardwise\[report\]'"):
         write_plan_report(small_plan(), tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing written

@@ -17,12 +17,13 @@ import yaml
 
 from shardwise.cli import main
 from shardwise.config import load_config, to_yaml
+from shardwise.errors import ShardwiseError
 from shardwise.memory.estimate import estimate_memory
 from shardwise.models import get_preset
 from shardwise.models.config import ModelConfig
 from shardwise.models.flops import count_parameters
-from shardwise.report import write_report
-from shardwise.report.runs import find_restarts
+from shardwise.report import plots, write_report
+from shardwise.report.runs import find_restarts, read_run
 from tests.data.conftest import write_corpus
 from tests.test_cli import logging_restored
 
@@ -163,7 +164,7 @@ def test_the_numbers_are_the_metrics(run: Path, tmp_path: Path) -> None:
     assert row["last step"] == "40 of 100"
     assert row["tokens seen"] == f"{40 * MICRO_BATCH * SEQ:,}"
     assert row["max peak memory (GiB)"] == g(max(r["peak_memory_gb"] for r in train))
-    assert row["mean tokens/s"] == g(sum(r["tokens_per_s"] for r in train) / len(train))
+    assert row["mean tokens/s (all devices)"] == g(sum(r["tokens_per_s"] for r in train) / len(train))
     assert row["final MFU"] == g(train[-1]["mfu"])
     assert row["skipped steps"] == "2"
     assert row["resumed after step"] == "none"
@@ -173,7 +174,8 @@ def test_the_numbers_are_the_metrics(run: Path, tmp_path: Path) -> None:
     assert memory["parameters"] == g(estimate.params / GIB)
     assert memory["activations"] == g(estimate.activations / GIB)
     assert memory[f"estimated peak ({estimate.peak_phase})"] == g(estimate.peak / GIB)
-    assert memory["measured peak (max peak_memory_gb)"] == row["max peak memory (GiB)"]
+    assert memory["measured peak: process peak RSS (cpu)"] == row["max peak memory (GiB)"]
+    assert row["peak memory measured as"] == "process peak RSS (cpu)"
     data = page.pairs("data-0")
     assert (data["documents"], data["tokens"], data["duplicates"], data["dropped (shorter than min_chars)"]) == \
         ("123", "45,678", "3", "4")
@@ -201,7 +203,7 @@ def test_two_runs_overlaid_with_their_differences(run: Path, tmp_path: Path) -> 
     assert diff["common steps"] == "4"
     assert diff["max |loss difference|"] == g(abs((4.25 - 0.05) - 4.25))
     assert diff["max relative difference"] == g(max(abs(d) / base[s] for s, d in deltas.items()))
-    assert diff["at step"] == "30"
+    assert diff["step of the max |difference|"] == "30"
     assert path.parent == tmp_path / "out"
 
 
@@ -296,3 +298,173 @@ def test_the_report_of_a_real_run(tmp_path: Path, capsys) -> None:
     manifest = json.loads(next((tmp_path / "cache").glob("shards-*/manifest.json")).read_text())
     assert page.pairs("data-0")["tokens"] == f"{manifest['counts']['tokens']:,}"  # found in the cache
     assert set(page.images) == {f"plot-{p}" for p in STEP_PLOTS | {"memory"}}
+
+
+# --- odd inputs ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def legends(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The legend labels each plot ends with (by y label), as matplotlib keeps them (a leading `_` is left out)."""
+    seen: dict[str, list[str]] = {}
+    finish = plots._finish
+
+    def spy(fig, ax, has_data):
+        finish(fig, ax, has_data)
+        seen[ax.get_title()] = ax.get_legend_handles_labels()[1]
+
+    monkeypatch.setattr(plots, "_finish", spy)
+    return seen
+
+
+def test_run_names_that_matplotlib_would_misread(tmp_path: Path, legends: dict[str, list[str]]) -> None:
+    """A `$...$` in a directory name is not mathtext (a bad formula stopped the report), and a leading `_`
+    does not drop the run from the legends."""
+    odd = make_run(tmp_path, r"lr$\frac$", RECORDS)
+    hidden = make_run(tmp_path, "_second", RECORDS)
+    page, _ = report_page([odd, hidden], tmp_path / "out")
+    assert [r["run"] for r in page.table("summary")] == [r"lr$\frac$", "_second"]
+    assert legends["Learning rate"] == [r"lr\$\frac\$", "skipped steps", " _second"]
+    assert " _second train" in legends["Loss against step (train; eval dashed)"]
+
+
+def test_a_diverged_run_shows_its_non_finite_loss(tmp_path: Path) -> None:
+    """A NaN last loss is the run's final loss: the summary does not show the last finite one instead."""
+    records = RECORDS + [record(50, float("nan")), {"step": 50, "eval_loss": float("inf")}]
+    page, path = report_page([make_run(tmp_path, "diverged", records)], tmp_path / "out")
+    (row,) = page.table("summary")
+    assert (row["final loss"], row["final eval loss"]) == ("nan", "inf")
+    text = path.read_text(encoding="utf-8")
+    assert "loss is not finite (NaN or infinite) at step(s) 50" in text
+    assert "eval_loss is not finite (NaN or infinite) at step(s) 50" in text
+
+
+def test_skipped_steps_without_a_loss_are_still_marked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window whose every step was skipped logs a NaN loss: its cross goes at the foot of the plot, inside
+    the plot's x range."""
+    records = [record(10, 5.0, skipped_steps=1), record(20, 4.0), record(30, float("nan"), skipped_steps=10)]
+    run = read_run(make_run(tmp_path, "skips", records))
+    steps, values = run.series("loss")
+    assert plots.skipped_marks(run, steps, values) == ([(10, 5.0)], [30])
+    limits: dict[str, tuple[float, float]] = {}
+    finish = plots._finish
+    monkeypatch.setattr(plots, "_finish", lambda fig, ax, has_data: (finish(fig, ax, has_data),
+                                                                     limits.setdefault(ax.get_title(), ax.get_xlim())))
+    write_report([run.path], tmp_path / "out")
+    assert limits["Loss against step (train; eval dashed)"][1] >= 30
+
+
+def test_not_a_run_directory_is_named_with_what_is_missing(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for target, says in (("nope", "does not exist"), ("afile", "is a file, not a run directory"),
+                         ("empty", "holds no metrics.jsonl")):
+        with pytest.raises(ShardwiseError, match=says):
+            write_report([tmp_path / target], tmp_path / "out")
+    with logging_restored():
+        assert main(["report", str(tmp_path / "nope")]) == 2
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("summary, says", [
+    ("{not json", "does not read"),
+    ([1, 2], "not a JSON object"),
+    ({"shares": {"compute": "most"}}, "`shares` is not a mapping of numbers"),
+    ({"top_operators": [{"name": "aten::mm", "self_time_ms": "12"}]}, "not a number"),
+    ({"trace": 3}, "`trace` is not a path"),
+])
+def test_a_broken_profile_summary_is_noted(tmp_path: Path, summary, says: str) -> None:
+    run = make_run(tmp_path, "prof", RECORDS)
+    (run / "profile").mkdir()
+    text = summary if isinstance(summary, str) else json.dumps(summary)
+    (run / "profile" / "summary.json").write_text(text, encoding="utf-8")
+    shown = read_run(run)
+    assert shown.profile is None
+    assert any("summary.json" in n and says in n and "left out" in n for n in shown.notes), shown.notes
+
+
+def test_a_broken_manifest_is_noted(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "data", RECORDS)
+    manifest = tmp_path / "data_prepared" / "manifest.json"
+    for text, says in (("{not json", "does not read as JSON"), ("[1]", "is not a prepared-data manifest")):
+        manifest.write_text(text, encoding="utf-8")
+        shown = read_run(run)
+        assert shown.manifest is None and any(str(manifest) in n and says in n for n in shown.notes), shown.notes
+    page, _ = report_page([run], tmp_path / "out")  # the page is still written
+    assert "data-0" not in page.tables
+
+
+def test_what_peak_memory_measured_is_said(tmp_path: Path, legends: dict[str, list[str]]) -> None:
+    """A CPU's peak is its process RSS, an accelerator's the allocated memory: the records' `device` says
+    which, with or without a config."""
+    cpu = make_run(tmp_path, "cpu", [dict(r, device="cpu") if "loss" in r else r for r in RECORDS])
+    (cpu / "config.yaml").unlink()
+    assert read_run(cpu).peak_memory_kind() == "process peak RSS (cpu)"
+    assert plots.peak_memory_label([read_run(cpu)]) == "GiB: process peak RSS (cpu)"
+    gpu = read_run(make_run(tmp_path, "gpu", [dict(r, device="cuda") if "loss" in r else r for r in RECORDS],
+                            run={"device": "auto"}))
+    assert (gpu.peak_memory_kind(), gpu.memory_device) == ("peak allocated (cuda)", "cuda")
+    assert plots.peak_memory_label([gpu]) == "GiB: peak allocated, largest rank"
+    page, _ = report_page([cpu], tmp_path / "out")
+    assert page.table("summary")[0]["peak memory measured as"] == "process peak RSS (cpu)"
+
+
+def test_nothing_in_a_run_directory_becomes_markup(tmp_path: Path) -> None:
+    """Names, config values, manifest counts, profile operators and notes are text: the page holds only the
+    report's own tags, and no attribute of its own holds a script."""
+    evil = "<img src=x onerror=alert(1)>"
+    run = make_run(tmp_path, evil, RECORDS, data={"text_field": "<script>alert(2)</script>"})
+    manifest = tmp_path / f"{evil}_prepared" / "manifest.json"
+    manifest.write_text(json.dumps({"counts": {"documents": "<b>bold</b>", "tokens": 1}}), encoding="utf-8")
+    (run / "profile").mkdir()
+    (run / "profile" / "summary.json").write_text(json.dumps({
+        "top_operators": [{"name": "</table><script>alert(3)</script>", "self_time_ms": 1.0, "share": 0.5}],
+        "shares": {"<i>compute</i>": 1.0}, "trace": "profile/<svg onload=alert(4)>.json",
+        "steps": ["<u>2</u>"]}), encoding="utf-8")
+
+    class Tags(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: set[str] = set()
+            self.attrs: set[str] = set()
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            self.tags.add(tag)
+            self.attrs.update(name for name, _ in attrs)
+
+    page, path = report_page([run], tmp_path / "out")
+    tags = Tags()
+    tags.feed(path.read_text(encoding="utf-8"))
+    assert tags.tags <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "table", "thead",
+                         "tbody", "tr", "th", "td", "div", "figure", "img", "figcaption", "details", "summary", "pre"}
+    assert not {a for a in tags.attrs if a.startswith("on")}
+    assert page.table("summary")[0]["run"] == evil  # shown as text
+    assert page.table("profile-0")[0]["operator"] == "</table><script>alert(3)</script>"
+
+
+def test_padded_instruction_data_says_tokens_seen_count_padding(tmp_path: Path) -> None:
+    """step x global batch x seq_length is the token slots, not the real tokens, when samples are padded."""
+    run = read_run(make_run(tmp_path, "sft", RECORDS, data={"kind": "instruction", "packing": "pad"}))
+    assert run.tokens_per_step == MICRO_BATCH * SEQ
+    assert any("padding included (data.packing pad)" in n for n in run.notes), run.notes
+    packed = read_run(make_run(tmp_path, "sft_packed", RECORDS, data={"kind": "instruction", "packing": "pack"}))
+    assert not any("padding included" in n for n in packed.notes)
+
+
+def test_an_unknown_device_count_is_not_shown_as_one(tmp_path: Path) -> None:
+    """data_parallel -1 and records without tokens_per_s_per_device (an older file): the layout line does not
+    claim one device, and the notes say what the memory estimate assumed."""
+    records = [{k: v for k, v in r.items() if k != "tokens_per_s_per_device"} for r in RECORDS]
+    run = make_run(tmp_path, "elastic", records, parallel={"data_parallel": -1, "zero_stage": 1})
+    _, path = report_page([run], tmp_path / "out")
+    text = path.read_text(encoding="utf-8")
+    assert "an unknown number of device(s): data ? (data_parallel -1)" in text and "1 device(s)" not in text
+    assert "the memory estimate is for data parallel 1" in text
+
+
+def test_a_run_with_only_eval_records(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "evals", [r for r in RECORDS if "eval_loss" in r])
+    page, path = report_page([run], tmp_path / "out")
+    (row,) = page.table("summary")
+    assert (row["final loss"], row["final eval loss"]) == ("\u2013", g(4.3))
+    assert "holds no training record yet" in path.read_text(encoding="utf-8")

@@ -8,7 +8,8 @@ A tiny bf16 run on the GPU profiles steps 3-4 and checks:
 - summary.json: steps [3, 4], top operators by device time (self_time_ms > 0), shares summing to 1 with a
   compute share above 0 (kernels ran);
 - the run summary names the GPU's memory and, the peak of a tiny model being far below an H200's, suggests a
-  larger micro-batch.
+  larger micro-batch;
+- `shardwise report` of the run labels the measured peak as the CUDA allocator's and shows the profile.
 
     python3 tests/train/profile_cuda.py [OUT_DIR]   # one JSON line; exit 1 on a failed check
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from shardwise.data.packing import PackedDataset
+from shardwise.report import write_report
 from shardwise.resolve import resolve_config
 from shardwise.train.profiling import MEMORY_SNAPSHOT_FILE, PROFILE_DIR, SUMMARY_FILE, trace_file
 from shardwise.train.trainer import Trainer
@@ -51,6 +53,7 @@ def main() -> int:
     with open(out / MEMORY_SNAPSHOT_FILE, "rb") as f:
         snapshot = pickle.load(f)
     summary = json.loads((out / SUMMARY_FILE).read_text())
+    page = write_report([root / "run"], root / "report").read_text()
     checks = {
         "trace_has_kernels": "kernel" in cats and "cpu_op" in cats,
         "snapshot_has_segments": bool(snapshot.get("segments")) and "device_traces" in snapshot,
@@ -58,8 +61,10 @@ def main() -> int:
         "top_operators_device_time": bool(summary["top_operators"]) and summary["top_operators"][0]["self_time_ms"] > 0,
         "shares_sum_to_1": abs(sum(summary["shares"].values()) - 1) < 1e-6,
         "compute_share": summary["shares"]["compute"] > 0,
-        "summary_names_gpu_memory": "GiB of" in result.summary[1],
+        "summary_names_gpu_memory": any("GiB of" in line for line in result.summary),
         "memory_suggestion": any("train.micro_batch_size" in line for line in result.summary),
+        "report_names_cuda_peak": "peak allocated (cuda)" in page,
+        "report_shows_profile": "<h3>Profile</h3>" in page,
     }
     print(json.dumps({"checks": checks, "shares": summary["shares"],
                       "top": [o["name"] for o in summary["top_operators"][:5]], "summary": result.summary}))

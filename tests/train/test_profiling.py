@@ -124,10 +124,15 @@ def test_two_ranks_show_communication(tmp_path: Path) -> None:
 
 
 def test_collective_names() -> None:
+    # gloo's and c10d's as a 2-rank gloo run records them (torch 2.13), NCCL's and HCCL's (Ascend) kernels.
     for name in ("c10d::allreduce_", "gloo:all_reduce", "nccl:all_gather", "_c10d_functional::reduce_scatter_tensor",
-                 "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "c10d::broadcast_", "gloo:send"):
+                 "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "c10d::broadcast_", "gloo:send", "c10d::_allgather_base_",
+                 "gloo:barrier", "_c10d_functional::wait_tensor", "ncclKernel_AllGather_RING_LL_Sum_int8_t",
+                 "hcom_allReduce__123_0", "HcclAllReduce", "hccl:all_reduce", "record_param_comms"):
         assert is_communication(name), name
-    for name in ("aten::mm", "aten::broadcast_tensors", "aten::copy_", "AddmmBackward0"):
+    # Computation whose names hold a collective's words: FSDP's copy-in is an annotation around copies.
+    for name in ("aten::mm", "aten::broadcast_tensors", "aten::copy_", "AddmmBackward0", "FSDP::all_gather_copy_in",
+                 "FSDP::all_gather_copy_out", "aten::_foreach_add_"):
         assert not is_communication(name), name
 
 
@@ -191,3 +196,17 @@ def test_top_operators_on_cuda_leave_kernel_rows_out() -> None:
                                    {"name": "sm90_gemm", "self_time_ms": 0.0, "share": 0.0}]
     assert top_operators(rows, on_device=True) == [{"name": "aten::mm", "self_time_ms": 3.0, "share": 0.75},
                                                    {"name": "aten::add", "self_time_ms": 1.0, "share": 0.25}]
+
+
+def test_shares_on_cuda_cover_the_kernels_that_run_after_the_host_span() -> None:
+    """The host queues a step's kernels and ends its span before the device has run them all: the shares cover
+    the device's time to the last kernel, not only the host span (the kernels cut off at 100 would be lost)."""
+    step = _event("ProfilerStep*", 0, 100, annotation=True)
+    gemm = _event("sm90_gemm", 40, 130, device=DeviceType.CUDA)
+    nccl = _event("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 130, 160, device=DeviceType.CUDA)
+    # Time 0-160: compute 40-130, exposed communication 130-160, idle 0-40.
+    assert time_shares([step, gemm, nccl], on_device=True) == pytest.approx(
+        {"compute": 90 / 160, "communication": 30 / 160, "idle": 40 / 160})
+    # A device that finishes within the host span: the span is the time, as before.
+    assert time_shares([step, _event("sm90_gemm", 10, 60, device=DeviceType.CUDA)], on_device=True) == \
+        pytest.approx({"compute": 0.5, "communication": 0.0, "idle": 0.5})

@@ -16,8 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
 
+from shardwise.cli import setup_logging
 from shardwise.data.packing import PackedDataset
+from shardwise.train import progress
 from shardwise.train import run_summary as rs
 from shardwise.train.run_summary import RunFigures, suggestions, summary_lines
 from shardwise.train.trainer import Trainer
@@ -53,6 +56,8 @@ def test_memory_far_below_capacity() -> None:
     assert "train.micro_batch_size" in text and "optimize.recompute is selective" in text
     (text,) = suggestions(_with(peak_memory_gb=at * 0.95, recompute="none"))
     assert "recompute" not in text  # nothing to recompute less
+    (text,) = suggestions(_with(peak_memory_gb=at * 0.95, recompute="auto"))
+    assert "recompute" not in text  # auto recomputes only what memory needs already
     # A CPU's "capacity" is the host's memory: no suggestion from it, nor from its MFU.
     assert suggestions(_with(peak_memory_gb=1.0, mfu=0.01, device_type="cpu")) == []
 
@@ -80,12 +85,56 @@ def test_at_most_two_suggestions_most_costly_first() -> None:
 
 
 def test_summary_lines_hold_the_figures() -> None:
-    first, second = summary_lines(HEALTHY)
-    assert first.startswith("run summary: 100 steps (to step 100), 1,000,000 tokens in 100.0 s: 10,000 tokens/s")
-    assert "MFU 45.0%" in first
-    assert "peak memory 60.00 GiB of 80.0 GiB (75%)" in second and "final loss 2.5000, eval loss 2.6000" in second
-    assert "2 checkpoint(s) written; 0 step(s) skipped; data loading 1%" in second
-    assert "MFU" not in summary_lines(_with(mfu=math.nan))[0]
+    first, speed, third = summary_lines(HEALTHY)
+    assert first == "run summary: 100 steps (to step 100), 1,000,000 tokens in 100.0 s"
+    assert speed == ("throughput: 10,000 tokens/s over the wall time (checkpoints, evaluation and profiling "
+                     "included; MFU 45.0%)")  # the time inside the steps is not known
+    assert "peak memory 60.00 GiB of 80.0 GiB (75%)" in third and "final loss 2.5000, eval loss 2.6000" in third
+    assert "2 checkpoint(s) written; 0 step(s) skipped; data loading 1% of the wall time" in third
+    assert "MFU" not in summary_lines(_with(mfu=math.nan))[1]
+
+
+def test_summary_gives_the_training_step_and_the_overall_throughput() -> None:
+    # 100 s of wall time, 40 s of it checkpoints and evaluation: 60 s in the steps.
+    lines = summary_lines(_with(step_s=60.0, step_mfu=0.75, data_s=3.0))
+    assert lines[1] == ("throughput: 16,667 tokens/s in the training steps (60.0 s; MFU 75.0%), 10,000 tokens/s "
+                        "over the wall time (checkpoints, evaluation and profiling included; MFU 45.0%)")
+    assert "data loading 5% of the training-step time" in lines[2]
+    # Data loading is judged against the steps' time: 7 s is 7% of the wall time but 11.7% of the steps'.
+    assert suggestions(_with(data_s=7.0)) == []
+    (text,) = suggestions(_with(data_s=7.0, step_s=60.0, step_mfu=0.75))
+    assert "data loader took 12% of the training-step time" in text
+    # MFU is judged in the steps when known: saves and evaluation lower the overall one, not the steps'.
+    assert suggestions(_with(mfu=0.2, step_s=60.0, step_mfu=0.4)) == []
+    (text,) = suggestions(_with(mfu=0.2, step_s=60.0, step_mfu=0.25))
+    assert "MFU 25% in the training steps is below 30%" in text
+
+
+def test_a_compiled_run_is_not_told_to_compile() -> None:
+    assert "run.compile: true" in suggestions(_with(mfu=0.1))[0]
+    (text,) = suggestions(_with(mfu=0.1, compiled=True))
+    assert "run.compile" not in text and "train.micro_batch_size" in text
+
+
+def test_a_run_with_no_step_left_says_so() -> None:
+    # Resumed at its end: no step, no record (peak memory and loss unknown): no "nan GiB (nan%)".
+    figures = _with(steps=0, tokens=0, wall_s=0.0, data_s=0.0, peak_memory_gb=math.nan, final_loss=math.nan)
+    assert summary_lines(figures) == ["run summary: no step trained (the run was already at step 100)"]
+    assert summary_lines(_with(peak_memory_gb=math.nan))[2].startswith("peak memory not measured; final loss")
+
+
+def test_tally_leaves_the_work_set_aside_out_of_the_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [10.0]
+    monkeypatch.setattr(rs.time, "perf_counter", lambda: now[0])
+    tally = rs.RunTally(start=10.0)
+    now[0] = 13.0  # 3 s of steps
+    with tally.aside():  # a checkpoint save of 2 s
+        now[0] = 15.0
+    tally.set_aside(0.5)  # the profiler's writing
+    now[0] = 20.0
+    tally.end()
+    now[0] = 99.0  # closing the trackers' runs afterwards is not the run's time
+    assert tally.elapsed() == 10.0 and tally.step_s() == 7.5
 
 
 def _run(tmp_path: Path, **train) -> object:
@@ -107,11 +156,12 @@ def test_a_run_ends_with_its_summary(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert head, lines[0]
     assert int(head[1]) == 4 and int(head[2]) == last["step"] == result.step
     assert int(head[3].replace(",", "")) == 4 * 4 * SEQ  # steps x micro-batch x sequence: no padding
-    assert f"final loss {last['loss']:.4f}" in lines[1]  # log_steps 1: the record is the last step's loss
+    text = "\n".join(lines)
+    assert f"final loss {last['loss']:.4f}" in text  # log_steps 1: the record is the last step's loss
     assert f"{result.losses[4]:.4f}" == f"{last['loss']:.4f}"
-    assert f"eval loss {evaluated['eval_loss']:.4f}" in lines[1]
-    assert f"peak memory {last['peak_memory_gb']:.2f} GiB" in lines[1]
-    assert "2 checkpoint(s) written" in lines[1]  # steps 2 and 4
+    assert f"eval loss {evaluated['eval_loss']:.4f}" in text
+    assert f"peak memory {last['peak_memory_gb']:.2f} GiB" in text
+    assert "2 checkpoint(s) written" in text  # steps 2 and 4
 
 
 class _Terminal(io.StringIO):
@@ -128,3 +178,42 @@ def test_progress_bar_only_on_a_terminal(tmp_path: Path, capfd: pytest.CaptureFi
     monkeypatch.setattr(sys, "stderr", terminal)
     _run(tmp_path / "terminal", max_steps=2, progress_bar=True)
     assert "\r" in terminal.getvalue() and "train" in terminal.getvalue()  # the bar, redrawn in place
+
+
+def test_log_lines_stay_above_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    console = logging.StreamHandler(sys.stderr)  # what logging.basicConfig puts on the root logger
+    console.setLevel(logging.INFO)
+    elsewhere = logging.StreamHandler(io.StringIO())  # a log file, say: left alone
+    root, ours = logging.getLogger(), logging.getLogger("shardwise")
+    monkeypatch.setattr(root, "handlers", [console, elsewhere])
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "propagate", True)
+    monkeypatch.setattr(ours, "level", logging.DEBUG)
+    log = logging.getLogger("shardwise.train.loop")
+    bar = tqdm(total=3, desc="train")
+    with progress.logs_above_bar(bar):
+        for step in range(3):
+            bar.update(1)
+            log.info("step %d logged", step)
+        log.debug("hidden: below the console handler's level")
+    bar.close()
+    out = terminal.getvalue()
+    for step in range(3):
+        assert out.count(f"step {step} logged") == 1
+        at = out.index(f"step {step} logged")
+        assert out[at - 1] in "\r\n", repr(out[max(at - 40, 0):at + 15])  # on a line of its own, not in the bar
+    assert "hidden" not in out and root.handlers == [console, elsewhere]  # restored
+    assert elsewhere.stream.getvalue().count("logged") == 3
+    hidden = tqdm(total=1, disable=True)
+    with progress.logs_above_bar(hidden):
+        assert root.handlers == [console, elsewhere]  # no bar: nothing to keep clear of
+    # The CLI's logging already writes through tqdm, on the shardwise logger: left alone, each line once.
+    monkeypatch.setattr(ours, "handlers", [])
+    setup_logging()
+    bar = tqdm(total=1, desc="train")
+    with progress.logs_above_bar(bar):
+        log.info("once only")
+    bar.close()
+    assert terminal.getvalue().count("once only") == 1

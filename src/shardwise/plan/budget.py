@@ -23,11 +23,21 @@ When the unique tokens U are fewer than the budget would use, the data-constrain
 Muennighoff et al. 2023, "Scaling Data-Constrained Language Models" (arXiv:2305.16264, equation 5)
 counts repeated tokens at a decaying value: D tokens seen out of U unique are worth
 
-    D' = U + U R* (1 - exp(-R / R*)),   R = D / U - 1 (repetitions after the first epoch),  R* = 15.4
+    D' = U + U R_D* (1 - exp(-R_D / R_D*)),   R_D = D / U - 1 (repetitions after the first epoch),  R_D* = 15.4
 
-and the model size minimising L(N, D'(C / 6N)) is searched numerically. (Their R* was fitted with their
-own loss fit; using it with Hoffmann's is an approximation. It says about 4 epochs cost little: 4U seen
-are worth 3.7U.)
+and parameters beyond U_N, the compute-optimal size for U tokens, at a faster-decaying value (their
+equation 6; R_N* = 5.3 below R_D* = 15.4, so with scarce data spare compute goes mostly into epochs):
+
+    N' = U_N + U_N R_N* (1 - exp(-R_N / R_N*)),   R_N = N / U_N - 1,   U_N = min(N, N_opt for D_opt = U)
+
+and the model size minimising L(N', D') on C = 6 N D is searched numerically. (Their R* were fitted with
+their own loss fit, R_D* = 15.387756 and R_N* = 5.309743 in their appendix A; using them with Hoffmann's
+is an approximation. They say about 4 epochs cost little: 4U seen are worth 3.7U.)
+
+The default global batch of a budget's runs is DeepSeek-AI 2024, "DeepSeek LLM" (arXiv:2401.02954,
+section 3.1, equation 1): B_opt = 0.2920 C^0.3271 tokens, fitted on 1e17-2e19 FLOPs. It overshoots the
+batches large runs used (LLaMA-2 7B at 8.4e22: 9.2M against 4M), so it is capped at LLaMA 3 405B's
+16M tokens (Llama Team 2024, arXiv:2407.21783, section 3.4.1).
 """
 
 from __future__ import annotations
@@ -42,8 +52,15 @@ from .search import PlanResult
 
 FLOPS_PER_PARAMETER_TOKEN = 6.0  # C ~ 6 N D (forward 2, backward 4)
 TOKENS_PER_PARAMETER = 20.0  # Hoffmann et al.'s Approaches 1 and 2, roughly: Chinchilla 70B on 1.4T tokens
-R_STAR = 15.4  # Muennighoff et al. 2023: repetitions at which repeated data has lost 1 - 1/e of its value
+R_STAR = 15.4  # Muennighoff et al. 2023 (15.387756): repetitions at which repeated data has lost 1 - 1/e of its value
+R_STAR_PARAMS = 5.3  # and (5.309743) excess parameters, in multiples of U_N beyond it, likewise
+BATCH_TOKENS_COEF, BATCH_TOKENS_EXP = 0.2920, 0.3271  # DeepSeek LLM's B_opt = 0.2920 C^0.3271 tokens
+MAX_BATCH_TOKENS = 16 * 2 ** 20  # LLaMA 3 405B's largest batch: 16M tokens
+BATCH_RULE = "DeepSeek LLM's B_opt = 0.2920 C^0.3271 tokens (arXiv:2401.02954), at most 16M (LLaMA 3 405B's)"
+VOCAB_SIZE = 32000  # the family's default vocabulary (LLaMA's tokenizer)
 SEARCH_DECADES = 4.0  # the data-constrained search spans N_opt / 10^4 .. N_opt x 10^4
+FIT_PARAMS = (70e6, 16e9)  # the sizes and tokens of Hoffmann et al.'s runs (their section 3)
+FIT_TOKENS = (5e9, 500e9)
 EXTRAPOLATION_WARNING = (
     "The fit is an extrapolation: Hoffmann et al. fitted it on models of 70M-16B parameters and up to 500B "
     "tokens of their MassiveText data and tokenizer, so the absolute losses do not carry over to your data "
@@ -111,10 +128,26 @@ def effective_tokens(seen: float, unique: Optional[float], r_star: float = R_STA
     return unique + unique * r_star * (1 - math.exp(-repeats / r_star))
 
 
+def effective_params(params: float, unique: Optional[float], fit: ScalingFit, r_star: float = R_STAR_PARAMS) -> float:
+    """What `params` parameters are worth on `unique` distinct tokens (Muennighoff et al. 2023, eq. 6): all
+    of them up to U_N, the fit's compute-optimal size for one pass over the data, then the excess
+    R_N = params / U_N - 1 at a value decaying with R_N*."""
+    if unique is None:
+        return params
+    u_n = min(params, fit.optimum(fit.flops_for_tokens(unique))[0])
+    repeats = params / u_n - 1
+    return u_n + u_n * r_star * (1 - math.exp(-repeats / r_star))
+
+
 def constrained_loss(fit: ScalingFit, params: float, flops: float, unique: Optional[float]) -> float:
-    """The loss of `params` parameters trained with `flops` (6 N D) on data of `unique` distinct tokens."""
-    seen = flops / (FLOPS_PER_PARAMETER_TOKEN * params)
-    return fit.loss(params, effective_tokens(seen, unique))
+    """The loss of `params` parameters trained with `flops` (6 N D) on data of `unique` distinct tokens:
+    L(N', D') with the excess parameters and the repeated tokens discounted (Muennighoff et al. 2023)."""
+    return trained_loss(fit, params, flops / (FLOPS_PER_PARAMETER_TOKEN * params), unique)
+
+
+def trained_loss(fit: ScalingFit, params: float, seen: float, unique: Optional[float]) -> float:
+    """The loss of `params` parameters after `seen` tokens drawn from `unique` distinct ones."""
+    return fit.loss(effective_params(params, unique, fit), effective_tokens(seen, unique))
 
 
 def constrained_optimum(fit: ScalingFit, flops: float, unique: Optional[float]) -> tuple[float, float]:
@@ -196,7 +229,7 @@ class Sizing:
     @property
     def loss(self) -> float:
         """Predicted loss of the model taken."""
-        return self.fit.loss(self.params, self.effective_tokens)
+        return trained_loss(self.fit, self.params, self.tokens, self.unique_tokens)
 
 
 def size_budget(flops: float, unique_tokens: Optional[float] = None, params: Optional[float] = None,
@@ -213,9 +246,21 @@ def size_budget(flops: float, unique_tokens: Optional[float] = None, params: Opt
                   d_best=d_best, params=taken, tokens=flops / (FLOPS_PER_PARAMETER_TOKEN * taken))
 
 
+def batch_tokens(flops: float) -> float:
+    """The default global batch in tokens of a run of `flops` (6ND): DeepSeek LLM's B_opt = 0.2920 C^0.3271
+    (their C counts non-embedding FLOPs, near 6ND), capped at MAX_BATCH_TOKENS."""
+    return min(MAX_BATCH_TOKENS, BATCH_TOKENS_COEF * flops ** BATCH_TOKENS_EXP)
+
+
+def default_global_batch(flops: float, seq_length: int, devices: int) -> int:
+    """`batch_tokens(flops)` in samples of `seq_length`, rounded to a multiple of `devices` (at least one
+    sample each) so that every data-parallel degree splits it."""
+    return devices * max(1, round(batch_tokens(flops) / seq_length / devices))
+
+
 # --- a model of a given size, and the hours it takes on given devices ------------------------------
 
-FAMILY_BASE = "llama_7b"  # the family's norm, MLP, positions and vocabulary (32000)
+FAMILY_BASE = "llama_7b"  # the family's norm, MLP and positions; its vocabulary is VOCAB_SIZE unless given
 
 
 def width_step(hidden: int) -> int:
@@ -237,13 +282,13 @@ def family_shape(hidden: int, layers: int) -> dict[str, int]:
             "num_kv_heads": hidden // head_dim, "intermediate_size": intermediate}
 
 
-def family_model(params: float, max_positions: int = 2048) -> dict[str, Any]:
-    """The model fields (a FAMILY_BASE-like model) nearest `params` parameters: for each width of the grid
-    the layer count nearest the target, then the width whose count misses least, with an aspect (width
-    per layer) near `family_aspect` as the lesser concern."""
+def family_model(params: float, max_positions: int = 2048, vocab_size: int = VOCAB_SIZE) -> dict[str, Any]:
+    """The model fields (a FAMILY_BASE-like model with `vocab_size` tokens) nearest `params` parameters: for
+    each width of the grid the layer count nearest the target, then the width whose count misses least,
+    with an aspect (width per layer) near `family_aspect` as the lesser concern."""
     base = {k: v for k, v in get_preset(FAMILY_BASE).items() if k != "preset"}
-    base["max_position_embeddings"] = max_positions
-    vocab = base["vocab_size"]
+    base.update(max_position_embeddings=max_positions, vocab_size=vocab_size)
+    vocab = vocab_size
     # Widths whose shape at the family's aspect is within 3x of the target (~12 w^2 per layer, embeddings).
     widths = [w for w in range(128, 65537, 64) if w % width_step(w) == 0
               and 1 / 3 < (12 * w ** 3 / family_aspect(w) + 2 * vocab * w) / params < 3] or [128]
@@ -272,6 +317,8 @@ class BudgetPlan:
     hours: Optional[float]  # wall time to train it on `sizing.tokens` tokens (None when nothing fits)
     price_per_device_hour: Optional[float] = None
     rounds: int = 1  # plans made to agree the size with the throughput (hours given)
+    batch_source: str = ""  # where the global batch planned came from (said in the output)
+    family: bool = False  # the model is the family's shape near the best size (not one the user gave)
 
     @property
     def fits(self) -> bool:
@@ -295,11 +342,13 @@ class BudgetPlan:
         return None if self.price_per_device_hour is None or hours is None else hours * self.price_per_device_hour
 
 
-PlanModel = Callable[[dict[str, Any]], PlanResult]
+PlanModel = Callable[[dict[str, Any], float], PlanResult]  # (model fields, FLOPs it is sized for) -> its plan
 
 
 def _shape(fields: dict[str, Any]) -> tuple[int, int]:
     return fields["hidden_size"], fields["num_layers"]
+
+
 MAX_ROUNDS = 8
 CONVERGED = 0.02  # the best size moved less than this between rounds: finer than the family's shapes
 
@@ -325,67 +374,101 @@ def check_budget(hours: Optional[float], flops: Optional[float], unique_tokens: 
 def plan_budget(plan_model: PlanModel, peak_flops: float, hours: Optional[float] = None,
                 flops: Optional[float] = None, unique_tokens: Optional[float] = None,
                 model: Optional[dict[str, Any]] = None, price_per_device_hour: Optional[float] = None,
-                fit: ScalingFit = HOFFMANN_2022, max_positions: int = 2048) -> BudgetPlan:
+                fit: ScalingFit = HOFFMANN_2022, max_positions: int = 2048,
+                vocab_size: int = VOCAB_SIZE) -> BudgetPlan:
     """Size a budget (`hours` on the devices `plan_model` plans for, `flops`, or only `unique_tokens`: the
     compute one pass over them deserves) and time the model taken with its best layout. `model` fixes the
-    model (ModelConfig fields) instead of the family's shape nearest the best size.
+    model (ModelConfig fields) instead of the family's shape nearest the best size; `max_positions` (at
+    least the sequence planned) and `vocab_size` shape the family.
 
     With hours, the FLOPs follow from the predicted throughput, which follows from the size: start from
     `peak_flops` (all devices, at the hardware's compute efficiency), size, plan that model, take the
     FLOPs its tokens/s give (6 N x tokens/s x seconds), and repeat until the best size for those FLOPs is
-    within CONVERGED of the model's (MAX_ROUNDS plans at most; see the comment below). `max_positions`:
-    the family's positions (at least the sequence planned)."""
+    within CONVERGED of the model's (MAX_ROUNDS plans at most; see `_search_hours`)."""
     given = check_budget(hours, flops, unique_tokens, price_per_device_hour)
+
+    def shape_for(params: float) -> dict[str, Any]:
+        return family_model(params, max_positions, vocab_size)
+
     if given == "tokens":
         flops = fit.flops_for_tokens(unique_tokens)
     if given != "hours":
-        fields = model or family_model(size_budget(flops, unique_tokens, None, fit).n_best, max_positions)
+        fields = model or shape_for(size_budget(flops, unique_tokens, None, fit).n_best)
         sizing = size_budget(flops, unique_tokens, count_parameters(ModelConfig(**fields)), fit)
-        result = plan_model(fields)
+        result = plan_model(fields, flops)
         wall = None if result.best is None else sizing.tokens / result.best.step.tokens_per_s / 3600
-        return BudgetPlan(sizing, given, ModelConfig(**fields), result, wall, price_per_device_hour)
+        return BudgetPlan(sizing, given, ModelConfig(**fields), result, wall, price_per_device_hour,
+                          family=model is None)
     seconds = hours * 3600
-    flops = peak_flops * seconds  # the first guess: the devices at the hardware's compute efficiency
-    if model is not None:  # the size is fixed: one plan gives the throughput, hence the FLOPs
-        result = plan_model(model)
+    guess = peak_flops * seconds  # the first guess: the devices at the hardware's compute efficiency
+    if model is not None:  # the size is fixed: a plan gives the throughput, hence the FLOPs (and its batch)
+        result = plan_model(model, guess)
         n = count_parameters(ModelConfig(**model))
-        flops = FLOPS_PER_PARAMETER_TOKEN * n * result.best.step.tokens_per_s * seconds if result.best else flops
-        return BudgetPlan(size_budget(flops, unique_tokens, n, fit), given, ModelConfig(**model), result,
-                          hours if result.best else None, price_per_device_hour)
-    # Find N with N = n_best(6 N x tokens/s(N) x seconds). Above the answer the right side is below N and
-    # below it above, so each plan narrows a bracket [low, high]; the next N is the right side when it falls
-    # inside the bracket on a shape not tried yet, else the bracket's geometric middle. Throughput can fall
-    # steeply with size (a larger model that needs offload) and leave no such N: of the shapes tried, the
-    # one with the lowest predicted loss at its own throughput is taken.
-    tried: dict[tuple[int, int], tuple[dict[str, Any], PlanResult, int, Optional[float]]] = {}  # shape -> ...
+        spent = _spent(n, result, seconds)
+        if spent is not None:  # plan again at the batch of the FLOPs spent, not of the first guess
+            again = plan_model(model, spent)
+            result, spent = (again, _spent(n, again, seconds)) if again.best is not None else (result, spent)
+        return BudgetPlan(size_budget(spent or guess, unique_tokens, n, fit), given, ModelConfig(**model), result,
+                          hours if spent else None, price_per_device_hour)
+    tried = _search_hours(plan_model, shape_for, guess, seconds, unique_tokens, fit)
+    fitting = [t for t in tried if t.spent is not None]
+    if not fitting:  # no shape tried fits a layout: show the last with the plan's advice
+        last = tried[-1]
+        return BudgetPlan(size_budget(guess, unique_tokens, last.params, fit), given, ModelConfig(**last.fields),
+                          last.result, None, price_per_device_hour, len(tried), family=True)
+    best = min(fitting, key=lambda t: size_budget(t.spent, unique_tokens, t.params, fit).loss)
+    return BudgetPlan(size_budget(best.spent, unique_tokens, best.params, fit), given, ModelConfig(**best.fields),
+                      best.result, hours, price_per_device_hour, len(tried), family=True)
+
+
+@dataclass
+class _Tried:
+    """One size planned in the hours search."""
+
+    fields: dict[str, Any]
+    result: PlanResult
+    params: int
+    spent: Optional[float]  # 6 N x tokens/s x seconds; None: it fits no layout
+
+
+def _spent(params: int, result: PlanResult, seconds: float) -> Optional[float]:
+    """The FLOPs (6ND) `params` parameters get through in `seconds` at the plan's best layout."""
+    return FLOPS_PER_PARAMETER_TOKEN * params * result.best.step.tokens_per_s * seconds if result.best else None
+
+
+def _search_hours(plan_model: PlanModel, shape_for: Callable[[float], dict[str, Any]], guess: float,
+                  seconds: float, unique_tokens: Optional[float], fit: ScalingFit) -> list[_Tried]:
+    """The sizes planned to find N with N = n_best(6 N x tokens/s(N) x seconds), in order.
+
+    Above the answer the right side is below N and below it above, so each plan narrows a bracket [low,
+    high]; the next N is the right side when it falls inside the bracket on a shape not tried yet, else
+    the bracket's geometric middle. Throughput can fall steeply with size (a larger model that needs
+    offload) and leave no such N: the caller takes, of the shapes tried, the one with the lowest predicted
+    loss at its own throughput. Each model is planned with the FLOPs it was sized for (its batch)."""
+    tried: dict[tuple[int, int], _Tried] = {}
     low, high = 0.0, math.inf
+    flops = guess
     target = size_budget(flops, unique_tokens, None, fit).n_best
     for _ in range(MAX_ROUNDS):
-        fields = family_model(target, max_positions)
+        fields = shape_for(target)
         if _shape(fields) in tried:
             break
-        result = plan_model(fields)
+        result = plan_model(fields, flops)
         n = count_parameters(ModelConfig(**fields))
-        spent = FLOPS_PER_PARAMETER_TOKEN * n * result.best.step.tokens_per_s * seconds if result.best else None
-        tried[_shape(fields)] = (fields, result, n, spent)
+        spent = _spent(n, result, seconds)
+        tried[_shape(fields)] = _Tried(fields, result, n, spent)
         wanted = None
         if spent is None:  # too large for the devices
             high = min(high, n)
         else:
+            flops = spent
             wanted = size_budget(spent, unique_tokens, None, fit).n_best
-            if abs(wanted / n - 1) < CONVERGED or family_model(wanted, max_positions) == fields:
+            if abs(wanted / n - 1) < CONVERGED or shape_for(wanted) == fields:
                 break  # agreed, to within the family's steps
             low, high = (max(low, n), high) if wanted > n else (low, min(high, n))
-        if wanted is None or not low < wanted < high or _shape(family_model(wanted, max_positions)) in tried:
+        if wanted is None or not low < wanted < high or _shape(shape_for(wanted)) in tried:
             wanted = math.sqrt(low * high) if 0 < low and high < math.inf else high / 4 if low == 0 else low * 4
         if wanted < 1e6:  # nothing that small fits either
             break
         target = wanted
-    fitting = [t for t in tried.values() if t[3] is not None]
-    if not fitting:  # no shape tried fits a layout: say so with the plan's advice
-        return BudgetPlan(size_budget(flops, unique_tokens, n, fit), given, ModelConfig(**fields), result, None,
-                          price_per_device_hour, len(tried))
-    fields, result, n, flops = min(fitting, key=lambda t: size_budget(t[3], unique_tokens, t[2], fit).loss)
-    rounds = len(tried)
-    return BudgetPlan(size_budget(flops, unique_tokens, n, fit), given, ModelConfig(**fields), result, hours,
-                      price_per_device_hour, rounds)
+    return list(tried.values())

@@ -34,15 +34,19 @@ STEP_COLOURS = {"compute": "#4878d0", "recompute": "#82c6e2", "tp_comm": "#ee854
 MISSING = "charts need matplotlib: pip install 'shardwise[report]' (or pip install 'matplotlib>=3.7')"
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only), or a ConfigError naming the extra to install."""
+def figure_class() -> Any:
+    """matplotlib's Figure (drawn on its own Agg canvas: no pyplot, the process's backend left alone), or a
+    ConfigError naming the extra to install."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError(MISSING) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    return Figure
+
+
+def _subplots(figsize: tuple[float, float]) -> tuple[Any, Any]:
+    fig = figure_class()(figsize=figsize)
+    return fig, fig.subplots()
 
 
 # --- numbers ---------------------------------------------------------------------------------------
@@ -69,11 +73,20 @@ def candidate_numbers(rank: int, c: Candidate) -> dict[str, Any]:
             "usable_bytes": c.usable}
 
 
+def capacity_per_device(req: Any) -> int:
+    """A device's memory, bytes; on a CPU the processes of a node share its RAM (as `search.usable_bytes`)."""
+    hw = req.hardware
+    if hw.kind != "cpu":
+        return int(hw.memory_gib * GIB)
+    nodes = req.nodes or hw.nodes_for(req.devices)
+    return int(hw.memory_gib * GIB / max(1, req.devices // nodes))
+
+
 def plan_numbers(result: PlanResult, profile: Any = None) -> dict[str, Any]:
     """What the plan's charts show, as plain data (plan.json)."""
     req = result.request
     hw = req.hardware
-    out: dict[str, Any] = {"hardware": hw.name, "devices": req.devices, "capacity_bytes": int(hw.memory_gib * GIB),
+    out: dict[str, Any] = {"hardware": hw.name, "devices": req.devices, "capacity_bytes": capacity_per_device(req),
                            "layouts": [candidate_numbers(i, c) for i, c in enumerate(result.ranked, 1)]}
     if profile is not None:
         out["profile"] = [{"layout": run.label, "predicted_s": pred.total, "measured_s": run.step_s,
@@ -88,9 +101,8 @@ def plan_numbers(result: PlanResult, profile: Any = None) -> dict[str, Any]:
 
 def step_chart(layouts: Sequence[dict[str, Any]], path: Path) -> Path:
     """Horizontal stacked bars: each layout's predicted step time by part."""
-    plt = pyplot()
     labels = [lay["label"] for lay in layouts][::-1]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(layouts)))
+    fig, ax = _subplots((9, 1.2 + 0.45 * len(layouts)))
     left = [0.0] * len(layouts)
     for part in StepTime.PARTS:
         widths = [lay["step"][part] for lay in layouts][::-1]
@@ -107,8 +119,7 @@ def step_chart(layouts: Sequence[dict[str, Any]], path: Path) -> Path:
 def memory_chart(bars: Sequence[tuple[str, dict[str, int]]], path: Path, capacity: Optional[int] = None,
                  usable: Optional[int] = None, title: str = "memory per device") -> Path:
     """Stacked bars of memory parts per bar (GiB), with the device's capacity (and usable memory) drawn."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(7.0, 3.4 + 0.9 * len(bars)), 4.5))
+    fig, ax = _subplots((max(7.0, 3.4 + 0.9 * len(bars)), 4.5))
     labels = [label for label, _ in bars]
     bottom = [0.0] * len(bars)
     for key, name in MEMORY_PARTS:
@@ -131,31 +142,36 @@ def memory_chart(bars: Sequence[tuple[str, dict[str, int]]], path: Path, capacit
 
 
 def profile_chart(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Grouped bars: predicted, measured and calibrated step time of each profiled layout."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 1.6 * len(rows)), 4.0))
+    """Grouped bars of each profiled layout (#1 = the plan's first): predicted, measured and calibrated step
+    time; beside them the estimated and measured peak memory (GiB; a layout without a measure has no bar)."""
+    fig = figure_class()(figsize=(max(8.0, 3.0 + 2.6 * len(rows)), 4.0))
+    time_ax, memory_ax = fig.subplots(1, 2)
     xs = list(range(len(rows)))
     for offset, key, name in ((-0.27, "predicted_s", "predicted"), (0.0, "measured_s", "measured"),
                               (0.27, "calibrated_s", "calibrated")):
-        ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.27, label=name)
-    ax.set_xticks(xs, [f"#{i + 1}" for i in xs])
-    ax.set_ylabel("seconds per step")
-    ax.set_title("predicted against measured (--profile)")
-    ax.legend(fontsize=8)
+        time_ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.27, label=name)
+    for offset, key, name in ((-0.2, "estimated_bytes", "estimated"), (0.2, "measured_bytes", "measured")):
+        memory_ax.bar([x + offset for x in xs], [(r[key] or 0) / GIB for r in rows], width=0.4, label=name)
+    panels = ((time_ax, "seconds per step", "step time: predicted against measured"),
+              (memory_ax, "GiB, busiest rank", "peak memory: estimated against measured (live tensors)"))
+    for ax, ylabel, title in panels:
+        ax.set_xticks(xs, [f"#{i + 1}" for i in xs])
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
 def isoflop_chart(budget: BudgetPlan, path: Path) -> Path:
     """Predicted loss against model size at the budget, the optimum and the model taken marked."""
-    plt = pyplot()
     s = budget.sizing
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = _subplots((7.5, 4.5))
     curve = isoflop_curve(s.fit, s.flops)
     ax.plot([n for n, _ in curve], [loss for _, loss in curve], label=f"{s.flops:.3g} FLOPs, unlimited data")
     if s.unique_tokens is not None:
         limited = isoflop_curve(s.fit, s.flops, s.unique_tokens)
         ax.plot([n for n, _ in limited], [loss for _, loss in limited], linestyle="--",
-                label=f"{s.unique_tokens:.3g} unique tokens (repeats discounted)")
+                label=f"{s.unique_tokens:.3g} unique tokens (repeats and excess parameters discounted, Muennighoff)")
         ax.scatter([s.n_best], [s.loss_best], marker="s", color="tab:orange", zorder=3,
                    label=f"best for the data: {s.n_best:.3g}")
     ax.scatter([s.n_opt], [s.loss_opt], marker="o", color="tab:blue", zorder=3, label=f"optimum: {s.n_opt:.3g}")
@@ -171,7 +187,6 @@ def isoflop_chart(budget: BudgetPlan, path: Path) -> Path:
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    pyplot().close(fig)
     return path
 
 
@@ -202,6 +217,10 @@ def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out) + "</table>"
 
 
+def _gib(n: Optional[int]) -> str:
+    return f"{n / GIB:.4g}" if n else "-"
+
+
 def _out_dir(out: str | Path) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
@@ -214,7 +233,7 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
                       budget: Optional[BudgetPlan] = None) -> Path:
     """The plan's charts, plan.json and index.html in `out` (with a budget: its IsoFLOP chart first);
     returns the index's path."""
-    pyplot()  # fail before writing anything when matplotlib is missing
+    figure_class()  # fail before writing anything when matplotlib is missing
     out = _out_dir(out)
     numbers = plan_numbers(result, profile)
     (out / "plan.json").write_text(json.dumps(numbers, indent=1))
@@ -239,9 +258,11 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
     if profile is not None:
         rows = numbers["profile"]
         images.append(profile_chart(rows, out / "profile.png"))
-        tables.append(html_table(["layout", "predicted s", "measured s", "calibrated s"],
-                                 [[r["layout"], f"{r['predicted_s']:.4g}", f"{r['measured_s']:.4g}",
-                                   f"{r['calibrated_s']:.4g}"] for r in rows]))
+        tables.append(html_table(["layout", "predicted s", "measured s", "calibrated s", "estimated peak GiB",
+                                  "measured peak GiB"],
+                                 [[f"#{i} {r['layout']}", f"{r['predicted_s']:.4g}", f"{r['measured_s']:.4g}",
+                                   f"{r['calibrated_s']:.4g}", _gib(r["estimated_bytes"]), _gib(r["measured_bytes"])]
+                                  for i, r in enumerate(rows, 1)]))
     notes.append(f"{result.request.devices} x {numbers['hardware']}: the {len(layouts)} fastest layouts that fit, "
                  "as `shardwise plan` ranks them" if layouts else "no layout fits")
     index = out / "index.html"
@@ -251,9 +272,10 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
 
 def write_estimate_report(estimates: Sequence[Any], out: str | Path, capacity: Optional[int] = None) -> Path:
     """`shardwise estimate --report`: each pipeline rank's memory against `capacity` (when known)."""
-    pyplot()
+    figure_class()
     out = _out_dir(out)
-    bars = [(f"rank {i}" if len(estimates) > 1 else "device", memory_numbers(e)) for i, e in enumerate(estimates)]
+    bars = [(f"pipeline rank {i}" if len(estimates) > 1 else "device", memory_numbers(e))
+            for i, e in enumerate(estimates)]
     (out / "estimate.json").write_text(json.dumps({"capacity_bytes": capacity,
                                                    "ranks": [mem for _, mem in bars]}, indent=1))
     image = memory_chart(bars, out / "memory.png", capacity, None, "estimated memory per device")
@@ -283,7 +305,7 @@ def budget_table(budget: BudgetPlan) -> str:
 
 def write_budget_report(budget: BudgetPlan, out: str | Path) -> Path:
     """The IsoFLOP chart of a budget (and budget.json) in `out`."""
-    pyplot()
+    figure_class()
     out = _out_dir(out)
     s = budget.sizing
     numbers = {"flops": s.flops, "n_opt": s.n_opt, "d_opt": s.d_opt, "loss_opt": s.loss_opt, "n_best": s.n_best,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..config import RunConfig, load_config, validate
 from ..errors import ConfigError
 from ..hardware import CATALOGUE, Hardware, custom_hardware, get_hardware, known_names, load_hardware_file
-from .budget import BudgetPlan, plan_budget
+from .budget import BATCH_RULE, VOCAB_SIZE, BudgetPlan, default_global_batch, plan_budget
 from .charts import write_plan_report
 from .profile import profile_plan
 from .report import format_budget, format_plan
@@ -57,7 +57,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--list-hardware", action="store_true", help="print the catalogue and exit")
     w = p.add_argument_group("workload")
     w.add_argument("--seq-length", type=int, metavar="T", help="tokens per sample (default: the model's maximum)")
-    w.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default 4 x devices)")
+    w.add_argument("--global-batch", type=int, metavar="B",
+                   help="samples per optimizer step (default 4 x devices; with a budget, DeepSeek LLM's B_opt for it)")
     w.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="training dtype (default bf16; fp32 on cpu)")
     w.add_argument("--precision-level", choices=["O1", "O2", "O3"], help="16-bit level (default O2)")
     w.add_argument("--lora", action="store_true", help="LoRA fine-tuning (r=8 on q/k/v/o) instead of full training")
@@ -89,6 +90,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                                                              "(repeats discounted); alone, sizes the model for them")
     b.add_argument("--price-per-device-hour", type=float, metavar="P", help="price of one device for an hour: "
                                                                             "prints the cost")
+    b.add_argument("--vocab-size", type=int, metavar="V", help=f"your tokenizer's vocabulary, for the model sized "
+                                                               f"without --model or a config (default {VOCAB_SIZE})")
     p.add_argument("--report", metavar="DIR", help="write charts (PNG) and a self-contained index.html to DIR "
                                                     "(needs matplotlib: pip install 'shardwise[report]')")
 
@@ -160,6 +163,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top {args.top}: give at least 1")
     if args.price_per_device_hour is not None and not budgeted:
         raise ConfigError("--price-per-device-hour prices a budget: give --budget-hours, --budget-flops or --tokens")
+    if getattr(args, "vocab_size", None) is not None and not budgeted:
+        raise ConfigError("--vocab-size shapes the model a budget sizes: give --budget-hours, --budget-flops or "
+                          "--tokens (a model you plan directly has its own vocabulary)")
     if args.profile is not None and args.profile < 1:
         raise ConfigError(f"--profile {args.profile}: give at least 1 step")
     hw = hardware_from_args(args)
@@ -171,22 +177,25 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.nodes is not None and args.nodes > 1 and args.devices_per_node is None:
         hw = hw.with_changes(devices_per_node=max(1, args.devices // args.nodes))
 
-    def plan_for(config: Optional[RunConfig], model: Optional[str]) -> PlanResult:
-        cfg = workload_config(model=model, config=config, seq_length=args.seq_length, global_batch=args.global_batch,
-                              devices=args.devices, precision=args.precision, precision_level=args.precision_level,
-                              lora_rank=lora_rank, freeze_layers=args.freeze_layers, hardware=hw)
+    def workload(config: Optional[RunConfig], model: Optional[str], global_batch: Optional[int] = None) -> RunConfig:
+        return workload_config(model=model, config=config, seq_length=args.seq_length,
+                               global_batch=global_batch or args.global_batch, devices=args.devices,
+                               precision=args.precision, precision_level=args.precision_level, lora_rank=lora_rank,
+                               freeze_layers=args.freeze_layers, hardware=hw)
+
+    def plan_cfg(cfg: RunConfig) -> PlanResult:
         return plan(PlanRequest(cfg=cfg, devices=args.devices, hardware=hw, nodes=args.nodes,
                                 memory_margin=args.memory_margin, top=args.top, pins=pins,
                                 offload=not args.no_offload, target_tokens_per_s=args.target_tokens_per_s))
 
     budget: Optional[BudgetPlan] = None
     if budgeted:
-        budget = run_budget(args, hw, base, plan_for)
+        budget = run_budget(args, hw, base, workload, plan_cfg)
         result = budget.result
         print(format_budget(budget))
         print()
     else:
-        result = plan_for(base, args.model)
+        result = plan_cfg(workload(base, args.model))
     print(format_plan(result))
     profiled = None
     if args.profile is not None:
@@ -212,22 +221,51 @@ def _pins(args: argparse.Namespace) -> dict[str, list[Any]]:
     return pins
 
 
-def run_budget(args: argparse.Namespace, hw: Hardware, base: Optional[RunConfig], plan_for: Any) -> BudgetPlan:
+def run_budget(args: argparse.Namespace, hw: Hardware, base: Optional[RunConfig],
+               workload: Callable[[Optional[RunConfig], Optional[str], Optional[int]], RunConfig],
+               plan_cfg: Callable[[RunConfig], PlanResult]) -> BudgetPlan:
     """Size the budget the options give; the model is the one given (--model or the config) or, without
-    one, a LLaMA-like shape near the compute-optimal size (`budget.family_model`)."""
-    fixed = None
-    if base is not None or args.model is not None:
-        fixed = plan_for(base, args.model).request.cfg.model.model_dump(mode="json")
-
+    one, a LLaMA-like shape near the compute-optimal size (`budget.family_model`) with --vocab-size tokens.
+    Each model is planned at --global-batch, the config's train.global_batch_size, or else the budget's
+    default (`budget.default_global_batch`: DeepSeek LLM's B_opt in tokens)."""
+    refuse_fine_tuning(args, base)
+    if args.vocab_size is not None and (base is not None or args.model is not None):
+        raise ConfigError("--vocab-size shapes the model sized for the budget: with --model or a config the "
+                          "model (and its vocabulary) is given; drop --vocab-size")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        raise ConfigError(f"--vocab-size {args.vocab_size}: give your tokenizer's vocabulary, e.g. 128256")
+    fixed = workload(base, args.model, 1).model.model_dump(mode="json") \
+        if base is not None or args.model is not None else None
+    given_batch = args.global_batch or (base.train.global_batch_size if base is not None else None)
     precision = args.precision or ("fp32" if hw.kind == "cpu" else "bf16")
 
-    def plan_model(fields: dict[str, Any]) -> PlanResult:
-        if fixed is not None and fields == fixed:
-            return plan_for(base, args.model)
-        return plan_for(validate({"model": fields, "train": {"max_steps": 1},
-                                  "optimize": {"mixed_precision": precision}}), None)
+    def plan_model(fields: dict[str, Any], flops: float) -> PlanResult:
+        config, model = (base, args.model) if fields == fixed else (
+            validate({"model": fields, "train": {"max_steps": 1}, "optimize": {"mixed_precision": precision}}), None)
+        seq_length = workload(config, model, 1).data.seq_length
+        return plan_cfg(workload(config, model, given_batch or default_global_batch(flops, seq_length, args.devices)))
 
     peak = hw.peak_tflops(precision) * 1e12 * args.devices * hw.compute_efficiency
-    return plan_budget(plan_model, peak, hours=args.budget_hours, flops=args.budget_flops, unique_tokens=args.tokens,
-                       model=fixed, price_per_device_hour=args.price_per_device_hour,
-                       max_positions=max(2048, args.seq_length or 0))
+    bp = plan_budget(plan_model, peak, hours=args.budget_hours, flops=args.budget_flops, unique_tokens=args.tokens,
+                     model=fixed, price_per_device_hour=args.price_per_device_hour,
+                     max_positions=max(2048, args.seq_length or 0), vocab_size=args.vocab_size or VOCAB_SIZE)
+    bp.batch_source = ("--global-batch" if args.global_batch else "the config's train.global_batch_size"
+                       if given_batch else f"the budget's default, {BATCH_RULE}; --global-batch to choose")
+    return bp
+
+
+def refuse_fine_tuning(args: argparse.Namespace, base: Optional[RunConfig]) -> None:
+    """A budget sizes a model trained from scratch (C = 6ND over every weight): refuse LoRA, frozen layers
+    and fine-tunes, naming the option or config field."""
+    found = [flag for flag, on in (("--lora", args.lora), ("--lora-rank", args.lora_rank is not None),
+                                   ("--freeze-layers", args.freeze_layers is not None)) if on]
+    if base is not None:
+        found += [field for field, on in (("lora", base.lora is not None),
+                                          ("freeze.layers", base.freeze.layers > 0),
+                                          ("freeze.embeddings", base.freeze.embeddings),
+                                          ("model.init_from", base.model.init_from is not None),
+                                          ("data.kind: instruction", base.data.kind == "instruction")) if on]
+    if found:
+        raise ConfigError(f"a budget (--budget-hours/--budget-flops/--tokens) sizes a model pre-trained from "
+                          f"scratch, and {', '.join(found)} makes this a fine-tune: remove {', '.join(found)} "
+                          "to size a pre-training run, or plan the fine-tune without a budget")

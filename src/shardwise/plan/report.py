@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..models import count_parameters
 from ..units import GIB, gib, human
-from .budget import EXTRAPOLATION_WARNING, BudgetPlan, rule_of_20
+from .budget import EXTRAPOLATION_WARNING, FIT_PARAMS, FIT_TOKENS, BudgetPlan, rule_of_20
 from .search import Candidate, PlanResult
 
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
@@ -195,6 +195,11 @@ def wrap(text: str, width: int = 110) -> list[str]:
     return textwrap.wrap(text, width=width, break_on_hyphens=False) or [""]
 
 
+def amount(x: float) -> str:
+    """Device-hours or a cost: whole numbers with commas from 100, else three significant figures."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def format_budget(bp: BudgetPlan) -> str:
     """What `shardwise plan --budget-hours/--budget-flops/--tokens` prints before the plan of the model taken."""
     s, req = bp.sizing, bp.result.request
@@ -204,7 +209,8 @@ def format_budget(bp: BudgetPlan) -> str:
     if bp.given == "hours":
         lines += wrap(f"budget     {bp.hours:g} h on {req.devices} x {hw.name} = {s.flops:.3g} FLOPs (6ND: 6 x "
                       f"{human(s.params)} parameters x {bp.tokens_per_s:,.0f} tokens/s predicted x {bp.hours:g} h; "
-                      f"of {bp.rounds} size(s) planned, the lowest predicted loss at its own throughput)"
+                      + (f"of {bp.rounds} size(s) planned, the lowest predicted loss at its own throughput)"
+                         if bp.family else "the model given)")
                       if bp.fits else f"budget     {bp.hours:g} h on {req.devices} x {hw.name}: {s.flops:.3g} FLOPs "
                       "at the last model's size")
     elif bp.given == "flops":
@@ -217,27 +223,39 @@ def format_budget(bp: BudgetPlan) -> str:
                   f"{fit.source}")
     lines += wrap(f"optimum    N_opt {human(s.n_opt)} parameters, D_opt {human(s.d_opt)} tokens "
                   f"({s.d_opt / s.n_opt:.0f} tokens per parameter), predicted loss {s.loss_opt:.3f}")
+    inside = FIT_PARAMS[0] <= s.n_opt <= FIT_PARAMS[1] and FIT_TOKENS[0] <= s.d_opt <= FIT_TOKENS[1]
+    lines += wrap(f"range      the fit's runs spanned {human(FIT_PARAMS[0])}-{human(FIT_PARAMS[1])} parameters and "
+                  f"{human(FIT_TOKENS[0])}-{human(FIT_TOKENS[1])} tokens: this optimum lies "
+                  + ("inside them" if inside else "OUTSIDE them, a further extrapolation"))
     lines += wrap(f"rule of 20 {human(n20)} parameters, {human(d20)} tokens (the paper's Approaches 1-2: ~20 tokens "
                   "per parameter; Chinchilla: 70B on 1.4T)")
     if s.unique_tokens is not None:
         if s.data_bound:
             lines += wrap(f"data       {human(s.unique_tokens)} unique tokens, fewer than D_opt: the best size with "
-                          f"repeats discounted (Muennighoff et al. 2023, arXiv:2305.16264, R* = 15.4) is "
+                          f"repeated tokens and excess parameters discounted (Muennighoff et al. 2023, "
+                          f"arXiv:2305.16264, R_D* = 15.4, R_N* = 5.3) is "
                           f"{human(s.n_best)} parameters on {human(s.d_best)} tokens "
-                          f"({s.d_best / s.unique_tokens:.2g} epochs), predicted loss {s.loss_best:.3f}")
+                          f"({s.d_best / s.unique_tokens:.2g} epochs), predicted loss {s.loss_best:.3f}"
+                          + ("; past ~16 epochs repeats are worth little (at most 16.4x the unique tokens): more "
+                             "unique data would help more than more compute" if s.d_best > 16 * s.unique_tokens
+                             else ""))
         else:
             lines.append(f"data       {human(s.unique_tokens)} unique tokens: enough for D_opt "
                          f"({s.d_opt / s.unique_tokens:.2g} of an epoch)")
     repeats = f", {s.epochs:.2g} epochs worth {human(s.effective_tokens)}" if s.epochs > 1 else ""
+    vocab = f"vocabulary {m.vocab_size:,}" + (" (--vocab-size V for your tokenizer's)" if bp.family else "")
     lines += wrap(f"model      {m.preset or 'LLaMA-like'} {m.hidden_size} wide, {m.num_layers} layers, "
-                  f"{m.num_heads} heads: {human(s.params)} parameters on {human(s.tokens)} tokens{repeats}; "
+                  f"{m.num_heads} heads, {vocab}: {human(s.params)} parameters on {human(s.tokens)} tokens{repeats}; "
                   f"predicted loss {s.loss:.3f} ({s.loss - s.loss_opt:+.3f} against the optimum)")
+    gbs, seq = req.cfg.train.global_batch_size, req.cfg.data.seq_length
+    lines += wrap(f"batch      {gbs:,} samples x {seq:,} tokens = {human(gbs * seq)} tokens per step, "
+                  f"{s.tokens / (gbs * seq):,.0f} steps ({bp.batch_source or 'as planned'})")
     if bp.fits:
         best = bp.result.best
         lines += wrap(f"layout     {best.layout.describe()}: {best.step.tokens_per_s_per_device:,.0f} tokens/s per "
                       f"device ({100 * best.step.mfu:.1f}% MFU), {bp.tokens_per_s:,.0f} tokens/s on all {req.devices}")
-        cost = f"; cost {bp.device_hours:,.0f} device-hours x {bp.price_per_device_hour:g} = {bp.cost:,.0f}" \
-            if bp.cost is not None else f"; {bp.device_hours:,.0f} device-hours"
+        cost = f"; cost {amount(bp.device_hours)} device-hours x {bp.price_per_device_hour:g} = {amount(bp.cost)}" \
+            if bp.cost is not None else f"; {amount(bp.device_hours)} device-hours"
         lines.append(f"time       {human(s.tokens)} tokens / {bp.tokens_per_s:,.0f} tokens/s = {bp.hours:,.1f} h "
                      f"({bp.hours / 24:,.1f} days) wall{cost}")
     else:

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 from ..units import GIB
 from .plots import MEMORY_PARTS, Plot, common_losses
-from .runs import Run
+from .runs import FineTuning, Run
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1200px; color: #222; }
@@ -26,10 +26,12 @@ th:first-child, td:first-child { text-align: left; }
 
 
 def num(value: Any) -> str:
-    """A number as the report shows it (6 significant digits); a dash for none."""
+    """A number as the report shows it (6 significant digits; NaN and inf as such); a dash for none."""
     if value is None:
         return "\u2013"
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
         return f"{value:,}"
     return f"{value:.6g}"
 
@@ -62,14 +64,14 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
         planned = run.config.train.max_steps if run.config is not None else None
         tokens = last * run.tokens_per_step if last is not None and run.tokens_per_step else None
         tps = run.series("tokens_per_s")[1]
-        e_steps, e_values = run.eval_series()
         rows.append([
             run.name,
             f"{num(last)} of {num(planned)}" if planned else num(last),
             num(run.final("loss")),
-            num(e_values[-1]) if e_values else num(None),
+            num(run.final("eval_loss")),
             num(tokens),
             num(run.max_peak_memory_gb()),
+            run.peak_memory_kind(),
             num(sum(tps) / len(tps)) if tps else num(None),
             num(run.final("mfu")),
             num(sum(n for _, n in run.skipped())),
@@ -79,7 +81,8 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
 
 
 SUMMARY_HEADER = ("run", "last step", "final loss", "final eval loss", "tokens seen", "max peak memory (GiB)",
-                  "mean tokens/s", "final MFU", "skipped steps", "resumed after step")
+                  "peak memory measured as", "mean tokens/s (all devices)", "final MFU", "skipped steps",
+                  "resumed after step")
 
 
 def difference_rows(runs: list[Run]) -> list[list[str]]:
@@ -97,15 +100,18 @@ def difference_rows(runs: list[Run]) -> list[list[str]]:
     return rows
 
 
-DIFFERENCE_HEADER = ("run", "common steps", "max |loss difference|", "max relative difference", "at step")
+DIFFERENCE_HEADER = ("run", "common steps", "max |loss difference|", "max relative difference",
+                     "step of the max |difference|")
 
 
 def layout_text(run: Run) -> str:
     """The layout and the settings that decide memory and speed, in one line."""
     cfg = run.config
     p, o, t = cfg.parallel, cfg.optimize, cfg.train
-    devices = run.devices or p.world_size()
-    dp = p.dp_degree(run.devices)
+    if run.devices is None and p.data_parallel == -1:  # the records did not show the device count
+        devices, dp = "an unknown number of", "? (data_parallel -1)"
+    else:
+        devices, dp = run.devices or p.world_size(), p.dp_degree(run.devices)
     return (f"{devices} device(s): data {dp} x tensor {p.tensor_parallel} x pipeline {p.pipeline_parallel} x "
             f"context {p.context_parallel}, ZeRO stage {p.zero_stage}; micro-batch {t.micro_batch_size}, "
             f"gradient accumulation {cfg.gradient_accumulation(run.devices)}, sequence {cfg.data.seq_length}, "
@@ -116,7 +122,7 @@ def layout_text(run: Run) -> str:
 def memory_rows(run: Run) -> list[list[str]]:
     rows = [[name, num(getattr(run.memory, attr) / GIB)] for name, attr in MEMORY_PARTS]
     rows.append([f"estimated peak ({run.memory.peak_phase})", num(run.memory.peak / GIB)])
-    rows.append(["measured peak (max peak_memory_gb)", num(run.max_peak_memory_gb())])
+    rows.append([f"measured peak: {run.peak_memory_kind()}", num(run.max_peak_memory_gb())])
     return rows
 
 
@@ -138,24 +144,31 @@ def run_section(run: Run, index: int) -> str:
         parts.append(f"<details><summary>config.yaml (the config in force)</summary><pre>{_e(run.config_text)}</pre>"
                      "</details>")
     if run.memory is not None:
-        parts.append(f"<h3>Memory per device (estimate for {_e(run.memory_device)}, GiB)</h3>"
-                     + _table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
-        if run.memory_device == "cpu":
-            parts.append("<p>On the CPU the measured peak is the process's resident set (the Python interpreter "
-                         "and libraries included); the estimate counts tensors only.</p>")
+        parts.append(memory_section(run, index))
     if run.manifest is not None:
         parts.append(f"<h3>Data</h3><p>prepared data: {_e(run.manifest_path)}</p>"
                      + _table(("", "count"), data_rows(run.manifest), f"data-{index}"))
     if run.finetuning is not None:
-        f = run.finetuning
-        rows = [["fine-tuning", f.description], ["trainable", f.summary], ["trainable share", num(f.share)]]
-        if f.adapter_params:
-            rows.append(["adapter", f"{f.adapter_params:,} parameters ({num(f.adapter_params * 4 / 2**20)} MiB "
-                                    "in fp32)"])
-        parts.append("<h3>Fine-tuning</h3>" + _table(("", ""), rows, f"finetuning-{index}"))
+        parts.append("<h3>Fine-tuning</h3>" + _table(("", ""), finetuning_rows(run.finetuning), f"finetuning-{index}"))
     if run.profile:
         parts.append(profile_section(run, index))
     return "\n".join(parts)
+
+
+def memory_section(run: Run, index: int) -> str:
+    text = (f"<h3>Memory per device (estimate for {_e(run.memory_device)}, GiB)</h3>"
+            + _table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
+    if run.peak_memory_is_rss:
+        text += ("<p>On the CPU the measured peak is the process's resident set (the Python interpreter and "
+                 "libraries included); the estimate counts tensors only.</p>")
+    return text
+
+
+def finetuning_rows(f: FineTuning) -> list[list[str]]:
+    rows = [["fine-tuning", f.description], ["trainable", f.summary], ["trainable share", num(f.share)]]
+    if f.adapter_params:
+        rows.append(["adapter", f"{f.adapter_params:,} parameters ({num(f.adapter_params * 4 / 2**20)} MiB in fp32)"])
+    return rows
 
 
 def profile_section(run: Run, index: int) -> str:

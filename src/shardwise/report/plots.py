@@ -19,15 +19,14 @@ from .runs import Run
 MISSING_MATPLOTLIB = ("shardwise report draws its plots with matplotlib, which is not installed: "
                       "pip install 'shardwise[report]' (or pip install matplotlib)")
 
-# (id, title, metrics field, y label) of the plots against the step
+# (id, title, metrics field, y label) of the plots of one field against the step (the loss has its own)
 STEP_PLOTS = (
-    ("loss_step", "Loss against step", "loss", "loss"),
     ("lr", "Learning rate", "lr", "learning rate"),
     ("grad_norm", "Gradient norm (before clipping)", "grad_norm", "gradient norm"),
     ("loss_scale", "Loss scale", "loss_scale", "loss scale"),
     ("tokens_per_s", "Throughput", "tokens_per_s", "tokens/s (all devices)"),
     ("mfu", "Model FLOPs utilisation", "mfu", "MFU"),
-    ("peak_memory", "Peak memory", "peak_memory_gb", "GiB (the largest of any rank)"),
+    ("peak_memory", "Peak memory", "peak_memory_gb", "GiB"),  # the label says what was measured: peak_memory_label
 )
 MEMORY_PARTS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
                 ("activations", "activations"), ("buffers", "buffers"), ("allocator overhead", "overhead"))
@@ -56,11 +55,30 @@ def colour(i: int) -> str:
     return f"C{i % 10}"
 
 
+def text(name: str) -> str:
+    """A run's name as matplotlib text: `$` escaped (else `a$x$` is parsed as mathtext, and a bad formula
+    stops the report), and no leading `_` (a legend leaves such labels out)."""
+    name = name.replace("$", r"\$")
+    return " " + name if name.startswith("_") else name
+
+
+def peak_memory_label(runs: list[Run]) -> str:
+    """The y label of the peak-memory plot: device memory allocated (largest rank), or a CPU's process RSS."""
+    kinds = {r.peak_memory_is_rss for r in runs if r.measured_device is not None}
+    if kinds == {True}:
+        return "GiB: process peak RSS (cpu)"
+    if kinds == {False}:
+        return "GiB: peak allocated, largest rank"
+    return "GiB: peak allocated (accelerator) / process RSS (cpu)"
+
+
 def all_plots(runs: list[Run]) -> list[Plot]:
     """Every figure of the report, in the order it shows them."""
     figure = require_matplotlib()
     plots = [loss_against_step(figure, runs), loss_against_tokens(figure, runs)]
-    plots += [against_step(figure, runs, *spec) for spec in STEP_PLOTS[1:]]
+    for plot_id, title, key, ylabel in STEP_PLOTS:
+        ylabel = peak_memory_label(runs) if key == "peak_memory_gb" else ylabel
+        plots.append(against_step(figure, runs, plot_id, title, key, ylabel))
     if len(runs) > 1:
         plots.append(loss_differences(figure, runs))
     if any(r.memory is not None or r.max_peak_memory_gb() is not None for r in runs):
@@ -93,16 +111,27 @@ def _finish(fig: Any, ax: Any, has_data: bool) -> None:
         ax.text(0.5, 0.5, "no values logged", ha="center", va="center", transform=ax.transAxes)
 
 
-def _marks(ax: Any, run: Run, i: int, steps: list[int], values: list[float], first: bool) -> None:
-    """Restarts (dashed lines) and skipped steps (crosses on the curve) of one run."""
+def skipped_marks(run: Run, steps: list[int], values: list[float]) -> tuple[list[tuple[int, float]], list[int]]:
+    """Where to cross the skipped steps of a run: (step, value) on the curve, and the steps the curve has no
+    value at (a window whose every step was skipped logs a NaN loss), crossed at the foot of the plot."""
+    at = dict(zip(steps, values))
+    skipped = [s for s, _ in run.skipped()]
+    return [(s, at[s]) for s in skipped if s in at], [s for s in skipped if s not in at]
+
+
+def _marks(ax: Any, run: Run, i: int, steps: list[int], values: list[float]) -> None:
+    """Restarts (dashed lines) and skipped steps (red crosses) of one run."""
     for j, step in enumerate(run.restarts):
         ax.axvline(step, color=colour(i), linestyle="--", linewidth=1,
-                   label=f"{run.name}: resumed" if j == 0 else None)
-    at = dict(zip(steps, values))
-    skipped = [(s, at[s]) for s, _ in run.skipped() if s in at]
-    if skipped:
-        ax.scatter([s for s, _ in skipped], [v for _, v in skipped], marker="x", color="red", zorder=3,
-                   label="skipped steps" if first else None)
+                   label=f"{text(run.name)}: resumed" if j == 0 else None)
+    on_curve, off_curve = skipped_marks(run, steps, values)
+    label = None if "skipped steps" in ax.get_legend_handles_labels()[1] else "skipped steps"  # once a plot
+    if on_curve:
+        ax.scatter([s for s, _ in on_curve], [v for _, v in on_curve], marker="x", color="red", zorder=3, label=label)
+        label = None
+    if off_curve:  # x in data, y in axes coordinates: just above the x axis (a line, so the x limits take it in)
+        ax.plot(off_curve, [0.03] * len(off_curve), linestyle="none", marker="x", color="red", zorder=3, label=label,
+                transform=ax.get_xaxis_transform())
 
 
 def against_step(figure: Any, runs: list[Run], plot_id: str, title: str, key: str, ylabel: str) -> Plot:
@@ -113,8 +142,8 @@ def against_step(figure: Any, runs: list[Run], plot_id: str, title: str, key: st
         steps, values = run.series(key)
         if steps:
             has_data = True
-            ax.plot(steps, values, color=colour(i), label=run.name, marker="." if len(steps) < 30 else None)
-            _marks(ax, run, i, steps, values, first=i == 0)
+            ax.plot(steps, values, color=colour(i), label=text(run.name), marker="." if len(steps) < 30 else None)
+            _marks(ax, run, i, steps, values)
     if key == "loss_scale" and has_data:
         ax.set_yscale("log", base=2)
     _finish(fig, ax, has_data)
@@ -129,12 +158,12 @@ def loss_against_step(figure: Any, runs: list[Run]) -> Plot:
         steps, values = run.series("loss")
         if steps:
             has_data = True
-            ax.plot(steps, values, color=colour(i), label=f"{run.name} train")
-            _marks(ax, run, i, steps, values, first=i == 0)
+            ax.plot(steps, values, color=colour(i), label=f"{text(run.name)} train")
+            _marks(ax, run, i, steps, values)
         e_steps, e_values = run.eval_series()
         if e_steps:
             has_data = True
-            ax.plot(e_steps, e_values, color=colour(i), linestyle="--", marker="o", label=f"{run.name} eval")
+            ax.plot(e_steps, e_values, color=colour(i), linestyle="--", marker="o", label=f"{text(run.name)} eval")
     _finish(fig, ax, has_data)
     return Plot("loss_step", "Loss against step", _png(fig))
 
@@ -149,10 +178,10 @@ def loss_against_tokens(figure: Any, runs: list[Run]) -> Plot:
         steps, values = run.series("loss")
         e_steps, e_values = run.eval_series()
         if steps:
-            ax.plot([s * run.tokens_per_step for s in steps], values, color=colour(i), label=f"{run.name} train")
+            ax.plot([s * run.tokens_per_step for s in steps], values, color=colour(i), label=f"{text(run.name)} train")
         if e_steps:
             ax.plot([s * run.tokens_per_step for s in e_steps], e_values, color=colour(i), linestyle="--",
-                    marker="o", label=f"{run.name} eval")
+                    marker="o", label=f"{text(run.name)} eval")
         has_data = has_data or bool(steps or e_steps)
     _finish(fig, ax, has_data)
     return Plot("loss_tokens", "Loss against tokens seen", _png(fig))
@@ -161,7 +190,8 @@ def loss_against_tokens(figure: Any, runs: list[Run]) -> Plot:
 def loss_differences(figure: Any, runs: list[Run]) -> Plot:
     """Each later run's training loss minus the first run's, at the steps both logged."""
     base = runs[0]
-    fig, ax = _axes(figure, f"Loss difference against {base.name}", "step", f"loss - loss of {base.name}")
+    fig, ax = _axes(figure, f"Loss difference against {text(base.name)}", "step",
+                    f"loss - loss of {text(base.name)}")
     ax.axhline(0.0, color=colour(0), linewidth=1)
     has_data = False
     for i, run in enumerate(runs[1:], start=1):
@@ -169,7 +199,7 @@ def loss_differences(figure: Any, runs: list[Run]) -> Plot:
         if pairs:
             has_data = True
             ax.plot([s for s, _, _ in pairs], [b - a for _, a, b in pairs], color=colour(i), marker=".",
-                    label=run.name)
+                    label=text(run.name))
     _finish(fig, ax, has_data)
     return Plot("loss_diff", "Loss difference against the first run", _png(fig))
 
@@ -183,21 +213,28 @@ def common_losses(base: Run, other: Run) -> list[tuple[int, float, float]]:
 def memory_bars(figure: Any, runs: list[Run]) -> Plot:
     """Per run: the estimate stacked by part beside the measured peak (max peak_memory_gb), in GiB."""
     fig, ax = _axes(figure, "Memory per device: estimate (stacked) and measured peak", "", "GiB")
-    labels, x = [], 0
-    for i, run in enumerate(runs):
+    labels, x, legend = [], 0, set()
+
+    def once(name: str) -> str | None:  # each part in the legend once, whichever run has it first
+        if name in legend:
+            return None
+        legend.add(name)
+        return name
+
+    for run in runs:
         if run.memory is not None:
             bottom = 0.0
             for j, (name, attr) in enumerate(MEMORY_PARTS):
                 value = getattr(run.memory, attr) / GIB
-                ax.bar(x, value, bottom=bottom, color=f"C{j}", label=name if i == 0 else None, width=0.6)
+                ax.bar(x, value, bottom=bottom, color=f"C{j}", label=once(name), width=0.6)
                 bottom += value
-            labels.append((x, f"{run.name}\nestimate ({run.memory_device})"))
+            labels.append((x, f"{text(run.name)}\nestimate ({run.memory_device})"))
             x += 1
         peak = run.max_peak_memory_gb()
         if peak is not None:
-            ax.bar(x, peak, color="0.35", hatch="//", label="measured peak" if i == 0 else None, width=0.6)
+            ax.bar(x, peak, color="0.35", hatch="//", label=once("measured peak"), width=0.6)
             # A CPU's peak is the process's resident set (interpreter and libraries included), not tensors only.
-            labels.append((x, f"{run.name}\nmeasured" + (" (process RSS)" if run.memory_device == "cpu" else "")))
+            labels.append((x, f"{text(run.name)}\nmeasured" + (" (process RSS)" if run.peak_memory_is_rss else "")))
             x += 1
         x += 0.5
     ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize="small")
@@ -215,7 +252,8 @@ def profile_shares(figure: Any, runs: list[Run]) -> Plot:
     for k, (i, run) in enumerate(with_profile):
         shares = run.profile.get("shares", {})
         values = [float(shares.get(kind, math.nan)) for kind in kinds]
-        ax.bar([j + k * width for j in range(len(kinds))], values, width=width, color=colour(i), label=run.name)
+        ax.bar([j + k * width for j in range(len(kinds))], values, width=width, color=colour(i),
+               label=text(run.name))
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
     ax.set_ylim(0, 1)
     _finish(fig, ax, bool(with_profile))

@@ -57,7 +57,8 @@ class Run:
     tokens_per_step: int | None = None
     devices: int | None = None
     memory: MemoryEstimate | None = None
-    memory_device: str = ""
+    memory_device: str = ""  # the device kind the estimate is for
+    measured_device: str | None = None  # what peak_memory_gb measured (the records' "device", else run.device)
     manifest: dict[str, Any] | None = None
     manifest_path: Path | None = None
     finetuning: FineTuning | None = None
@@ -76,21 +77,46 @@ class Run:
         pairs = [(r["step"], float(r["eval_loss"])) for r in self.evals if _finite(r.get("eval_loss"))]
         return [s for s, _ in pairs], [v for _, v in pairs]
 
+    def non_finite(self, key: str) -> list[int]:
+        """Steps whose record holds a number for `key` that is NaN or infinite (a diverged run, or a window
+        whose every step was skipped): left out of the plots, so the page says so."""
+        return [r["step"] for r in (*self.records, *self.evals) if _number(r.get(key)) and not math.isfinite(r[key])]
+
     def skipped(self) -> list[tuple[int, int]]:
         """(step, skipped steps in the window ending there) where steps were skipped (a non-finite gradient)."""
-        return [(r["step"], int(r["skipped_steps"])) for r in self.records if r.get("skipped_steps")]
+        return [(r["step"], int(r["skipped_steps"])) for r in self.records
+                if _finite(r.get("skipped_steps")) and r["skipped_steps"] > 0]
 
     def max_peak_memory_gb(self) -> float | None:
         values = self.series("peak_memory_gb")[1]
         return max(values) if values else None
 
     def final(self, key: str) -> float | None:
-        values = self.series(key)[1]
+        """The last value of `key` as logged (training or eval records): a NaN or infinite last loss is shown,
+        not hidden."""
+        values = [float(r[key]) for r in (*self.records, *self.evals) if _number(r.get(key))]
         return values[-1] if values else None
+
+    @property
+    def peak_memory_is_rss(self) -> bool:
+        """Whether peak_memory_gb measured a CPU process's resident set (not device memory)."""
+        return self.measured_device == "cpu"
+
+    def peak_memory_kind(self) -> str:
+        """What peak_memory_gb measured, in words."""
+        if self.measured_device is None:
+            return "not recorded (device unknown)"
+        if self.peak_memory_is_rss:
+            return "process peak RSS (cpu)"
+        return f"peak allocated ({self.measured_device})"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return _number(value) and math.isfinite(value)
 
 
 def run_names(paths: list[Path]) -> list[str]:
@@ -102,19 +128,21 @@ def run_names(paths: list[Path]) -> list[str]:
 
 
 def read_run(path: str | Path, name: str | None = None) -> Run:
-    """Everything the report shows of one run directory (a ShardwiseError when it holds no metrics)."""
+    """Everything the report shows of one run directory (a ShardwiseError naming what is missing when it is
+    not one)."""
     path = Path(path)
-    if not (path / METRICS_FILE).is_file():
-        raise ShardwiseError(f"{path} holds no {METRICS_FILE}: give the run directory (train.output_dir) of a "
-                             "run that has logged at least one step")
-    all_records = [r for r in read_metrics(path) if isinstance(r.get("step"), int)]
+    _check_run_dir(path)
+    all_records = [r for r in read_metrics(path) if _number(r.get("step")) and isinstance(r["step"], int)]
     records = [r for r in all_records if "loss" in r]
     evals = [r for r in all_records if "eval_loss" in r]
     run = Run(path=path, name=name or path.resolve().name, records=records, evals=evals,
               restarts=find_restarts(all_records))
     if not records:
         run.notes.append(f"{METRICS_FILE} holds no training record yet")
+    _note_non_finite(run)
     _read_config(run)
+    run.measured_device = _device_from_records(records) or (
+        run.config.run.device if run.config is not None and run.config.run.device != "auto" else None)
     if run.config is not None:
         _tokens(run)
         _memory(run)
@@ -122,6 +150,26 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
         _finetuning(run)
     _profile(run)
     return run
+
+
+def _note_non_finite(run: Run) -> None:
+    for key in ("loss", "eval_loss"):
+        bad = run.non_finite(key)
+        if bad:
+            run.notes.append(f"{key} is not finite (NaN or infinite) at step(s) {', '.join(map(str, bad))}: left "
+                             "out of the plots (the summary shows the last value as logged)")
+
+
+def _check_run_dir(path: Path) -> None:
+    """A ShardwiseError naming the path and what is missing when it is not a run directory."""
+    if not path.exists():
+        raise ShardwiseError(f"{path} does not exist: give a run directory (the train.output_dir of a run)")
+    if not path.is_dir():
+        raise ShardwiseError(f"{path} is a file, not a run directory: give the directory that holds {METRICS_FILE} "
+                             "(the train.output_dir of a run)")
+    if not (path / METRICS_FILE).is_file():
+        raise ShardwiseError(f"{path} holds no {METRICS_FILE}: give the run directory (train.output_dir) of a "
+                             "run that has logged at least one step")
 
 
 def find_restarts(records: list[dict[str, Any]]) -> list[int]:
@@ -178,10 +226,13 @@ def _tokens(run: Run) -> None:
         devices = _devices_from_records(run.records)
         if devices is None:
             run.notes.append("parallel.data_parallel is -1 and the records do not show the device count: "
-                             "tokens seen are left out")
+                             "tokens seen are left out, and the memory estimate is for data parallel 1")
             return
     run.devices = devices or cfg.parallel.world_size()
     run.tokens_per_step = tokens_per_step(cfg, devices)
+    if cfg.data.kind == "instruction" and cfg.data.packing != "pack":
+        run.notes.append(f"tokens seen are step x {run.tokens_per_step:,} token slots (global batch x seq_length), "
+                         f"padding included (data.packing {cfg.data.packing}); tokens/s counts real tokens only")
 
 
 def _devices_from_records(records: list[dict[str, Any]]) -> int | None:
@@ -201,7 +252,7 @@ def _device_from_records(records: list[dict[str, Any]]) -> str | None:
 
 def _memory(run: Run) -> None:
     cfg = run.config
-    device = cfg.run.device if cfg.run.device in ("cuda", "npu", "cpu") else _device_from_records(run.records)
+    device = run.measured_device
     if device is None:
         device = "cuda"
         run.notes.append("run.device is auto and the records do not name the device: the memory estimate is for "
@@ -226,8 +277,16 @@ def _manifest(run: Run) -> None:
         return
     if directory is None:
         return
-    run.manifest_path = directory / MANIFEST_FILE
-    run.manifest = json.loads(run.manifest_path.read_text(encoding="utf-8"))
+    path = directory / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        run.notes.append(f"data summary: {path} does not read as JSON ({exc}); run `shardwise prepare` again")
+        return
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("counts", {}), dict):
+        run.notes.append(f"data summary: {path} is not a prepared-data manifest (a mapping with `counts`)")
+        return
+    run.manifest_path, run.manifest = path, manifest
 
 
 def _cached_dir(run: Run) -> Path | None:
@@ -272,7 +331,12 @@ def _finetuning(run: Run) -> None:
     cfg = run.config
     if cfg.lora is None and not (cfg.freeze is not None and cfg.freeze.active()):
         return
-    model = build_run_model(cfg, "meta")
+    try:
+        model = build_run_model(cfg, "meta")
+    except (ShardwiseError, ValueError) as exc:
+        run.notes.append(f"fine-tuning: the model does not build from {CONFIG_FILE} ({exc}): its trainable share "
+                         "is left out")
+        return
     params = list(model.named_parameters())
     run.finetuning = FineTuning(
         description=describe_finetuning(model, cfg.lora, cfg.freeze) or "",
@@ -288,6 +352,29 @@ def _profile(run: Run) -> None:
     if not path.is_file():
         return
     try:
-        run.profile = json.loads(path.read_text(encoding="utf-8"))
+        summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         run.notes.append(f"{PROFILE_SUMMARY} does not read ({exc}): the profile section is left out")
+        return
+    problem = _profile_problem(summary)
+    if problem:
+        run.notes.append(f"{path}: {problem}: the profile section is left out")
+        return
+    run.profile = summary
+
+
+def _profile_problem(summary: Any) -> str:
+    """What is wrong with a profile summary's shape (the format `train/profiling.py` writes), or ""."""
+    if not isinstance(summary, dict):
+        return "not a JSON object"
+    shares = summary.get("shares", {})
+    if not isinstance(shares, dict) or not all(_number(v) for v in shares.values()):
+        return "`shares` is not a mapping of numbers"
+    operators = summary.get("top_operators", [])
+    if not isinstance(operators, list) or not all(isinstance(o, dict) for o in operators):
+        return "`top_operators` is not a list of objects"
+    if any(not _number(o.get(k, 0)) for o in operators for k in ("self_time_ms", "share")):
+        return "`top_operators` holds a self_time_ms or share that is not a number"
+    if not isinstance(summary.get("trace", ""), str) or not isinstance(summary.get("steps", []), list):
+        return "`trace` is not a path or `steps` is not a list"
+    return ""

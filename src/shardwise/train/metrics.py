@@ -23,7 +23,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from ..hardware import Peak
 from ..loss import IGNORE_INDEX
 from ..parallel.collectives import max_over
 from ..units import GIB
-from .trackers import check_installed, open_trackers
+from .trackers import FAILED, FINISHED, Tracker, TrackerError, check_installed, close_all, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,12 @@ class MetricsWriter:
     `resume_step`: the run continues from the checkpoint of this step, so records after it (logged
     by the run before it stopped) are dropped first, from the file and from TensorBoard's view, and the
     first record written after it is preceded by {"step": resume_step, "resumed": true}.
+
+    A tracker that does not start on rank 0 is not raised here, where the other ranks would go on alone:
+    `start_failed` says so (False on the other ranks), and every rank calls `check_started(world_size)` right
+    after making the writer, which raises on all of them together (one max-reduce of `start_failed`). Until
+    then nothing is logged (`write` raises the error). A tracker whose `write` fails later is dropped with a
+    warning. `close(status)` ends the trackers' runs as FINISHED, FAILED or KILLED (trackers.py).
     """
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
@@ -275,31 +281,60 @@ class MetricsWriter:
         loggers = list(loggers) if loggers is not None else (["tensorboard"] if tensorboard else [])
         check_installed(loggers)  # on every rank, so that no rank goes on alone
         self.enabled = enabled
-        self.path = Path(run_dir) / METRICS_FILE
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
         self.tb = None
-        self.trackers: list[Any] = []
+        self.trackers: list[Tracker] = []
+        self.start_error: TrackerError | None = None  # rank 0's, when a tracker did not start
         self._fd: int | None = None
+        self._resumed_at = None
         if not enabled:
+            return
+        try:
+            self.trackers = open_trackers(loggers, self.run_dir, config, resume=bool(resume_step))
+        except TrackerError as exc:  # raised by raise_start_failure, once every rank knows (see the class)
+            self.start_error = exc
             return
         if resume_step is not None:
             keep_records_through(self.path, resume_step)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.trackers = open_trackers(loggers, Path(run_dir), config, resume=bool(resume_step))
         if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # optional extra: shardwise[tensorboard]
 
                 # purge_step hides the events a stopped run logged after the step it resumes from.
                 purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
             except ImportError:
                 log.debug("tensorboard is not installed; skipping event files")
         # Where the curve continues (`shardwise report` marks it): written with the first record after the resume,
         # so that a finished run resumed at its end is left as it was.
         self._resumed_at = resume_step or None
 
+    @property
+    def start_failed(self) -> bool:
+        """Whether a tracker did not start (on rank 0; the other ranks open none)."""
+        return self.start_error is not None
+
+    def check_started(self, world_size: int = 1) -> None:
+        """On every rank, before any step: raise on all ranks when a tracker did not start on rank 0 (a
+        collective over the ranks when `world_size` > 1)."""
+        failed = float(self.start_failed)
+        if (max_over(failed) if world_size > 1 else failed) > 0:
+            self.raise_start_failure()
+
+    def raise_start_failure(self) -> NoReturn:
+        """Raise why the trackers did not start: rank 0's error (the logger, the run directory, the fix); on the
+        other ranks an error that points to rank 0's."""
+        if self.start_error is not None:
+            raise self.start_error
+        raise TrackerError(f"train.loggers: a tracker did not start on rank 0 for the run in {self.run_dir}, so "
+                           "every rank stops; rank 0's error names the logger and the fix")
+
     def write(self, record: dict[str, Any]) -> None:
         """Record metrics for `record['step']`: one line, in one write (a kill cannot tear it but mid-write)."""
+        if self.start_error is not None:
+            raise self.start_error
         if not self.enabled or self._fd is None:
             return
         if self._resumed_at:
@@ -314,21 +349,29 @@ class MetricsWriter:
     def _append_and_track(self, record: dict[str, Any]) -> None:
         """The line of metrics.jsonl, and the same record to each tracker (W&B, MLflow)."""
         self._append(record)
-        for tracker in self.trackers:
-            tracker.write(record)
+        for tracker in list(self.trackers):
+            try:
+                tracker.write(record)
+            except Exception as exc:  # noqa: BLE001 - rank 0 alone must not raise mid-run (see the class)
+                log.warning("train.loggers: %s failed to log step %s (%s: %s) and gets no more records for the run "
+                            "in %s; metrics.jsonl holds them all", tracker.name, record.get("step"),
+                            type(exc).__name__, exc, self.run_dir)
+                self.trackers.remove(tracker)
+                close_all([tracker], FAILED, self.run_dir)
 
     def _append(self, record: dict[str, Any]) -> None:
         data = (json.dumps(record) + "\n").encode("utf-8")
         while data:  # a regular file takes the whole write at once; a short write is finished here
             data = data[os.write(self._fd, data):]
 
-    def close(self) -> None:
-        """Close the file, flush TensorBoard and finish the trackers' runs."""
+    def close(self, status: str = FINISHED) -> None:
+        """Close the file, flush TensorBoard and end the trackers' runs with `status`: FINISHED, FAILED (training
+        raised) or KILLED (stopped by a signal). A tracker that fails to close is logged, not raised."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         if self.tb is not None:
             self.tb.close()
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+            self.tb = None
+        trackers, self.trackers = self.trackers, []
+        close_all(trackers, status, self.run_dir)

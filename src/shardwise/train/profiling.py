@@ -8,23 +8,31 @@ RUN_DIR/profile/:
 
 - `trace_rank0.json`: the Chrome / Perfetto trace (open it in https://ui.perfetto.dev or chrome://tracing);
   its ProfilerStep#k spans are the recorded steps, k counted from 0 at the first step this process ran;
-  a span runs from the end of the step before (the trainer calls `step` right after each train step), so
-  that step's logging, checkpoint save or evaluation falls in it;
+  a span runs from one `step` call to the next and holds whatever the loop did in between (with `step`
+  called at the end of each loop iteration: step k's data loading, the step itself, and its logging,
+  checkpoint save or evaluation);
 - `memory_snapshot.pickle` (CUDA only): torch's allocator history over the recorded steps, for
   https://pytorch.org/memory_viz;
-- `summary.json`: {"steps": [the recorded steps], "top_operators": [{"name", "self_time_ms", "share"}]
-  (the 15 operators with the most self time, CPU time on a CPU and device time on CUDA, share of all
-  operators' self time), "shares": {"compute", "communication", "idle"} (of the recorded steps' wall
-  time; they sum to 1), "trace": "profile/trace_rank0.json" (relative to RUN_DIR)}.
+- `summary.json`, read by `shardwise report`:
+  - "steps": the recorded steps (1-based), e.g. [3, 4];
+  - "top_operators": the TOP_OPERATORS operators with the most self time, most first, each
+    {"name", "self_time_ms" (summed over the recorded steps, in milliseconds), "share" (of all operators'
+    self time)}: CPU time on a CPU, device time on CUDA;
+  - "shares": {"compute", "communication", "idle"}, fractions of the recorded steps' time that sum to 1;
+  - "trace": "profile/trace_rank0.json" (relative to RUN_DIR).
 
-The shares split the recorded steps' wall time (their ProfilerStep spans) into three. Communication: the
-main thread inside a collective (on a CPU, also within an operator that calls it), or a collective running
-elsewhere (gloo's worker threads, NCCL kernels) while nothing computes: exposed communication, since what
-overlaps computation costs no time. Compute: the rest of the time some computation runs (on a CPU a
-top-level operator on the main thread, backward included; on CUDA a kernel that is no NCCL kernel). Idle:
-the rest (the host waiting or running Python between operators, on CUDA the device starved). A name is a
-collective when it holds one of COMMUNICATION_MARKERS and is no aten:: operator (aten::broadcast_tensors
-computes); gloo's and NCCL's (gloo:all_reduce) are annotations, the only annotations that count as work.
+The shares split the recorded steps' time into three. That time is their ProfilerStep spans on the host;
+on CUDA it runs on to the end of the last kernel when the device finishes after the host (the host only
+queues kernels, so the last step's kernels can run after its span). Communication: the main thread inside a
+collective (on a CPU, also within an operator that calls it), or a collective running elsewhere (gloo's
+worker threads, NCCL kernels) while nothing computes: exposed communication, since what overlaps
+computation costs no time. Compute: the rest of the time some computation runs (on a CPU a top-level
+operator on the main thread, backward included; on CUDA a kernel that is no NCCL kernel). Idle: the rest
+(the host waiting or running Python between operators, on CUDA the device starved). `is_communication`
+says which names are collectives: c10d's operators (c10d::allreduce_, _c10d_functional::wait_tensor) and
+the backends' annotations and kernels (gloo:all_reduce, nccl:all_gather, ncclDevKernel_*, HCCL's
+hcom_* / Hccl*). The backends' annotations are the only annotations that count as work: FSDP::all_gather_copy_in
+and its like are annotations around copies and c10d operators.
 """
 
 from __future__ import annotations
@@ -48,8 +56,9 @@ PROFILE_DIR = "profile"
 SUMMARY_FILE = "summary.json"
 MEMORY_SNAPSHOT_FILE = "memory_snapshot.pickle"
 TOP_OPERATORS = 15
-COMMUNICATION_MARKERS = ("c10d", "nccl", "gloo", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
-                         "send", "recv", "all_to_all")
+COLLECTIVE_OPERATORS = ("c10d::", "_c10d_functional::", "c10d_functional::", "_c10d_functional_autograd::",
+                        "record_param_comms")  # name prefixes: torch.distributed's operators
+BACKEND_MARKERS = ("gloo", "nccl", "hccl", "hcom", "mpi:", "ucc:")  # in the backends' annotations and kernels
 MEMORY_HISTORY_ENTRIES = 100_000  # allocator events kept for the snapshot (the newest)
 Intervals = Sequence[tuple[float, float]]  # (start, end) in microseconds
 STEP_SPAN = "ProfilerStep"  # its events are named ProfilerStep#k in the trace, ProfilerStep* in prof.events()
@@ -61,14 +70,19 @@ def trace_file(rank: int) -> str:
 
 
 def is_communication(name: str) -> bool:
-    """Whether an operator or kernel of this name is a collective (c10d, gloo, NCCL, their ops)."""
+    """Whether an operator, annotation or kernel of this name is a collective: a torch.distributed operator
+    (c10d::allreduce_, _c10d_functional::all_gather_into_tensor) or a backend's (gloo:all_reduce,
+    ncclDevKernel_AllReduce_Sum_bf16_RING_LL, hcom_allReduce_). Names are matched by prefix or backend, not by
+    words such as "broadcast" or "all_gather", which computing names hold too (aten::broadcast_tensors,
+    FSDP::all_gather_copy_in)."""
     low = name.lower()
-    return not low.startswith("aten::") and any(marker in low for marker in COMMUNICATION_MARKERS)
+    return low.startswith(COLLECTIVE_OPERATORS) or any(marker in low for marker in BACKEND_MARKERS)
 
 
 class StepProfiler:
-    """torch.profiler over the steps of train.profile: `start(first_step)` before the loop, `step(done)` after
-    each optimizer step (`done`: the 1-based step just finished), `stop()` when the loop ends (in a finally).
+    """torch.profiler over the steps of train.profile: `start(first_step)` before the loop, `step(done)` once per
+    loop iteration after optimizer step `done` (1-based; at the iteration's end, the span of step k holds all
+    of its iteration), `stop()` when the loop ends (in a finally).
     Without a profile, on ranks other than 0 or when the run starts past start_step, every call does nothing."""
 
     def __init__(self, spec: Optional[ProfileConfig], run_dir: Path, device: torch.device, rank: int) -> None:
@@ -111,7 +125,7 @@ class StepProfiler:
 
     def step(self, done: int) -> float:
         """After optimizer step `done` (1-based): moves the profiler on; after the last step, writes the files.
-        Returns the seconds that took beyond the step (writing the files), for the metrics to leave out."""
+        Returns the seconds that took (starting the trace, writing the files), for the metrics to leave out."""
         if self._prof is None:
             return 0.0
         if self.spec.start_step <= done <= self.last_step:
@@ -120,7 +134,7 @@ class StepProfiler:
             self._record_memory()
         begun = time.perf_counter()
         self._prof.step()
-        return time.perf_counter() - begun if done == self.last_step else 0.0
+        return time.perf_counter() - begun
 
     def stop(self) -> None:
         """End profiling (the loop has ended); the files are written now if the run ended inside the window.
@@ -225,7 +239,19 @@ def time_shares(events: Iterable[Any], on_device: bool = False) -> dict[str, flo
                 blocking.append(interval)  # the main thread inside a collective, at any depth
             elif _top_level(e):
                 compute.append(interval)
-    return shares_of([(e.time_range.start, e.time_range.end) for e in spans], compute, background, blocking)
+    steps = [(e.time_range.start, e.time_range.end) for e in spans]
+    if on_device:
+        steps = _until_the_device_is_done(steps, compute + background)
+    return shares_of(steps, compute, background, blocking)
+
+
+def _until_the_device_is_done(steps: list[tuple[float, float]],
+                              kernels: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The steps' host spans, run on to the end of the last kernel when the device finishes after the host."""
+    if not steps or not kernels:
+        return steps
+    host_end, device_end = max(end for _, end in steps), max(end for _, end in kernels)
+    return steps + [(host_end, device_end)] if device_end > host_end else steps
 
 
 def _top_level(event: Any) -> bool:

@@ -11,6 +11,13 @@ W&B honours its own environment (WANDB_MODE=offline, WANDB_API_KEY, WANDB_ENTITY
 project "shardwise"); its files go to RUN_DIR/wandb. MLflow logs to MLFLOW_TRACKING_URI, else
 file:RUN_DIR/mlruns (a file store: MLFLOW_ALLOW_FILE_STORE is set to true unless set already, as MLflow 3
 refuses it otherwise), in the experiment MLFLOW_EXPERIMENT_NAME, else the run directory's name.
+
+A tracker that does not start (wandb.init or MLflow's first call fails: no login, a server out of reach)
+raises TrackerError naming the logger, the run directory and the fix; MetricsWriter keeps it for the loop,
+which stops every rank together. A tracker whose logging fails later is dropped with a warning (every
+record is still in metrics.jsonl): raising on rank 0 alone would leave the other ranks waiting in their
+next collective. `close(status)` ends each run as FINISHED, FAILED (training raised) or KILLED (stopped
+by a signal): W&B with exit code 0 or 1 (a signal stop also marks it preempting), MLflow with that status.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ShardwiseError
 from ..files import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,12 @@ EXTRAS = {"wandb": "pip install 'shardwise[wandb]'", "mlflow": "pip install 'sha
 IDS_FILE = "trackers.json"
 PARAM_CHARS = 500  # MLflow's smallest limit on a parameter's value (older servers); longer values are cut
 PARAMS_PER_BATCH = 100  # MLflow's limit on the parameters of one log_batch call
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"  # how a run ended (MLflow's RunStatus names)
+STATUSES = (FINISHED, FAILED, KILLED)
+
+
+class TrackerError(ShardwiseError):
+    """A tracker (W&B, MLflow) did not start; the message names the logger, the run directory and the fix."""
 
 
 def check_installed(loggers: Sequence[str]) -> None:
@@ -92,6 +105,10 @@ class WandbTracker:
     against their `step` field (wandb.define_metric), so the steps a resumed run logs again after its
     checkpoint are kept rather than dropped as out of order."""
 
+    name = "wandb"
+    fix = ("log in (`wandb login`, or set WANDB_API_KEY), or set WANDB_MODE=offline to log into RUN_DIR/wandb and "
+           "`wandb sync` later, or take wandb out of train.loggers")
+
     def __init__(self, run_dir: Path, config: Mapping[str, Any] | None, resume: bool) -> None:
         import wandb  # optional extra: shardwise[wandb]
 
@@ -109,14 +126,21 @@ class WandbTracker:
         """Log the record's numeric fields with its step."""
         self.run.log({"step": record["step"], **numeric_fields(record)})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = FINISHED) -> None:
+        """Finish the run: exit code 0 when FINISHED, else 1; a signal stop (KILLED) is marked preempting."""
+        if status == KILLED:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=0 if status == FINISHED else 1)
 
 
 class MlflowTracker:
     """One MLflow run per run directory, through MlflowClient (no global active run): parameters are the
     flattened config (logged when the run is created), metrics are logged at step=record["step"];
     `resume` reopens the run whose id RUN_DIR keeps."""
+
+    name = "mlflow"
+    fix = ("check that MLFLOW_TRACKING_URI names a server this process can reach (or unset it to log into "
+           "RUN_DIR/mlruns), or take mlflow out of train.loggers")
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any] | None, resume: bool) -> None:
         from mlflow.tracking import MlflowClient  # optional extra: shardwise[mlflow]
@@ -165,12 +189,41 @@ class MlflowTracker:
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str = FINISHED) -> None:
+        """End the run with `status` (FINISHED, FAILED or KILLED)."""
+        self.client.set_terminated(self.run_id, status=status)
+
+
+Tracker = WandbTracker | MlflowTracker
+KINDS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
 def open_trackers(loggers: Sequence[str], run_dir: Path, config: Mapping[str, Any] | None,
-                  resume: bool) -> list[WandbTracker | MlflowTracker]:
-    """The trackers of `loggers` (tensorboard is not one of them: MetricsWriter writes it), opened."""
-    kinds = {"wandb": WandbTracker, "mlflow": MlflowTracker}
-    return [kinds[name](run_dir, config, resume) for name in loggers if name in kinds]
+                  resume: bool) -> list[Tracker]:
+    """The trackers of `loggers` (tensorboard is not one of them: MetricsWriter writes it), opened. When one
+    does not start, those opened before it are closed (FAILED) and TrackerError says which and the fix."""
+    opened: list[Tracker] = []
+    for name in loggers:
+        if name not in KINDS:
+            continue
+        kind = KINDS[name]
+        try:
+            opened.append(kind(run_dir, config, resume))
+        except Exception as exc:  # noqa: BLE001 - any failure to start is reported the same way, with its cause
+            close_all(opened, FAILED, run_dir)
+            raise TrackerError(f"train.loggers: {name} did not start for the run in {run_dir} "
+                               f"({type(exc).__name__}: {exc}); {kind.fix.replace('RUN_DIR', str(run_dir))}") from exc
+    return opened
+
+
+def close_all(trackers: Sequence[Tracker], status: str, run_dir: Path) -> None:
+    """Close each tracker's run with `status`; a failure is logged (naming the logger), not raised, so that it
+    neither keeps the other trackers open nor replaces the error that ended training."""
+    if status not in STATUSES:
+        raise ValueError(f"tracker status {status!r}: one of {', '.join(STATUSES)}")
+    for tracker in trackers:
+        try:
+            tracker.close(status)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("train.loggers: closing %s's run for %s failed (%s: %s); metrics.jsonl holds every record",
+                        tracker.name, run_dir, type(exc).__name__, exc)

@@ -1,15 +1,15 @@
-"""The training loop: from a resolved config to optimizer steps, metrics and checkpoints, on one
-device or many.
+"""A run's state and its steps: from a resolved config to optimizer steps, on one device or many.
 
 `Trainer.train()` builds the run's state once (`setup`: processes and layout, run directory, data,
-model parts, optimizer, schedule, loss scaler, loader, checkpointer), then loops: `train_step` runs
-one optimizer step (`forward_backward` over its micro-batches, then unscale, clip and update) and the
-loop logs, checkpoints and evaluates. The trainer knows no more of the parallelism than what
-`parallel` hands it: model parts (the whole model, or this rank's pipeline chunks), an optimizer to
-step and, with pipeline parallelism, a schedule. A step's loss is the sum of token losses over every
-rank's micro-batches divided by the step's global target-token count, and data-parallel reduction
-sums, so every layout computes one device's gradient. Tools follow a step through
-`add_phase_hook(fn)`: `fn(phase)` is called as the trainer enters each of PHASES.
+model parts, optimizer, schedule, loss scaler, loader, checkpointer) and hands it to the loop
+(loop.py), which runs the steps and logs, checkpoints, stops and evaluates between them. `train_step`
+runs one optimizer step (`forward_backward` over its micro-batches, then unscale, clip and update)
+without waiting for the device; `settle` reads a step's figures and acts on them. The trainer knows no
+more of the parallelism than what `parallel` hands it: model parts (the whole model, or this rank's
+pipeline chunks), an optimizer to step and, with pipeline parallelism, a schedule. A step's loss is the
+sum of token losses over every rank's micro-batches divided by the step's global target-token count,
+and data-parallel reduction sums, so every layout computes one device's gradient. Tools follow a step
+through `add_phase_hook(fn)`: `fn(phase)` is called as the trainer enters each of PHASES.
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import contextlib
 import dataclasses
 import logging
 import math
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from ..builder import adapt_for_finetuning, build_run_model, describe_finetuning, prepare_given_model, trainable_summary
 from ..checkpoint.checkpointer import TIED_COPY, Checkpointer, canonical_param_names, parameters
@@ -46,7 +43,7 @@ from ..parallel.collectives import all_reduce, max_over, rank0_first, rank0_then
 from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
 from ..parallel.float8 import after_optimizer_step, check_float8
-from ..parallel.launch import init_distributed, join_one_process_group, lost_node_message
+from ..parallel.launch import init_distributed, join_one_process_group
 from ..parallel.parallelize import (
     allocate,
     build_pipeline,
@@ -58,43 +55,21 @@ from ..parallel.parallelize import (
 from ..parallel.pipeline import concat_micro_batches, pipeline_step
 from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
-from ..units import GIB
 from .evaluation import evaluate_held_out, model_inputs
+from .loop import TrainingLoop, TrainResult
 from .metrics import (
-    CompileClock,
-    MetricsWriter,
-    MfuMeter,
     StepTokens,
-    Window,
     count_real_tokens,
-    format_record,
-    reset_peak_memory,
 )
-from .oom import device_memory_bytes, explain_out_of_memory, is_out_of_memory
+from .oom import device_memory_bytes
 from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
-from .profiling import StepProfiler
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
-from .run_summary import RunFigures, RunTally, summary_lines
 from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
-from .stop_signals import StopSignals, StopVote
 
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "pipeline step", "optimizer step", "checkpoint save", "evaluation")
-
-
-@dataclass
-class TrainResult:
-    """What a finished (or stopped) run reports back."""
-
-    run_dir: Path
-    step: int
-    losses: dict[int, float] = field(default_factory=dict)
-    eval: dict[str, float] | None = None
-    last_checkpoint: Path | None = None
-    stopped_by: str | None = None  # the signal (SIGTERM, SIGUSR1) that stopped the run before its last step
-    summary: list[str] = field(default_factory=list)  # the end-of-run summary lines (run_summary.py)
 
 
 @dataclass
@@ -195,120 +170,10 @@ class Trainer:
 
     def train(self, resume: str | None = None, overwrite: bool = False) -> TrainResult:
         """Run training to `max_steps` (or the epochs' worth), resuming when asked. SIGTERM or SIGUSR1 stops it
-        after a step that every rank agrees on, with that step's checkpoint (`stop_signals`; `stopped_by`)."""
-        s = self.state = self.setup(resume, overwrite)
-        cfg, run_dir = self.config, Path(self.config.train.output_dir)
-        mfu = MfuMeter(run_flops(cfg).total, device_peak(s.device, s.plan.dtype, cfg.train.peak_tflops,
-                                                         measure=s.ctx.is_main))  # only rank 0 logs MFU
-        writer = MetricsWriter(run_dir, loggers=cfg.train.loggers, config=cfg.model_dump(mode="json"),
-                               enabled=s.ctx.is_main, resume_step=s.start)
-        result = TrainResult(run_dir=run_dir, step=s.start)
-        # The bar only on a terminal; elsewhere (a log file) the log line of each log step is the progress.
-        bar = tqdm(total=s.total_steps, initial=s.start, unit="step", dynamic_ncols=True, desc="train",
-                   disable=not (cfg.train.progress_bar and s.ctx.is_main and sys.stderr.isatty()))
-        window = Window(time.perf_counter())
-        compile_clock = CompileClock(cfg.run.compile is True, window.start)
-        reset_peak_memory(s.device)
-        pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
-        tally = RunTally(window.start)  # the figures of the end-of-run summary
-        profiler = StepProfiler(cfg.train.profile, run_dir, s.device, s.ctx.rank).start(s.start + 1, s.total_steps)
-        signals = StopSignals().install()  # SIGTERM / SIGUSR1: stop after a step, with its checkpoint
-        vote = StopVote(signals, cfg.train.save_minutes, s.ctx.is_main)
-        try:
-            for step in range(s.start, s.total_steps):
-                lr = s.schedule.apply(s.optimizer, step)
-                fetched = time.perf_counter()
-                micro_batches = s.loader.next_step()
-                tally.data_s += time.perf_counter() - fetched  # the host's time in the loader (no device sync)
-                pending.append(self.train_step(micro_batches, step))
-                done = result.step = step + 1
-                window.start += profiler.step(done)  # train.profile; its files' writing is left out of the metrics
-                bar.update(1)
-                decision = vote.after_step()  # the same on every rank, after the same step
-                stops = bool(decision.signal) and done < s.total_steps
-                logs = done % cfg.train.log_steps == 0 or done == s.total_steps or stops
-                saves = (cfg.train.save_steps and done % cfg.train.save_steps == 0) or done == s.total_steps or \
-                    decision.save_due or stops
-                evaluates = not stops and self.eval_dataset is not None and (
-                    done == s.total_steps or (cfg.train.eval_steps and done % cfg.train.eval_steps == 0))
-                if logs or saves or evaluates or compile_clock.waiting:
-                    self._settle(pending[-1])  # nothing is saved, evaluated or logged past a step that must stop
-                if compile_clock.waiting:
-                    line = compile_clock.tick(time.perf_counter())
-                    if line:
-                        log.info(line)
-                current = pending[-1]
-                while pending and pending[0].settled:  # in step order: each step settles the one before it
-                    out = pending.pop(0)
-                    result.losses[out.step + 1] = out.loss
-                    window.add(out.loss, out.tokens.real, out.tokens.target, out.skipped)
-                    tally.booked(out.tokens.real, out.skipped)
-                if cfg.train.check_replicas_steps and done % cfg.train.check_replicas_steps == 0:
-                    self.check_replicas(done)
-                if logs:
-                    record = window.record(done, lr, current.grad_norm, current.scale, mfu, s.device,
-                                           s.ctx.world_size)
-                    writer.write(record)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                    log.info(format_record(record))
-                    window = Window(time.perf_counter())
-                    tally.last_record = record
-                # Save first: a failure during evaluation must not cost the step's checkpoint.
-                if saves:
-                    result.last_checkpoint = self.save(done)
-                    tally.checkpoints += 1
-                    vote.saved()
-                    window.start = time.perf_counter()
-                if stops:
-                    s.checkpointer.wait()  # train.async_save: published before the process ends
-                    result.stopped_by = decision.signal_name
-                    log.info("stopped by %s after step %d: checkpoint %s saved; continue with --resume auto",
-                             result.stopped_by, done, result.last_checkpoint.name)
-                    break
-                if evaluates:
-                    result.eval = self.evaluate()
-                    writer.write({"step": done, **{f"eval_{k}": v for k, v in result.eval.items()}})
-                    log.info("step %d eval loss %.4f perplexity %.2f", done, result.eval["loss"],
-                             result.eval["perplexity"])
-                    window.start = time.perf_counter()
-            vote.close()
-            s.checkpointer.wait()  # train.async_save: publish the last checkpoint (a failed write raises here)
-        except Exception as exc:
-            lost = lost_node_message(exc, s.ctx.rank) if isinstance(exc, RuntimeError) else None
-            if lost:  # a collective's peer went away: say which node, not gloo's words alone
-                raise TrainingError(lost) from exc
-            if not is_out_of_memory(exc):
-                raise
-            pp_rank = s.meshes["pp"].get_local_rank() if s.dims.pp > 1 else 0
-            raise TrainingError(explain_out_of_memory(cfg, s.ctx.world_size, s.ctx.rank, self.phase, s.device,
-                                                      pp_rank, s.ctx.local_world_size)) from exc
-        finally:
-            profiler.stop()
-            signals.restore()
-            s.checkpointer.wait(training_failed=True)  # an earlier, finished step's pending save is still published
-            s.loader.close()
-            bar.close()
-            writer.close()
-        result.summary = self._summary(tally, result, mfu)
-        return result
-
-    def _summary(self, tally: RunTally, result: TrainResult, mfu: MfuMeter) -> list[str]:
-        """The end-of-run summary (run_summary.py): its lines, logged (by rank 0: the others log warnings only)."""
-        s, cfg = self.state, self.config
-        wall = tally.elapsed()
-        capacity = device_memory_bytes(s.device)
-        record = tally.last_record or {}
-        figures = RunFigures(
-            steps=tally.steps, last_step=result.step, tokens=tally.tokens, wall_s=wall, data_s=tally.data_s,
-            mfu=mfu.of(tally.tokens / wall / s.ctx.world_size)[0] if wall > 0 else float("nan"),
-            peak_memory_gb=record.get("peak_memory_gb", float("nan")), capacity_gb=capacity / GIB if capacity else None,
-            device_type=s.device.type, final_loss=result.losses.get(result.step, float("nan")),
-            eval_loss=result.eval["loss"] if result.eval else None, checkpoints=tally.checkpoints,
-            skipped_steps=tally.skipped, mixed_precision=cfg.optimize.mixed_precision, recompute=cfg.optimize.recompute)
-        lines = summary_lines(figures)
-        for line in lines:
-            log.info(line)
-        return lines
+        after a step that every rank agrees on, with that step's checkpoint (`stop_signals`; `stopped_by`).
+        `setup` builds the state once; the loop (loop.py) runs the steps and what comes between them."""
+        self.state = self.setup(resume, overwrite)
+        return TrainingLoop(self, self.state).run()
 
     def setup(self, resume: str | None = None, overwrite: bool = False) -> TrainState:
         """Build the run's state: processes and layout, run directory, data, model parts, optimizer,
@@ -427,7 +292,7 @@ class Trainer:
         host runs behind the step. A step whose loss or gradients are not finite never touches the
         weights: the update is skipped on the device (fused kernels take the flag as `found_inf`;
         others read it), with fp16 the loss scale is lowered there too, and the trainer acts on it
-        (`_settle`: a warning, or a stop under train.nan_policy: stop) when it reads the figures,
+        (`settle`: a warning, or a stop under train.nan_policy: stop) when it reads the figures,
         at the latest before the next step's update.
         """
         s, cfg = self.state, self.config
@@ -482,12 +347,12 @@ class Trainer:
                           s.meshes["dp"])
 
     def _settle_previous(self) -> None:
-        """Act on the last step's figures, if not done yet (see `_settle`)."""
+        """Act on the last step's figures, if not done yet (see `settle`)."""
         previous, self._previous = self._previous, None
         if previous is not None:
-            self._settle(previous)
+            self.settle(previous)
 
-    def _settle(self, result: StepResult) -> None:
+    def settle(self, result: StepResult) -> None:
         """Read a step's figures and act on them, once: stop on a batch without targets, and on a skipped
         step lower nothing more (the device has done it) but warn, or stop (fp16 at the smallest loss scale,
         train.nan_policy: stop)."""
