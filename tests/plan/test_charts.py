@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardwise.cli import main
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.hardware import get_hardware
 from shardwise.memory.estimate import estimate_all_ranks
 from shardwise.plan import PlanRequest, plan, workload_config
@@ -132,6 +132,6 @@ def test_without_matplotlib_the_message_names_the_extra(tmp_path: Path, monkeypa
     for name in [m for m in sys.modules if m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` raises ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'shardwise\[report\]'"):
+    with pytest.raises(ShardwiseError, match=r"pip install 'shardwise\[report\]'"):
         write_plan_report(small_plan(), tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing written

@@ -14,13 +14,12 @@ those numbers so that a test or a script can read what the pictures show.
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError
+from ..html_page import embedded_png, escape, figure_class, page, table
 from ..step_time import StepTime
 from ..units import GIB
 from .budget import EXTRAPOLATION_WARNING, BudgetPlan, isoflop_curve
@@ -31,17 +30,6 @@ MEMORY_PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", 
 STEP_COLOURS = {"compute": "#4878d0", "recompute": "#82c6e2", "tp_comm": "#ee854a", "dp_comm": "#d65f5f",
                 "pp_comm": "#956cb4", "cp_comm": "#dc7ec0", "bubble": "#8c613c", "optimizer": "#6acc64",
                 "offload": "#797979"}
-MISSING = "charts need matplotlib: pip install 'shardwise[report]' (or pip install 'matplotlib>=3.7')"
-
-
-def figure_class() -> Any:
-    """matplotlib's Figure (drawn on its own Agg canvas: no pyplot, the process's backend left alone), or a
-    ConfigError naming the extra to install."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ConfigError(MISSING) from None
-    return Figure
 
 
 def _subplots(figsize: tuple[float, float]) -> tuple[Any, Any]:
@@ -193,28 +181,16 @@ def _save(fig: Any, path: Path) -> Path:
 # --- the page --------------------------------------------------------------------------------------
 
 
+PAGE_STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
+              "table{border-collapse:collapse;font-size:0.85em}td,th{border:1px solid #ccc;padding:2px 6px;"
+              "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%}")
+
+
 def index_html(title: str, images: Sequence[Path], tables: Sequence[str], notes: Sequence[str] = ()) -> str:
-    """A self-contained page: the notes, the PNGs embedded as base64, and the HTML tables."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
-             "table{border-collapse:collapse;font-size:0.85em}td,th{border:1px solid #ccc;padding:2px 6px;"
-             "text-align:right}td:first-child,th:first-child{text-align:left}img{max-width:100%}</style>",
-             f"</head><body><h1>{html.escape(title)}</h1>"]
-    parts += [f"<p>{html.escape(note)}</p>" for note in notes]
-    for image in images:
-        data = base64.b64encode(image.read_bytes()).decode("ascii")
-        parts.append(f"<figure><img alt='{html.escape(image.stem)}' src='data:image/png;base64,{data}'>"
-                     f"<figcaption>{html.escape(image.name)}</figcaption></figure>")
-    parts += list(tables)
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """An HTML table of the cells as given (escaped)."""
-    out = ["<table><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in head) + "</tr>"]
-    out += ["<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows]
-    return "\n".join(out) + "</table>"
+    """A self-contained page: the notes, the PNGs embedded, and the HTML tables."""
+    parts = [f"<h1>{escape(title)}</h1>", *(f"<p>{escape(note)}</p>" for note in notes)]
+    parts += [embedded_png(image.read_bytes(), image.stem, image.name) for image in images]
+    return page(title, PAGE_STYLE, "\n".join([*parts, *tables]))
 
 
 def _gib(n: Optional[int]) -> str:
@@ -249,7 +225,7 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
         images.append(memory_chart(bars, out / "memory.png", numbers["capacity_bytes"], layouts[0]["usable_bytes"],
                                    f"memory per device on {numbers['hardware']}"))
         parts = [p for p in StepTime.PARTS if any(lay["step"][p] for lay in layouts)]
-        tables.append(html_table(["layout", "step s", *parts, "tokens/s per device", "MFU", "peak GiB"],
+        tables.append(table(["layout", "step s", *parts, "tokens/s per device", "MFU", "peak GiB"],
                                  [[lay["label"] + " " + lay["layout"], f"{lay['step']['total']:.6g}",
                                    *(f"{lay['step'][p]:.4g}" for p in parts),
                                    f"{lay['step']['tokens_per_s_per_device']:,.0f}",
@@ -258,7 +234,7 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
     if profile is not None:
         rows = numbers["profile"]
         images.append(profile_chart(rows, out / "profile.png"))
-        tables.append(html_table(["layout", "predicted s", "measured s", "calibrated s", "estimated peak GiB",
+        tables.append(table(["layout", "predicted s", "measured s", "calibrated s", "estimated peak GiB",
                                   "measured peak GiB"],
                                  [[f"#{i} {r['layout']}", f"{r['predicted_s']:.4g}", f"{r['measured_s']:.4g}",
                                    f"{r['calibrated_s']:.4g}", _gib(r["estimated_bytes"]), _gib(r["measured_bytes"])]
@@ -283,7 +259,7 @@ def write_estimate_report(estimates: Sequence[Any], out: str | Path, capacity: O
     rows = [[label, *(f"{mem[key] / GIB:.4g}" for key, _ in MEMORY_PARTS), f"{mem['peak'] / GIB:.4g}"]
             for label, mem in bars]
     index = out / "index.html"
-    index.write_text(index_html("shardwise estimate", [image], [html_table(head, rows)],
+    index.write_text(index_html("shardwise estimate", [image], [table(head, rows)],
                                 ["GiB per device" + (f"; capacity {capacity / GIB:.3g} GiB" if capacity else "")]))
     return index
 
@@ -300,7 +276,7 @@ def budget_table(budget: BudgetPlan) -> str:
              ("its predicted loss", f"{s.loss:.4f}"),
              ("wall hours", f"{budget.hours:.4g}" if budget.hours is not None else "does not fit"),
              ("cost", f"{budget.cost:.4g}" if budget.cost is not None else "-")]
-    return html_table(["budget", ""], rows)
+    return table(["budget", ""], rows)
 
 
 def write_budget_report(budget: BudgetPlan, out: str | Path) -> Path:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from ..errors import ShardwiseError
 from ..files import write_bytes_atomic, write_text_atomic
+from ..html_page import MISSING_MATPLOTLIB, figure_class
 from .html import render
-from .plots import MISSING_MATPLOTLIB, all_plots, require_matplotlib
+from .plots import all_plots
 from .runs import Run, read_run, run_names
 
 REPORT_FILE = "report.html"
@@ -24,7 +25,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     """Write OUT/report.html and OUT/<plot>.png for the runs (default OUT: the first run's report/); its path."""
     if not run_dirs:
         raise ShardwiseError("give at least one run directory")
-    require_matplotlib()  # before any reading: say what to install first
+    figure_class()  # before any reading: say what to install first
     paths = [Path(p) for p in run_dirs]
     runs = [read_run(p, name) for p, name in zip(paths, run_names(paths))]
     plots = all_plots(runs)

@@ -5,10 +5,10 @@ Numbers are shown with 6 significant digits (`num`), the same in every table.
 
 from __future__ import annotations
 
-import base64
-import html
-from typing import Any, Iterable
+import statistics
+from typing import Any
 
+from ..html_page import embedded_png, escape, page, table
 from ..units import GIB
 from .plots import MEMORY_PARTS, Plot, common_losses
 from .runs import FineTuning, Run
@@ -36,23 +36,9 @@ def num(value: Any) -> str:
     return f"{value:.6g}"
 
 
-def _e(text: Any) -> str:
-    return html.escape(str(text))
-
-
-def _table(header: Iterable[str], rows: Iterable[Iterable[Any]], table_id: str = "") -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    ident = f' id="{_e(table_id)}"' if table_id else ""
-    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
 def img(plot: Plot) -> str:
-    """An <img> holding the PNG itself (a data URI), with the plot's id and title."""
-    data = base64.b64encode(plot.png).decode("ascii")
-    return (f'<figure><img id="plot-{_e(plot.id)}" alt="{_e(plot.title)}" title="{_e(plot.title)}" '
-            f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.title)} ({_e(plot.id)}.png)</figcaption>'
-            "</figure>")
+    """The plot's <figure>: its PNG embedded, with the plot's id and title."""
+    return embedded_png(plot.png, plot.title, f"{plot.title} ({plot.id}.png)", f"plot-{plot.id}")
 
 
 def summary_rows(runs: list[Run]) -> list[list[str]]:
@@ -72,7 +58,7 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
             num(tokens),
             num(run.max_peak_memory_gb()),
             run.peak_memory_kind(),
-            num(sum(tps) / len(tps)) if tps else num(None),
+            num(statistics.median(tps)) if tps else num(None),  # a compiling first window moves no median
             num(run.final("mfu")),
             num(sum(n for _, n in run.skipped())),
             ", ".join(str(s) for s in run.restarts) or "none",
@@ -81,8 +67,8 @@ def summary_rows(runs: list[Run]) -> list[list[str]]:
 
 
 SUMMARY_HEADER = ("run", "last step", "final loss", "final eval loss", "tokens seen", "max peak memory (GiB)",
-                  "peak memory measured as", "mean tokens/s (all devices)", "final MFU", "skipped steps",
-                  "resumed after step")
+                  "peak memory measured as", "median tokens/s (all devices, of the log records)", "final MFU",
+                  "skipped steps", "resumed after step")
 
 
 def difference_rows(runs: list[Run]) -> list[list[str]]:
@@ -136,28 +122,28 @@ def data_rows(manifest: dict[str, Any]) -> list[list[str]]:
 
 def run_section(run: Run, index: int) -> str:
     """Config, layout, memory, data, fine-tuning and profile of one run."""
-    parts = [f'<h2 id="run-{index}">Run {_e(run.name)}</h2>', f"<p>{_e(run.path.resolve())}</p>"]
-    parts += [f'<p class="note">{_e(n)}</p>' for n in run.notes]
+    parts = [f'<h2 id="run-{index}">Run {escape(run.name)}</h2>', f"<p>{escape(run.path.resolve())}</p>"]
+    parts += [f'<p class="note">{escape(n)}</p>' for n in run.notes]
     if run.config is not None:
-        parts.append(f"<h3>Layout</h3><p>{_e(layout_text(run))}</p>")
+        parts.append(f"<h3>Layout</h3><p>{escape(layout_text(run))}</p>")
     if run.config_text:
-        parts.append(f"<details><summary>config.yaml (the config in force)</summary><pre>{_e(run.config_text)}</pre>"
-                     "</details>")
+        parts.append("<details><summary>config.yaml (the config in force)</summary>"
+                     f"<pre>{escape(run.config_text)}</pre></details>")
     if run.memory is not None:
         parts.append(memory_section(run, index))
     if run.manifest is not None:
-        parts.append(f"<h3>Data</h3><p>prepared data: {_e(run.manifest_path)}</p>"
-                     + _table(("", "count"), data_rows(run.manifest), f"data-{index}"))
+        parts.append(f"<h3>Data</h3><p>prepared data: {escape(run.manifest_path)}</p>"
+                     + table(("", "count"), data_rows(run.manifest), f"data-{index}"))
     if run.finetuning is not None:
-        parts.append("<h3>Fine-tuning</h3>" + _table(("", ""), finetuning_rows(run.finetuning), f"finetuning-{index}"))
+        parts.append("<h3>Fine-tuning</h3>" + table(("", ""), finetuning_rows(run.finetuning), f"finetuning-{index}"))
     if run.profile:
         parts.append(profile_section(run, index))
     return "\n".join(parts)
 
 
 def memory_section(run: Run, index: int) -> str:
-    text = (f"<h3>Memory per device (estimate for {_e(run.memory_device)}, GiB)</h3>"
-            + _table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
+    text = (f"<h3>Memory per device (estimate for {escape(run.memory_device)}, GiB)</h3>"
+            + table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
     if run.peak_memory_is_rss:
         text += ("<p>On the CPU the measured peak is the process's resident set (the Python interpreter and "
                  "libraries included); the estimate counts tensors only.</p>")
@@ -176,23 +162,21 @@ def profile_section(run: Run, index: int) -> str:
     rows = [[o.get("name", ""), num(o.get("self_time_ms")), num(o.get("share"))] for o in prof.get("top_operators", [])]
     shares = prof.get("shares", {})
     text = ", ".join(f"{k} {num(v)}" for k, v in shares.items())
-    trace = f"<p>trace (Perfetto / Chrome JSON): {_e(run.path / prof['trace'])}</p>" if prof.get("trace") else ""
+    trace = f"<p>trace (Perfetto / Chrome JSON): {escape(run.path / prof['trace'])}</p>" if prof.get("trace") else ""
     steps = prof.get("steps")
-    recorded = f" (steps {_e(', '.join(str(s) for s in steps))})" if isinstance(steps, list) and steps else ""
-    return (f"<h3>Profile</h3><p>shares of the profiled time{recorded}: {_e(text)}</p>{trace}"
-            + _table(("operator", "self time (ms)", "share"), rows, f"profile-{index}"))
+    recorded = f" (steps {escape(', '.join(str(s) for s in steps))})" if isinstance(steps, list) and steps else ""
+    return (f"<h3>Profile</h3><p>shares of the profiled time{recorded}: {escape(text)}</p>{trace}"
+            + table(("operator", "self time (ms)", "share"), rows, f"profile-{index}"))
 
 
 def render(runs: list[Run], plots: list[Plot]) -> str:
     """The whole page."""
     names = ", ".join(r.name for r in runs)
-    body = [f"<h1>shardwise report</h1><p>{_e(names)}</p>",
-            "<h2>Summary</h2>" + _table(SUMMARY_HEADER, summary_rows(runs), "summary")]
+    body = [f"<h1>shardwise report</h1><p>{escape(names)}</p>",
+            "<h2>Summary</h2>" + table(SUMMARY_HEADER, summary_rows(runs), "summary")]
     if len(runs) > 1:
-        body.append(f"<h2>Differences against {_e(runs[0].name)}</h2>"
-                    + _table(DIFFERENCE_HEADER, difference_rows(runs), "differences"))
+        body.append(f"<h2>Differences against {escape(runs[0].name)}</h2>"
+                    + table(DIFFERENCE_HEADER, difference_rows(runs), "differences"))
     body.append('<h2>Plots</h2><div class="plots">' + "".join(img(p) for p in plots) + "</div>")
     body += [run_section(run, i) for i, run in enumerate(runs)]
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>shardwise report: {_e(names)}</title><style>{STYLE}</style></head><body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    return page(f"shardwise report: {names}", STYLE, "\n".join(body))

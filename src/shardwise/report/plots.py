@@ -1,7 +1,7 @@
 """The report's figures, drawn with matplotlib (the `report` extra) on the Agg canvas: PNG bytes, no window.
 
 Every curve of a run has the run's colour; restarts are dashed vertical lines and skipped steps
-crosses, on every plot against the step. matplotlib is imported inside `require_matplotlib`, so the
+crosses, on every plot against the step. matplotlib is imported inside `html_page.figure_class`, so the
 rest of shardwise works without it.
 """
 
@@ -12,12 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ShardwiseError
+from ..html_page import figure_class
 from ..units import GIB
 from .runs import Run
-
-MISSING_MATPLOTLIB = ("shardwise report draws its plots with matplotlib, which is not installed: "
-                      "pip install 'shardwise[report]' (or pip install matplotlib)")
 
 # (id, title, metrics field, y label) of the plots of one field against the step (the loss has its own)
 STEP_PLOTS = (
@@ -39,15 +36,6 @@ class Plot:
     id: str
     title: str
     png: bytes
-
-
-def require_matplotlib() -> Any:
-    """matplotlib's Figure class, or a ShardwiseError naming the extra to install."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ShardwiseError(MISSING_MATPLOTLIB) from exc
-    return Figure
 
 
 def colour(i: int) -> str:
@@ -74,7 +62,7 @@ def peak_memory_label(runs: list[Run]) -> str:
 
 def all_plots(runs: list[Run]) -> list[Plot]:
     """Every figure of the report, in the order it shows them."""
-    figure = require_matplotlib()
+    figure = figure_class()
     plots = [loss_against_step(figure, runs), loss_against_tokens(figure, runs)]
     for plot_id, title, key, ylabel in STEP_PLOTS:
         ylabel = peak_memory_label(runs) if key == "peak_memory_gb" else ylabel
