@@ -3,13 +3,14 @@
 `run_distributed(fn, world_size, *args)` starts `world_size` workers through multiprocessing's fork
 server: a clean single-threaded process that has imported torch and shardwise once, so that each worker
 is a cheap fork of it, never of the test process (whose threads, from tokenizers, OpenMP, checkpoint
-writers and earlier tests, a fork would copy mid-work: the suite once saw a worker die of heap
-corruption, "free(): invalid size"). `fn` must be a module-level function and `args` picklable; each
-worker gets the test's environment variables of the moment, but not its monkeypatches (patch inside
-`fn`). It initialises a gloo process group over `tcp://127.0.0.1:<free port>` with a timeout so
-that a hang fails, runs `fn(rank, world_size, *args)` in each, and returns the per-rank results in
-rank order. A worker's exception is re-raised in the parent as `WorkerError` naming the rank and carrying its traceback;
-the other workers are then terminated. Run many variants inside one `fn` so the launch is paid once.
+writers and earlier tests, a fork would copy mid-work: the likely cause of the heap corruption, "free():
+invalid size", that killed a worker in one CI run and never reproduced). `fn` must be a module-level
+function and `args` picklable; each worker gets the test's environment variables of the moment, but not
+its monkeypatches (patch inside `fn`). It initialises a gloo process group over `tcp://127.0.0.1:<free
+port>` with a timeout so that a hang fails, runs `fn(rank, world_size, *args)` in each, and returns the
+per-rank results in rank order. A worker's exception is re-raised in the parent as `WorkerError` naming
+the rank and carrying its traceback; the other workers are then terminated. Run many variants inside one
+`fn` so the launch is paid once.
 
 `tiny_config`, `make_steps`, `build_tiny_model` and `train_loop` give a reference training loop
 that every layout shares: fixed token batches, AdamW from `build_optimizer`, and the trainer's loss

@@ -507,7 +507,7 @@ def _root_cause(failures: dict) -> int:  # noqa: ANN001 - {rank: ProcessFailure}
     """The rank that failed first. torch orders by whole-second timestamps (ties go to the lowest rank).
     Here ranks ended by SIGTERM, which the agent sends to the survivors of another rank's failure, are
     passed over. Within one second, a rank that recorded a Python error comes before a rank that a signal
-    ended with no error file (often gloo's SIGABRT when its peer vanished; torch knows only the second in
+    ended with no error file (one that aborted when its peer vanished, say; torch knows only the second in
     which the agent saw it), then the earlier error file, then the lower rank."""
 
     def order(rank: int) -> tuple:

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from ..errors import ShardwiseError
 from ..files import write_bytes_atomic, write_text_atomic
-from ..html_page import MISSING_MATPLOTLIB, figure_class
+from ..html_page import figure_class
 from .html import render
 from .plots import all_plots
 from .runs import Run, read_run, run_names
 
 REPORT_FILE = "report.html"
 
-__all__ = ["MISSING_MATPLOTLIB", "REPORT_FILE", "Run", "read_run", "write_report"]
+__all__ = ["REPORT_FILE", "Run", "read_run", "write_report"]
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:

@@ -57,10 +57,7 @@ from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
 from .evaluation import evaluate_held_out, model_inputs
 from .loop import TrainingLoop, TrainResult
-from .metrics import (
-    StepTokens,
-    count_real_tokens,
-)
+from .metrics import StepTokens, count_real_tokens
 from .oom import device_memory_bytes
 from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
