@@ -9,9 +9,12 @@ a DTensor sharded on the vocabulary and the loss is computed shard by shard, nev
 `chunked_token_loss_sum(hidden, weight, labels, chunk_tokens)` is the same sum computed from the final
 hidden states and the output projection's weight without ever holding the `[tokens, vocab]` logits
 (as Liger's fused linear cross-entropy and Apple's cut cross-entropy do): a custom autograd function
-runs `chunk_tokens` tokens at a time, keeps only the hidden states and each token's log-sum-exp for
-backward, and recomputes each chunk's logits there; the peak is one `[chunk, vocab]` block in fp32.
-A vocabulary-sharded DTensor weight (tensor parallelism) computes on its shard, and only per-token
+runs `chunk_tokens` tokens at a time; the peak is one `[chunk, vocab]` block in fp32. In training it
+makes each chunk's gradients right away, in forward, as Liger does (the hidden states' and the output
+weight's, scaled in backward by the upstream gradient), so no logits are computed twice. Under a
+pipeline, with fp16 matmuls or under tensor parallelism it keeps the hidden states and each token's
+log-sum-exp instead and recomputes each chunk's logits in backward, as cut cross-entropy does. A
+vocabulary-sharded DTensor weight (tensor parallelism) computes on its shard, and only per-token
 statistics cross the TP ranks.
 """
 
@@ -99,9 +102,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, compiled: bool = False) -> torch.Tensor:
+                           chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, compiled: bool = False,
+                           gradients_in_forward: bool = True) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, labels)` without materialising the [tokens, vocab] logits
-    or their gradient: `chunk_tokens` tokens at a time, in forward and again in backward.
+    or their gradient: `chunk_tokens` tokens at a time, in forward (and again in backward where it
+    recomputes the logits, see `gradients_in_forward`).
 
     `hidden` [..., H] are the final (normed) hidden states, `weight` [V, H] the output projection's
     weight (a tied embedding matrix works alike), `labels` [...] the targets. Each chunk's logits are
@@ -118,6 +123,17 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     `compiled`: each chunk's work (the matmul, then log-sum-exp and target logit in forward, the
     logits' gradient in backward) runs through `torch.compile`, which fuses the passes over the
     [chunk, vocab] block into one or two kernels (run.compile; a new chunk shape compiles again).
+
+    `gradients_in_forward` (when a gradient is wanted, there is no TP mesh and the matmul is not fp16):
+    each chunk's logits give their gradient at once, in forward, and backward only scales the hidden
+    states' and the weight's gradients by the upstream one (as Liger's fused linear cross-entropy
+    does). That saves recomputing the logits in backward, one [tokens, hidden] x [hidden, vocab] matmul
+    of the head's four (2 x hidden x vocab FLOPs per token). Memory: the two gradients, kept from the
+    forward on instead of the hidden states, are what the recomputing backward would make first, so
+    the step's peak (the start of backward) holds the same tensors; what moves is that the weight's
+    gradient exists from the end of the forward. A pipeline turns it off (a GPipe-like schedule would
+    hold one weight gradient per micro-batch in flight); fp16 keeps the recomputation, whose gradient
+    is scaled by the loss scale before it is cast to 16 bits.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
@@ -148,6 +164,9 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
+        if (gradients_in_forward and mesh is None and h.dtype != torch.float16 and torch.is_grad_enabled()
+                and (h.requires_grad or weight.requires_grad)):
+            return _GradientsInForward.apply(h, weight, y, int(chunk_tokens), compiled)
         return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start, compiled)
 
 
@@ -158,46 +177,52 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over valid tokens of logsumexp(h W^T) - (h W^T)[label], chunk by chunk over the tokens.
+    """sum over valid tokens of logsumexp(h W^T) - (h W^T)[label], chunk by chunk over the tokens, the
+    logits computed again in backward.
 
-    Saves the hidden states, the weight, the labels and each token's log-sum-exp (+inf where the label
-    is ignored, so that backward's softmax is 0 there); every [c, V] block lives only inside one chunk.
-    Under TP (`mesh`) the weight holds vocabulary rows [start, start + V_local) and the per-token
-    log-sum-exps and target logits are reduced across the mesh."""
+    Saves the hidden states, the weight, the labels and per token the largest logit and the sum of
+    exp(logit - largest) (+inf where the label is ignored, so that backward's softmax is 0 there): backward
+    then makes each chunk's softmax exactly as `_GradientsInForward` does, so the two give the same
+    gradients bit for bit. Every [c, V] block lives only inside one chunk. Under TP (`mesh`) the weight
+    holds vocabulary rows [start, start + V_local); the largest logit, the exp-sum and the target logit of
+    each token are reduced across the mesh, so backward's softmax is one device's but for the exp-sum's
+    rounding."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
                 mesh: Any, start: int, compiled: bool) -> torch.Tensor:  # noqa: D102
         n, n_local = h.shape[0], weight.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=h.device)
+        top = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)  # -inf: no vocabulary here
+        total = torch.ones(n, dtype=torch.float32, device=h.device)
         target = torch.zeros(n, dtype=torch.float32, device=h.device)
         chunk_forward = _compiled("forward") if compiled else _chunk_forward
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
-            if n_local == 0:  # a TP rank past the end of an uneven vocabulary
-                lse[s:e] = float("-inf")
-                continue
-            lse[s:e], target[s:e] = chunk_forward(h[s:e], weight, labels[s:e], start, n_local)
-        if mesh is not None:
-            top = _all_reduce(lse, mesh, "max")
-            both = _all_reduce(torch.stack([lse.sub_(top).exp_(), target]), mesh, "sum")
-            lse = both[0].log_().add_(top)
-            target = both[1]
+            if n_local:  # not a TP rank past the end of an uneven vocabulary
+                top[s:e], total[s:e], target[s:e] = chunk_forward(h[s:e], weight, labels[s:e], start, n_local)
+        if mesh is not None:  # the largest logit of the whole vocabulary, and the exp-sum relative to it
+            biggest = _all_reduce(top, mesh, "max")
+            both = _all_reduce(torch.stack([total.mul_(top.sub_(biggest).exp_()), target]), mesh, "sum")
+            top, total, target = biggest, both[0], both[1]
+        lse = total.log().add_(top)
         valid = labels != IGNORE_INDEX
         loss = torch.where(valid, lse - target, 0.0).sum()
-        lse.masked_fill_(~valid, float("inf"))
-        ctx.save_for_backward(h, weight, labels, lse)
+        total.masked_fill_(~valid, float("inf"))
+        ctx.save_for_backward(h, weight, labels, top, total)
         ctx.chunk_tokens, ctx.start, ctx.compiled = chunk_tokens, start, compiled
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # noqa: D102
-        h, weight, labels, lse = ctx.saved_tensors
+        h, weight, labels, top, total = ctx.saved_tensors
         n, n_local = h.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = None
         g = grad_loss.float()
+        # fp16 scales each chunk's gradient by the loss scale before its cast to 16 bits (no underflow);
+        # the others scale the gradients at the end, as `_GradientsInForward` does.
+        scale = g if weight.dtype == torch.float16 else None
         logit_grad = _compiled("backward") if ctx.compiled else _chunk_logit_grad
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_tokens):
@@ -206,7 +231,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     if need_h:
                         grad_h[s:e] = 0
                     continue
-                p = logit_grad(h[s:e], weight, labels[s:e], lse[s:e], g, ctx.start, n_local)
+                p = logit_grad(h[s:e], weight, labels[s:e], top[s:e], total[s:e], scale, ctx.start, n_local)
                 if need_h:
                     torch.mm(p, weight, out=grad_h[s:e])
                 if need_w:
@@ -217,28 +242,97 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del p
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
+        if scale is None:
+            for grad in (grad_h, grad_w):
+                if grad is not None:
+                    grad.mul_(g)
         return grad_h, grad_w, None, None, None, None, None
 
 
+class _GradientsInForward(torch.autograd.Function):
+    """The same sum, each chunk's gradients made in forward (`gradients_in_forward`; no TP mesh).
+
+    Keeps the unscaled gradients of the hidden states and of the weight (as attributes of ctx, which
+    backward drops: a loss tensor kept alive after backward holds nothing) and no inputs; backward
+    multiplies them in place by the upstream gradient (the trainer's 1 / target tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                compiled: bool) -> torch.Tensor:  # noqa: D102
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = h.shape[0]
+        token_losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = None
+        chunk_fn = _compiled("forward_and_gradient") if compiled else _chunk_loss_and_logit_grad
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            token_losses[s:e], p = chunk_fn(h[s:e], weight, labels[s:e])
+            if need_h:
+                torch.mm(p, weight, out=grad_h[s:e])
+            if need_w:
+                if grad_w is None:
+                    grad_w = torch.mm(p.t(), h[s:e])
+                else:
+                    grad_w.addmm_(p.t(), h[s:e])
+            del p
+        if need_w and grad_w is None:
+            grad_w = torch.zeros_like(weight)
+        ctx.gradients = (grad_h, grad_w)
+        return token_losses.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # noqa: D102
+        if ctx.gradients is None:
+            raise RuntimeError("the chunked loss made its gradients in forward and hands them over once: a "
+                               "second backward through it (retain_graph) needs gradients_in_forward=False")
+        grad_h, grad_w = ctx.gradients
+        ctx.gradients = None
+        for grad in (grad_h, grad_w):
+            if grad is not None:
+                grad.mul_(grad_loss)
+        return grad_h, grad_w, None, None, None
+
+
+def _chunk_loss_and_logit_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's loss per token (log-sum-exp minus target logit, 0 where ignored) and d loss / d logits
+    = softmax - one_hot(label) (0 on ignored tokens) in the weight's dtype."""
+    idx, valid = _local_targets(labels, 0, weight.shape[0])
+    logits = _chunk_logits(h, weight)
+    target = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
+    top = logits.amax(dim=1)
+    p = logits.sub_(top.unsqueeze(1)).exp_()
+    total = p.sum(dim=1)
+    token_losses = torch.where(valid, total.log().add_(top) - target, 0.0)
+    # softmax, 0 on ignored rows (a division by +inf); then minus one at each valid row's label.
+    p.div_(torch.where(valid, total, float("inf")).unsqueeze(1))
+    p.scatter_add_(1, idx.unsqueeze(1), torch.where(valid, -1.0, 0.0).unsqueeze(1))
+    return token_losses, (p if p.dtype == weight.dtype else p.to(weight.dtype))
+
+
 def _chunk_forward(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, start: int, n_local: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's log-sum-exp and target logit per token (the target 0 where the label is another rank's)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's largest logit, sum of exp(logit - largest) and target logit per token (the target 0
+    where the label is another rank's)."""
     idx, mine = _local_targets(labels, start, n_local)
     logits = _chunk_logits(h, weight)
     target = torch.where(mine, logits.gather(1, idx.unsqueeze(1)).squeeze(1), 0.0)
-    # log-sum-exp in place: max, exp(logits - max), sum; one [c, V] buffer.
     top = logits.amax(dim=1)
-    return logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top), target
+    return top, logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1), target  # in place: one [c, V] buffer
 
 
-def _chunk_logit_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                      g: torch.Tensor, start: int, n_local: int) -> torch.Tensor:
-    """d loss / d logits of one chunk = g * (softmax - one_hot(label)), 0 on ignored tokens (their lse is
-    +inf), in the weight's dtype: the plain path's gradient reaches the matmul in that dtype too."""
+def _chunk_logit_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, top: torch.Tensor,
+                      total: torch.Tensor, scale: Optional[torch.Tensor], start: int, n_local: int) -> torch.Tensor:
+    """d loss / d logits of one chunk = softmax - one_hot(label), the softmax exp(logits - top) / total as
+    `_chunk_loss_and_logit_grad` makes it (0 on ignored tokens: their total is +inf), times `scale` when
+    given, in the weight's dtype: the plain path's gradient reaches the matmul in that dtype too."""
     idx, mine = _local_targets(labels, start, n_local)
     p = _chunk_logits(h, weight)
-    p.sub_(lse.unsqueeze(1)).exp_().mul_(g)
-    p.scatter_add_(1, idx.unsqueeze(1), torch.where(mine, -g, 0.0).unsqueeze(1))
+    p.sub_(top.unsqueeze(1)).exp_().div_(total.unsqueeze(1))
+    p.scatter_add_(1, idx.unsqueeze(1), torch.where(mine, -1.0, 0.0).unsqueeze(1))
+    if scale is not None:
+        p.mul_(scale)
     return p if p.dtype == weight.dtype else p.to(weight.dtype)
 
 
@@ -246,9 +340,11 @@ _COMPILED_CHUNKS: dict[str, Any] = {}
 
 
 def _compiled(which: str) -> Any:
-    """The chunk function `which` ("forward", "backward") under torch.compile, made once per process."""
+    """The chunk function `which` ("forward", "backward", "forward_and_gradient") under torch.compile, made
+    once per process."""
     if which not in _COMPILED_CHUNKS:
-        fn = _chunk_forward if which == "forward" else _chunk_logit_grad
+        fn = {"forward": _chunk_forward, "backward": _chunk_logit_grad,
+              "forward_and_gradient": _chunk_loss_and_logit_grad}[which]
         _COMPILED_CHUNKS[which] = torch.compile(fn)
     return _COMPILED_CHUNKS[which]
 

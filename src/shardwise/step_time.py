@@ -16,7 +16,9 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   (`parallel.recompute`) runs again the block linears whose outputs it does not keep and that its
   recompute reaches (k, o and the up projection of a gated MLP; LoRA's low-rank matmuls) plus the
   element-wise work, taken as `SELECTIVE_COST` of a layer's forward; per layer as
-  `optimize.layer_recompute` says (recompute auto: its plan).
+  `optimize.layer_recompute` says (recompute auto: its plan). The chunked loss computes its logits
+  again in backward under a pipeline, tensor parallelism or fp16 (2 FLOPs per output weight per
+  token); elsewhere it makes its gradients in forward and repeats nothing.
 - tp_comm: per layer and micro-batch, forward and backward, two all-reduces of the [b, s, h]
   activations (or the same volume as all-gather + reduce-scatter with sequence parallelism), plus
   the vocabulary-parallel embedding and output; recompute repeats the forward's. Not overlapped.
@@ -291,10 +293,20 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         if stage == pp * v - 1:
             load.head = True
             load.flops_per_token += flops.head
+            if head_recomputes_logits(cfg):
+                load.recompute_flops_per_token += 2 * head_weights
             head_params = m.hidden_size + (0 if (m.tie_embeddings and pp == 1) else head_weights)
             load.params += head_params
             load.trainable += 0 if cfg.lora is not None else head_params
     return loads
+
+
+def head_recomputes_logits(cfg: RunConfig) -> bool:
+    """Whether the chunked loss computes its logits again in backward (`shardwise.loss.chunked_token_loss_sum`):
+    under a pipeline, tensor parallelism or fp16; elsewhere it makes its gradients in forward."""
+    p = cfg.parallel
+    return (cfg.optimize.chunked_loss and (p.pipeline_parallel > 1 or p.tensor_parallel > 1
+                                           or cfg.optimize.mixed_precision == "fp16"))
 
 
 def model_flops_per_token(cfg: RunConfig) -> float:

@@ -1,10 +1,10 @@
-"""models/lean_ops: the norm and the gated activation give the op-by-op results and save less."""
+"""models/lean_ops: the norm, the gated activation and RoPE give the op-by-op results and save no more."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.models.lean_ops import gated_activation, rms_norm
+from shardwise.models.lean_ops import gated_activation, rms_norm, rotary
 
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -88,3 +88,47 @@ def test_they_save_less_than_the_op_by_op_versions():
     _, plain = saved_bytes(lambda a, b: F.silu(a) * b, g, u)
     assert lean == 2 * bt * f * 4
     assert plain == 3 * bt * f * 4
+
+
+def plain_rope(x, cos, sin):
+    """Hugging Face LLaMA's apply_rotary_pos_emb for one tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_tables(batch, seq, dim, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    pos = torch.randint(0, 4 * seq, (batch, seq)).float()  # packed documents: positions per row
+    emb = torch.cat((pos[..., None] * inv, pos[..., None] * inv), dim=-1)
+    return emb.cos()[:, :, None].to(dtype), emb.sin()[:, :, None].to(dtype)
+
+
+@pytest.mark.parametrize("dtype,table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])  # the last: autocast's mix
+def test_rotary_is_the_op_by_op_rope_forward_bitwise_and_backward_to_rounding(dtype, table_dtype):
+    x, = leaves(((2, 9, 4, 16), dtype))
+    x2 = x.detach().clone().requires_grad_()
+    cos, sin = rope_tables(2, 9, 16, table_dtype)
+    out = rotary(x, cos, sin)
+    ref = plain_rope(x2, cos, sin)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert x.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.linalg.vector_norm((x.grad - x2.grad).float()) <= tol * torch.linalg.vector_norm(x2.grad.float())
+
+
+def test_rotary_gradient_is_the_rotation_transposed():
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = rope_tables(2, 5, 8, torch.float64)
+    assert torch.autograd.gradcheck(lambda t: rotary(t, cos, sin), (x,))
+
+
+def test_rotary_saves_only_the_tables():
+    x, = leaves(((2, 9, 4, 16), torch.float32))
+    cos, sin = rope_tables(2, 9, 16, torch.float32)
+    _, lean = saved_bytes(lambda a: rotary(a, cos, sin), x)
+    _, plain = saved_bytes(lambda a: plain_rope(a, cos, sin), x)
+    assert lean == plain == 2 * cos.numel() * 4

@@ -142,6 +142,8 @@ def test_chunks_chained_equal_the_whole_model():
         assert sum(len(c.layers) for c in chunks) == 4
         assert chunks[0].tok_embeddings is not None and chunks[-1].output is not None
         assert all(c.tok_embeddings is None for c in chunks[1:]) and all(c.norm is None for c in chunks[:-1])
+        # The chunked loss recomputes its logits in backward on a stage (the estimator counts it so).
+        assert model.loss_gradients_in_forward and not any(c.loss_gradients_in_forward for c in chunks)
         got_names = {n for c in chunks for n, _ in c.named_parameters()}
         assert got_names <= names | {"output.weight"} and names <= got_names
         h = ids

@@ -675,7 +675,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     act_live = max((_mlp_bytes(cfg, sh, flags[i]) for i in full), default=0) if act_host else 0
     if act_host and dev_view:
         saved = {i: 0 for i in saved}
-    head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1) if last else None
+    head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1, pipeline=lay.pp > 1) if last else None
     for st in stages.values():
         st.act = sum(saved[i] for i in st.layers) + _stage_bytes(cfg, sh, st.first, device)
         first_recomputed = bool(st.layers) and saved[st.layers[0]] != full[st.layers[0]]
@@ -1025,12 +1025,12 @@ def _document_positions(cfg: Any) -> bool:
 
 
 def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, bool]],
-          logits_kept: bool) -> dict[str, int]:
+          logits_kept: bool, pipeline: bool) -> dict[str, int]:
     """The final norm, logits and cross-entropy of one micro-batch: what they keep until backward
     (norm, logits, the fp32 log-softmax) and the transients above that in forward and backward.
     `logits_kept`: the plain path's logits stay referenced until backward (a pipeline's schedule
     keeps the last stage's output; tensor parallelism's DTensor logits), else they are freed once
-    the loss is computed."""
+    the loss is computed; `pipeline`: the chunked loss recomputes its logits in backward there."""
     m = cfg.model
     bt = sh.b * sh.t
     autocast = prec.level == "O1"
@@ -1040,6 +1040,13 @@ def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, boo
     saved = _norm_bytes(m, sh, input_grad, cfg.lora is None, 4 if autocast else None)
     chunk = cfg.optimize.loss_chunk()
     if chunk is not None:
+        hidden_grad = input_grad or cfg.lora is None  # the final norm's weight trains in a full fine-tune
+        # chunked_token_loss_sum makes its gradients in forward unless the pipeline, a vocabulary-sharded
+        # weight (loss parallel) or fp16 matmuls ask it to recompute the logits in backward.
+        in_forward = (not pipeline and sh.v == m.vocab_size and cfg.optimize.mixed_precision != "fp16"
+                      and (hidden_grad or out_trains))
+        if in_forward:
+            return _head_with_forward_gradients(sh, s, saved, hidden_grad, out_trains, min(chunk, bt), autocast)
         return _chunked_head(sh, s, saved, out_trains, min(chunk, bt), autocast)
     if out_trains or autocast:
         saved += bt * sh.h * s  # the norm output (its 16-bit cast under autocast), kept by the output projection
@@ -1063,8 +1070,8 @@ def _chunked_head(sh: _Shape, s: int, norm: int, weight_grad: bool, chunk: int, 
     bt = sh.b * sh.t
     w16 = sh.v * sh.h * 2 if autocast else 0  # under autocast the loss's own 16-bit copy of the weight
     # Kept until backward: the hidden states (their 16-bit cast under autocast), each token's fp32
-    # log-sum-exp, the 16-bit weight copy; the labels are the batch's own.
-    saved = norm + bt * sh.h * s + bt * 4 + w16
+    # largest logit and exp-sum, the 16-bit weight copy; the labels are the batch's own.
+    saved = norm + bt * sh.h * s + bt * 8 + w16
     # One chunk: the matmul's logits and their fp32 copy (one buffer in fp32), its target rows and mask.
     block = chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
     fwd_extra = block + bt * 4  # and every token's target logit
@@ -1078,9 +1085,35 @@ def _chunked_head(sh: _Shape, s: int, norm: int, weight_grad: bool, chunk: int, 
     if autocast:
         # After the loss's backward (its saved tensors released), the casts' backward: the weight's
         # gradient to fp32 beside its 16-bit one, then the hidden states' the same way.
-        freed = bt * sh.h * s + bt * 4 + w16
+        freed = bt * sh.h * s + bt * 8 + w16
         after = max(grad_h + grad_w + (sh.v * sh.h * 4 if weight_grad else 0), grad_h + bt * sh.h * 4)
         bwd_extra = max(bwd_extra, after - freed)
+    return {"saved": saved, "logits": 0, "lsm": 0, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
+
+
+def _head_with_forward_gradients(sh: _Shape, s: int, norm: int, hidden_grad: bool, weight_grad: bool, chunk: int,
+                                 autocast: bool) -> dict[str, int]:
+    """The chunked loss making its gradients in forward (`chunked_token_loss_sum`'s gradients_in_forward):
+    the hidden states' and the weight's gradients are kept until backward instead of the hidden states,
+    which live only while the loss runs, with one [chunk, V] block at a time; backward scales the two
+    gradients in place (under autocast their casts back to fp32 follow)."""
+    bt = sh.b * sh.t
+    grad_h, grad_w = (bt * sh.h * s if hidden_grad else 0), (sh.v * sh.h * s if weight_grad else 0)
+    saved = norm + grad_h + grad_w
+    # One chunk: the logits in fp32 and the gradient's 16-bit copy; its target rows and masks.
+    block = chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
+    if chunk < bt or s == 4:  # from the second chunk on (fp32: in the first) the weight's gradient is beside it
+        chunk_peak = block
+    else:  # one 16-bit chunk: its fp32 logits are gone (cast) before the weight's gradient is made
+        chunk_peak = max(block - grad_w, chunk * sh.v * s + 9 * chunk)
+    fwd_extra = chunk_peak + bt * sh.h * s + bt * 4  # the hidden states (the caller's) and every token's loss
+    bwd_extra = 0
+    if autocast:
+        # The fp32 norm output and the 16-bit weight copy live during the loss; in backward the casts turn
+        # the 16-bit gradients into fp32 ones, the weight's first (as `_chunked_head` counts them).
+        fwd_extra += bt * sh.h * 4 + sh.v * sh.h * 2
+        after = max(grad_h + grad_w + (sh.v * sh.h * 4 if weight_grad else 0), grad_h + bt * sh.h * 4)
+        bwd_extra = max(0, after - grad_h - grad_w)
     return {"saved": saved, "logits": 0, "lsm": 0, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
 
 

@@ -1,4 +1,5 @@
-"""The RMSNorm and the gated MLP's activation as autograd functions that save less for backward.
+"""The RMSNorm, the gated MLP's activation and RoPE as autograd functions that save less for backward
+or run fewer passes.
 
 Written op by op, autograd keeps more than backward needs:
 - RMSNorm `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)` keeps the fp32 copy of
@@ -13,6 +14,12 @@ block saves, for two element-wise recomputations in backward (Liger's fused RMSN
 kernels save the same way). The forward is the op-by-op one, bit for bit (Hugging Face logits still
 match exactly); the gated activation's backward is too (the same aten backward ops), the norm's
 agrees to rounding (its formula is autograd's chain, reassociated).
+
+RoPE `x * cos + rotate_half(x) * sin` (Hugging Face's convention) builds rotate_half with a negation
+and a concatenation, each a pass over [tokens, heads, head_dim], and autograd runs their backwards too.
+`rotary` writes the same sums into one output, half by half (five passes forward, five backward, three
+of them over half the elements), bit for bit the forward of the op-by-op form: x1 * c1 - x2 * s1 is
+x1 * c1 + (-x2) * s1 exactly. It saves cos and sin only, as the op-by-op form does.
 """
 
 from __future__ import annotations
@@ -95,3 +102,31 @@ class _GatedActivation(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_u = _activate(g, ctx.activation).mul_(grad)
         return grad_g, grad_u, None
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE `x * cos + rotate_half(x) * sin`, rotate_half(x) = cat(-x2, x1): x [..., head_dim], cos and sin
+    broadcast to it (no gradient flows to them)."""
+    return _Rotary.apply(x, cos, sin)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].sub_(x[..., half:] * sin[..., :half])
+        out[..., half:].add_(x[..., :half] * sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # noqa: D102
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        # out1 = x1 c1 - x2 s1 and out2 = x2 c2 + x1 s2, so d/dx1 = g1 c1 + g2 s2 and d/dx2 = g2 c2 - g1 s1.
+        grad_x = grad * cos
+        grad_x[..., :half].add_(grad[..., half:] * sin[..., half:])
+        grad_x[..., half:].sub_(grad[..., :half] * sin[..., :half])
+        return grad_x.to(ctx.x_dtype), None, None

@@ -34,7 +34,7 @@ from shardwise.models.attention import (
     flex_shapes,
 )
 from shardwise.models.config import ModelConfig, RopeScaling
-from shardwise.models.lean_ops import gated_activation, rms_norm
+from shardwise.models.lean_ops import gated_activation, rms_norm, rotary
 
 
 class RMSNorm(nn.Module):
@@ -89,17 +89,6 @@ def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> t
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Swap the two halves of the last dimension, negating the second (HF LLaMA convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x of shape [B, T, heads, head_dim] by cos/sin of shape [B, T, 1, head_dim]."""
-    return x * cos + rotate_half(x) * sin
 
 
 _ACTIVATIONS = {
@@ -197,7 +186,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         if rope is not None:
             cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)  # HF's x * cos + rotate_half(x) * sin
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
@@ -292,6 +281,8 @@ class Transformer(nn.Module):
         # How document masks are computed: "auto" (flex on CUDA, else explicit), "flex" or "mask".
         self.document_attention = "auto"
         self.compile_loss_head = False  # run.compile: the chunked loss's chunks run through torch.compile
+        # The chunked loss makes its gradients in forward (`chunked_token_loss_sum`); a pipeline turns it off.
+        self.loss_gradients_in_forward = True
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -407,7 +398,8 @@ class Transformer(nn.Module):
             if labels is not None:
                 # The weight is read inside forward, so FSDP2 has gathered it and its gradient is reduced.
                 return chunked_token_loss_sum(h, self.output.weight, labels, loss_chunk_tokens,
-                                              compiled=self.compile_loss_head)
+                                              compiled=self.compile_loss_head,
+                                              gradients_in_forward=self.loss_gradients_in_forward)
             h = self.output(h)
         return h
 

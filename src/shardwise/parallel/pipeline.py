@@ -238,6 +238,9 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
         chunk.pp_style = style
         chunk.pp_layers = [int(k) for k in keep]
         chunk.pp_tied = tied and num_stages > 1
+        # A GPipe-like schedule runs several forwards before their backwards: the chunked loss recomputes its
+        # logits in backward rather than hold one output-weight gradient per micro-batch in flight.
+        chunk.loss_gradients_in_forward = False
         chunks.append(chunk)
     by_stage = {c.pp_stage_index: c for c in chunks}
     if tied and num_stages > 1 and 0 in by_stage and num_stages - 1 in by_stage:
