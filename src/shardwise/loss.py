@@ -232,13 +232,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         grad_h[s:e] = 0
                     continue
                 p = logit_grad(h[s:e], weight, labels[s:e], top[s:e], total[s:e], scale, ctx.start, n_local)
-                if need_h:
-                    torch.mm(p, weight, out=grad_h[s:e])
-                if need_w:
-                    if grad_w is None:
-                        grad_w = torch.mm(p.t(), h[s:e])
-                    else:
-                        grad_w.addmm_(p.t(), h[s:e])
+                grad_w = _add_chunk_gradients(p, weight, h[s:e], grad_h, s, grad_w, need_w)
                 del p
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
@@ -268,13 +262,7 @@ class _GradientsInForward(torch.autograd.Function):
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
             token_losses[s:e], p = chunk_fn(h[s:e], weight, labels[s:e])
-            if need_h:
-                torch.mm(p, weight, out=grad_h[s:e])
-            if need_w:
-                if grad_w is None:
-                    grad_w = torch.mm(p.t(), h[s:e])
-                else:
-                    grad_w.addmm_(p.t(), h[s:e])
+            grad_w = _add_chunk_gradients(p, weight, h[s:e], grad_h, s, grad_w, need_w)
             del p
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
@@ -292,6 +280,20 @@ class _GradientsInForward(torch.autograd.Function):
             if grad is not None:
                 grad.mul_(grad_loss)
         return grad_h, grad_w, None, None, None
+
+
+def _add_chunk_gradients(p: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, grad_h: Optional[torch.Tensor],
+                         start: int, grad_w: Optional[torch.Tensor], need_w: bool) -> Optional[torch.Tensor]:
+    """One chunk's share from its d loss / d logits `p`: p @ W written into the rows of `grad_h` from `start`
+    on (when given), p^T h added to the weight's gradient so far; returns that gradient (None without
+    `need_w`), made by the first chunk."""
+    if grad_h is not None:
+        torch.mm(p, weight, out=grad_h[start:start + p.shape[0]])
+    if not need_w:
+        return None
+    if grad_w is None:
+        return torch.mm(p.t(), h)
+    return grad_w.addmm_(p.t(), h)
 
 
 def _chunk_loss_and_logit_grad(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
