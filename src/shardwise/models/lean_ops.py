@@ -17,7 +17,7 @@ agrees to rounding (its formula is autograd's chain, reassociated).
 
 RoPE `x * cos + rotate_half(x) * sin` (Hugging Face's convention) builds rotate_half with a negation
 and a concatenation, each a pass over [tokens, heads, head_dim], and autograd runs their backwards too.
-`rotary` writes the same sums into one output, half by half (five passes forward, five backward, three
+`rotary` writes the same sums into one output, half by half (five passes forward, five backward, four
 of them over half the elements), bit for bit the forward of the op-by-op form: x1 * c1 - x2 * s1 is
 x1 * c1 + (-x2) * s1 exactly. It saves cos and sin only, as the op-by-op form does.
 """
