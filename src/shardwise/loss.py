@@ -130,10 +130,10 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     does). That saves recomputing the logits in backward, one [tokens, hidden] x [hidden, vocab] matmul
     of the head's four (2 x hidden x vocab FLOPs per token). Memory: the two gradients, kept from the
     forward on instead of the hidden states, are what the recomputing backward would make first, so
-    the step's peak (the start of backward) holds the same tensors; what moves is that the weight's
-    gradient exists from the end of the forward. A pipeline turns it off (a GPipe-like schedule would
-    hold one weight gradient per micro-batch in flight); fp16 keeps the recomputation, whose gradient
-    is scaled by the loss scale before it is cast to 16 bits.
+    the step's peak (where the forward ends and the backward begins) holds the same tensors; what moves
+    is that the weight's gradient exists from the end of the forward. A pipeline turns it off (a
+    GPipe-like schedule would hold one weight gradient per micro-batch in flight); fp16 keeps the
+    recomputation, whose gradient is scaled by the loss scale before it is cast to 16 bits.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")

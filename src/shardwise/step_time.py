@@ -68,7 +68,7 @@ from typing import Any
 
 from .config import RunConfig
 from .hardware import Hardware
-from .memory.estimate import estimate_memory, run_flops, trainable_shapes
+from .memory.estimate import estimate_memory, head_recomputes_logits, run_flops, trainable_shapes
 from .models.config import ModelConfig
 from .models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
 from .parallel.data_parallel import ONE_PROCESS_ZERO_STAGE
@@ -299,14 +299,6 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
             load.params += head_params
             load.trainable += 0 if cfg.lora is not None else head_params
     return loads
-
-
-def head_recomputes_logits(cfg: RunConfig) -> bool:
-    """Whether the chunked loss computes its logits again in backward (`shardwise.loss.chunked_token_loss_sum`):
-    under a pipeline, tensor parallelism or fp16; elsewhere it makes its gradients in forward."""
-    p = cfg.parallel
-    return (cfg.optimize.chunked_loss and (p.pipeline_parallel > 1 or p.tensor_parallel > 1
-                                           or cfg.optimize.mixed_precision == "fp16"))
 
 
 def model_flops_per_token(cfg: RunConfig) -> float:

@@ -675,7 +675,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     act_live = max((_mlp_bytes(cfg, sh, flags[i]) for i in full), default=0) if act_host else 0
     if act_host and dev_view:
         saved = {i: 0 for i in saved}
-    head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1, pipeline=lay.pp > 1) if last else None
+    head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1) if last else None
     for st in stages.values():
         st.act = sum(saved[i] for i in st.layers) + _stage_bytes(cfg, sh, st.first, device)
         first_recomputed = bool(st.layers) and saved[st.layers[0]] != full[st.layers[0]]
@@ -1025,12 +1025,12 @@ def _document_positions(cfg: Any) -> bool:
 
 
 def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, bool]],
-          logits_kept: bool, pipeline: bool) -> dict[str, int]:
+          logits_kept: bool) -> dict[str, int]:
     """The final norm, logits and cross-entropy of one micro-batch: what they keep until backward
     (norm, logits, the fp32 log-softmax) and the transients above that in forward and backward.
     `logits_kept`: the plain path's logits stay referenced until backward (a pipeline's schedule
     keeps the last stage's output; tensor parallelism's DTensor logits), else they are freed once
-    the loss is computed; `pipeline`: the chunked loss recomputes its logits in backward there."""
+    the loss is computed."""
     m = cfg.model
     bt = sh.b * sh.t
     autocast = prec.level == "O1"
@@ -1041,11 +1041,7 @@ def _head(cfg: Any, sh: _Shape, prec: _Precision, flags: dict[int, dict[str, boo
     chunk = cfg.optimize.loss_chunk()
     if chunk is not None:
         hidden_grad = input_grad or cfg.lora is None  # the final norm's weight trains in a full fine-tune
-        # chunked_token_loss_sum makes its gradients in forward unless the pipeline, a vocabulary-sharded
-        # weight (loss parallel) or fp16 matmuls ask it to recompute the logits in backward.
-        in_forward = (not pipeline and sh.v == m.vocab_size and cfg.optimize.mixed_precision != "fp16"
-                      and (hidden_grad or out_trains))
-        if in_forward:
+        if not head_recomputes_logits(cfg) and (hidden_grad or out_trains):
             return _head_with_forward_gradients(sh, s, saved, hidden_grad, out_trains, min(chunk, bt), autocast)
         return _chunked_head(sh, s, saved, out_trains, min(chunk, bt), autocast)
     if out_trains or autocast:
@@ -1072,8 +1068,7 @@ def _chunked_head(sh: _Shape, s: int, norm: int, weight_grad: bool, chunk: int, 
     # Kept until backward: the hidden states (their 16-bit cast under autocast), each token's fp32
     # largest logit and exp-sum, the 16-bit weight copy; the labels are the batch's own.
     saved = norm + bt * sh.h * s + bt * 8 + w16
-    # One chunk: the matmul's logits and their fp32 copy (one buffer in fp32), its target rows and mask.
-    block = chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
+    block = _loss_chunk_bytes(sh, s, chunk)
     fwd_extra = block + bt * 4  # and every token's target logit
     if autocast:
         fwd_extra += bt * sh.h * 4  # the fp32 norm output, referenced until the loss returns
@@ -1091,6 +1086,21 @@ def _chunked_head(sh: _Shape, s: int, norm: int, weight_grad: bool, chunk: int, 
     return {"saved": saved, "logits": 0, "lsm": 0, "fwd_extra": fwd_extra, "bwd_extra": bwd_extra}
 
 
+def head_recomputes_logits(cfg: Any) -> bool:
+    """Whether the chunked loss (`shardwise.loss.chunked_token_loss_sum`) computes its logits again in
+    backward: under a pipeline (`split_model` turns its gradients_in_forward off), tensor parallelism (a
+    vocabulary-sharded weight) or fp16 matmuls; elsewhere it makes its gradients in forward."""
+    p = cfg.parallel
+    return cfg.optimize.chunked_loss and (p.pipeline_parallel > 1 or p.tensor_parallel > 1
+                                          or cfg.optimize.mixed_precision == "fp16")
+
+
+def _loss_chunk_bytes(sh: _Shape, s: int, chunk: int) -> int:
+    """One chunk of the chunked loss: its fp32 logits (the matmul's own buffer in fp32) and their copy in
+    the `s`-byte compute dtype (the 16-bit matmul output, or the gradient cast back), its target rows and masks."""
+    return chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
+
+
 def _head_with_forward_gradients(sh: _Shape, s: int, norm: int, hidden_grad: bool, weight_grad: bool, chunk: int,
                                  autocast: bool) -> dict[str, int]:
     """The chunked loss making its gradients in forward (`chunked_token_loss_sum`'s gradients_in_forward):
@@ -1100,8 +1110,7 @@ def _head_with_forward_gradients(sh: _Shape, s: int, norm: int, hidden_grad: boo
     bt = sh.b * sh.t
     grad_h, grad_w = (bt * sh.h * s if hidden_grad else 0), (sh.v * sh.h * s if weight_grad else 0)
     saved = norm + grad_h + grad_w
-    # One chunk: the logits in fp32 and the gradient's 16-bit copy; its target rows and masks.
-    block = chunk * sh.v * (4 + (s if s != 4 else 0)) + 9 * chunk
+    block = _loss_chunk_bytes(sh, s, chunk)
     if chunk < bt or s == 4:  # from the second chunk on (fp32: in the first) the weight's gradient is beside it
         chunk_peak = block
     else:  # one 16-bit chunk: its fp32 logits are gone (cast) before the weight's gradient is made
