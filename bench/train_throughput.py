@@ -30,6 +30,11 @@ activations, temporaries) and reports the peak over those two steps, split into 
 model's parameters (and buffers), their gradients, the optimizer state, and the rest (activations,
 temporaries, batches) live at that peak.
 
+Host malloc: on a CPU the Trainer's `run.keep_host_memory` (freed memory kept for reuse) holds for the whole
+process, so from the first Trainer setup on both sides run with it and the ratios compare the two codes under
+one allocator; `process_throughput.py` runs each side in its own process, where the plain loop keeps malloc
+as it is.
+
 Prints one JSON line on stdout; progress goes to stderr.
 """
 

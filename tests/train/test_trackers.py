@@ -2,13 +2,14 @@
 resumed run continues the same tracker run, and a logger that is not installed is refused before training."""
 
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.train import trackers
+from shardwise.train import loop, trackers
 from shardwise.train.metrics import MetricsWriter
 from shardwise.train.trainer import Trainer
 
@@ -93,6 +94,29 @@ def test_mlflow_gets_the_records_of_metrics_jsonl_and_a_resume_continues_its_run
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert got == pytest.approx(sorted(values), rel=1e-12), key
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 3, 4, 4]
+
+
+def test_a_failure_while_the_loop_opens_ends_the_tracker_run_and_restores_the_signal_handlers(tmp_path, dataset,
+                                                                                            monkeypatch):
+    """The loop's observers open inside the block that closes them: a failure after the trackers started and
+    the stop signals were installed (here: the stop vote) ends the MLflow run as FAILED, not left RUNNING, and
+    puts the previous SIGTERM handler back."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    def refuse(*args, **kwargs):
+        raise OSError("the stop vote cannot start")
+
+    monkeypatch.setattr(loop, "StopVote", refuse)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(OSError, match="stop vote"):
+        Trainer(tiny_config(tmp_path, loggers=["mlflow"]), train_dataset=dataset).train(overwrite=True)
+    assert signal.getsignal(signal.SIGTERM) is before
+    run_id = trackers.read_ids(tmp_path / "run")["mlflow"]
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
 
 
 def test_mlflow_defaults_to_a_file_store_in_the_run_dir(tmp_path, monkeypatch):

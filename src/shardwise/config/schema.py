@@ -512,6 +512,11 @@ class RunSection(_Section):
         "more (compiling costs ~30 s there and saves ~5% a step: docs/performance.md); never for a quantised base "
         "(QLoRA). A graph that fails to compile runs eagerly with a warning")
     num_threads: Optional[int] = Field(None, ge=1, description="CPU threads (default: all cores)")
+    keep_host_memory: Union[bool, Literal["auto"]] = Field(
+        "auto", description="keep freed host memory in the process for the next step instead of returning it to "
+        "the kernel (glibc malloc without mmap and heap trimming): large tensors stop page-faulting their memory "
+        "in every step, 3-6% a step on the 2-core CPU (docs/performance.md); the process's resident memory stays "
+        "at its peak until it ends. auto: on a CPU run; false leaves malloc as it is")
     timeout_s: float = Field(
         600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
     )

@@ -70,10 +70,19 @@ class TrainingLoop:
 
     def __init__(self, trainer: Any, state: Any) -> None:  # Trainer, TrainState (trainer.py builds both)
         self.trainer, self.state = trainer, state
-        cfg = self.cfg = trainer.config
-        s = state
-        run_dir = Path(cfg.train.output_dir)
-        self.result = TrainResult(run_dir=run_dir, step=s.start)
+        self.cfg = trainer.config
+        self.result = TrainResult(run_dir=Path(self.cfg.train.output_dir), step=state.start)
+        self.pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
+        # The observers: opened by run() (`_open`), inside the block whose end closes them (`_close`).
+        self.writer: MetricsWriter | None = None
+        self.bar: Any = None
+        self.profiler: StepProfiler | None = None
+        self.signals: StopSignals | None = None
+
+    def _open(self) -> None:
+        """The observers: metrics and trackers, the progress bar, the clocks, the profiler, the stop signals."""
+        cfg, s = self.cfg, self.state
+        run_dir = self.result.run_dir
         self.mfu = MfuMeter(run_flops(cfg).total, device_peak(s.device, s.plan.dtype, cfg.train.peak_tflops,
                                                               measure=s.ctx.is_main))  # only rank 0 logs MFU
         self.writer = MetricsWriter(run_dir, loggers=cfg.train.loggers, config=cfg.model_dump(mode="json"),
@@ -82,7 +91,6 @@ class TrainingLoop:
         self.window = Window(time.perf_counter())  # the figures since the last log record
         self.compile_clock = CompileClock(cfg.run.compile is True, self.window.start)
         reset_peak_memory(s.device)
-        self.pending: list[StepResult] = []  # steps whose figures are not booked yet (still on the device)
         self.tally = RunTally(self.window.start)  # the figures of the end-of-run summary
         self.profiler = StepProfiler(cfg.train.profile, run_dir, s.device, s.ctx.rank).start(s.start + 1,
                                                                                                s.total_steps)
@@ -94,6 +102,7 @@ class TrainingLoop:
         s = self.state
         status = FAILED  # how the trackers' runs end, until the loop ends without an error
         try:
+            self._open()
             self.writer.check_started(s.ctx.world_size)  # a tracker that did not start on rank 0 stops every rank
             with logs_above_bar(self.bar):
                 for step in range(s.start, s.total_steps):
@@ -228,14 +237,18 @@ class TrainingLoop:
     def _close(self, status: str) -> None:
         """Whatever happened: the profile written, the signal handlers back, an earlier finished step's
         pending save published, the loader's workers, the bar, the metrics and the trackers' runs closed
-        (`status`: FINISHED, FAILED or KILLED)."""
+        (`status`: FINISHED, FAILED or KILLED); an observer that `_open` did not get to is skipped."""
         s = self.state
-        self.profiler.stop()
-        self.signals.restore()
+        if self.profiler is not None:
+            self.profiler.stop()
+        if self.signals is not None:
+            self.signals.restore()
         s.checkpointer.wait(training_failed=True)
         s.loader.close()
-        self.bar.close()
-        self.writer.close(status)
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close(status)
 
     def _summary(self) -> list[str]:
         """The end-of-run summary (run_summary.py): its lines, logged (by rank 0: the others log warnings only)."""

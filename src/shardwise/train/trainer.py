@@ -56,6 +56,7 @@ from ..parallel.pipeline import concat_micro_batches, pipeline_step
 from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
 from .evaluation import evaluate_held_out, model_inputs
+from .host_allocator import keep_freed_host_memory, keeps_host_memory
 from .loop import TrainingLoop, TrainResult
 from .metrics import StepTokens, count_real_tokens
 from .oom import device_memory_bytes
@@ -204,6 +205,8 @@ class Trainer:
         check_host_memory(cfg, ctx)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
+        if keeps_host_memory(cfg.run.keep_host_memory, ctx.device.type):
+            keep_freed_host_memory()  # for the whole process: tensors freed each step are reused, not faulted in
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         if dims.one_process_fsdp:
             join_one_process_group(ctx, cfg.run.timeout_s)  # FSDP2 needs a group and meshes, even alone
