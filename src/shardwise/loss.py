@@ -237,9 +237,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
         if scale is None:
-            for grad in (grad_h, grad_w):
-                if grad is not None:
-                    grad.mul_(g)
+            _scale_in_place((grad_h, grad_w), g)
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -276,10 +274,15 @@ class _GradientsInForward(torch.autograd.Function):
                                "second backward through it (retain_graph) needs gradients_in_forward=False")
         grad_h, grad_w = ctx.gradients
         ctx.gradients = None
-        for grad in (grad_h, grad_w):
-            if grad is not None:
-                grad.mul_(grad_loss)
+        _scale_in_place((grad_h, grad_w), grad_loss)
         return grad_h, grad_w, None, None, None
+
+
+def _scale_in_place(gradients: tuple[Optional[torch.Tensor], ...], by: torch.Tensor) -> None:
+    """Multiply each gradient that exists by the upstream gradient `by`, in place."""
+    for grad in gradients:
+        if grad is not None:
+            grad.mul_(by)
 
 
 def _add_chunk_gradients(p: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, grad_h: Optional[torch.Tensor],
