@@ -120,9 +120,10 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     holds alike) is gathered whole, and only per-token log-sum-exps and target logits are reduced
     across ranks. The result is the same plain scalar on every TP rank, differentiable.
 
-    `compiled`: each chunk's work (the matmul, then log-sum-exp and target logit in forward, the
-    logits' gradient in backward) runs through `torch.compile`, which fuses the passes over the
-    [chunk, vocab] block into one or two kernels (run.compile; a new chunk shape compiles again).
+    `compiled`: each chunk's work runs through `torch.compile` (run.compile; a new chunk shape compiles
+    again), so that inductor may fuse the passes over the [chunk, vocab] block: the matmul, the loss and
+    the logits' gradient, in forward with `gradients_in_forward`; otherwise the matmul, the largest logit,
+    exp-sum and target logit in forward, and the matmul and the logits' gradient again in backward.
 
     `gradients_in_forward` (when a gradient is wanted, there is no TP mesh and the matmul is not fp16):
     each chunk's logits give their gradient at once, in forward, and backward only scales the hidden
