@@ -9,13 +9,24 @@
 #   issue 13: max_memory_allocated / max_memory_reserved against the estimate on several configurations;
 #             offload_params on one device (losses against the plain path, pinned host state).
 #   issue 16: train.profile on CUDA (kernels in the trace, a memory snapshot, the summary's shares).
-# Usage: bash bench/gpu_checks.sh OUT_DIR [STEP,STEP,...]   (python3 with CUDA torch and shardwise's dependencies
-# importable; the second argument reruns only the named steps)
+# Usage: bash bench/gpu_checks.sh OUT_DIR [STEP,STEP,...]   (run from the repository's root; python3 with CUDA torch;
+# the second argument reruns only the named steps). A machine without a package registry gets the packages it
+# lacks as wheels: bench/gpu_wheels.sh puts them in .whl/ (SHARDWISE_WHEELS names another folder), carried along,
+# and they are installed under /tmp/site first. The run stops at once when shardwise does not import.
 set -uo pipefail
 out=${1:?usage: bench/gpu_checks.sh OUT_DIR [STEP,...]}
 only=${2:-}
+wheels=${SHARDWISE_WHEELS:-.whl}
 mkdir -p "$out"
+if compgen -G "$wheels/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
+    || { echo "installing the wheels in $wheels/ failed"; exit 2; }
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 SHARDWISE_CACHE=/tmp/shardwise-cache
+python3 -c "import shardwise.train.trainer" || {
+  echo "shardwise does not import here (above: the missing module); where pip works, run bench/gpu_wheels.sh and carry .whl/"
+  exit 2; }
 step() {
   local name=$1 limit=$2; shift 2
   if [[ -n "$only" && ",$only," != *",$name,"* ]]; then return; fi
