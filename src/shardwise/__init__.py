@@ -7,6 +7,7 @@ changing the import. `load_config(path)` reads, validates and resolves a run con
 train` does.
 """
 
+from . import torch_support  # noqa: F401 - first: refuses an untested torch before anything else imports it
 from .api import AutoModelForCausalLM, LLMArguments, LLMTrainer, Trainer, TrainingArguments
 from .config import RunConfig
 from .data.build import TextDataset

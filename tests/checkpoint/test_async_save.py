@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from shardwise.checkpoint import format as ckpt_format
 from shardwise.checkpoint import storage
@@ -108,6 +109,30 @@ def test_async_save_writes_the_state_at_the_save_not_later(tmp_path, gate):
     got, state = _plain_load(tmp_path / "async")
     assert state["step"] == 2
     _assert_equal(got, ref)
+
+
+def test_saves_go_on_with_a_stager_that_empties_itself_after_each_save(tmp_path, monkeypatch):
+    # torch 2.11's DefaultStager._stage ends with `self._state_dict_stager.close()`: its buffers and the
+    # table it copies with are gone, and a second stage raises KeyError. Here 2.13's stager is made to do
+    # the same; every save must still hold the state at its step.
+    original = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        staged = original(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    model = _model(seed=0)
+    opt = _optimizer(model)
+    ckpt = _checkpointer(tmp_path, model, opt, async_save=True)
+    for step in (1, 2, 3):
+        _train(model, opt, steps=1, seed=step)
+        want = _dump(model, opt)
+        path = ckpt.save(step)
+        assert ckpt.wait() == path
+        got, state = _plain_load(tmp_path)
+        assert state["step"] == step
+        _assert_equal(got, want)
 
 
 def test_a_failed_background_write_raises_at_wait_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from shardwise.models import ModelConfig, build_model
 from shardwise.models.attention import document_mask, flex_available, flex_kernels
@@ -23,6 +24,11 @@ BUDGET = 384  # tokens a dynamic SFT batch holds: rows x width
 # shuffled loader meets them, and a short last batch of fewer rows (as evaluation ends).
 SHAPES = [(BUDGET // w, w) for w in (192, 64, 320, 128, 256, 384, 192, 128)] + [(2, 320), (1, 64)]
 MAX_GRAPHS = 3  # per compiled function
+# torch 2.11 also specialises two sizes inside create_block_mask's dense-to-block conversion: a batch of one
+# row and a width of one flex block (guards `size(0) == 1` and `(width + 127) // 128 == 1`). The mask builder
+# then compiles one graph per combination after its static first one, five at most, however many shapes
+# follow. torch 2.13 (the pinned version) needs none of these.
+MAX_MASK_GRAPHS = MAX_GRAPHS if TorchVersion(torch.__version__) >= (2, 13) else 5
 
 
 class CountingBackend:
@@ -58,7 +64,7 @@ def test_changing_batch_shapes_compile_a_bounded_number_of_times() -> None:
                                                        attn_mask=document_mask(doc))
             torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert len(set(SHAPES)) >= 8
-    assert 1 <= backend.graphs["mask"] <= MAX_GRAPHS and 1 <= backend.graphs["flex"] <= MAX_GRAPHS, backend.graphs
+    assert 1 <= backend.graphs["mask"] <= MAX_MASK_GRAPHS and 1 <= backend.graphs["flex"] <= MAX_GRAPHS, backend.graphs
 
 
 def test_compiled_blocks_with_flex_inside_compile_a_bounded_number_of_times() -> None:

@@ -169,6 +169,11 @@ def _parity(mesh, cfg_dict: dict, sp: bool, lp: bool, loss: str, packed: bool, o
         losses[0].append(float(ref_loss))
         losses[1].append(float(tp_loss))
         if step == 0:
+            # No gradient is left a Partial sum (the norms' under sequence parallel are all-reduced in backward:
+            # torch 2.11's foreach clipping would not scale them).
+            partial = [n for n, p in tp_model.named_parameters()
+                       if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
+            assert not partial, partial
             ref_grads = {n: p.grad for n, p in _named(ref)}
             tp_grads = {canonical_name(n): g for n, g in full_grads(tp_model)}
             assert all(g is not None for g in ref_grads.values())

@@ -42,9 +42,9 @@ from ..peft.lora import is_lora_name, save_adapter
 from . import rng
 from .storage import (
     STATE_FILE,
+    HostStager,
     PendingCheckpoint,
     finish_async_save,
-    host_stager,
     list_checkpoints,
     load_checkpoint,
     read_rank_state,
@@ -211,7 +211,7 @@ class Checkpointer:
             else [(names[id(p)], p) for p in parameters(self.parts) if p.requires_grad])
         self.async_save = async_save
         self._pending: PendingCheckpoint | None = None
-        self._stager = host_stager() if async_save else None  # its host buffers are reused by every save
+        self._stager = HostStager() if async_save else None  # its host buffers are reused by every save
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-checkpoint") \
             if async_save else None
         # The background write's collectives get a group of their own (created on every rank, here).

@@ -307,13 +307,30 @@ def _check_every_file(tmp: Path, final: Path, metadata: Metadata, world: int) ->
 # --- Asynchronous saves: staged in host memory, written in the background, published later ---------------
 
 
-def host_stager() -> DefaultStager:
+class HostStager:
     """DCP's stager for `start_async_save`: synchronous copies into host memory, pinned (and copied
     without blocking, then synchronised once) where CUDA is available. It keeps its host buffers
-    between saves (one copy of the state for the run), refilled in place by each save."""
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
+    between saves (one copy of the state for the run), refilled in place by each save.
+
+    torch 2.11's DefaultStager empties itself at the end of every `stage` (its buffers and the table it
+    copies with), so that a second save raises KeyError there; where it did, the next save gets a fresh
+    one (and new buffers, as that torch would give it anyway)."""
+
+    def __init__(self) -> None:
+        self._stager = self._new()
+
+    @staticmethod
+    def _new() -> DefaultStager:
+        cuda = torch.cuda.is_available()
+        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                            use_non_blocking_copy=cuda))
+
+    def stage(self, tensors: dict) -> dict:
+        """A copy of `tensors` in host memory (DCP's state-dict layout, as `dcp.save` takes it)."""
+        staged = self._stager.stage(tensors)
+        if not getattr(self._stager._state_dict_stager, "_deepcopy_dispatch", True):  # emptied (torch 2.11)
+            self._stager = self._new()
+        return staged
 
 
 @dataclass
@@ -337,7 +354,7 @@ class PendingCheckpoint:
 
 def start_async_save(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                      trainer_state: dict, extra_files: dict[str, str | Path] | None = None, keep: int = 3, *,
-                     rank_state: dict, process_group: Any, stager: DefaultStager,
+                     rank_state: dict, process_group: Any, stager: HostStager,
                      executor: ThreadPoolExecutor) -> PendingCheckpoint | None:
     """Begin the checkpoint of `step` as `save_checkpoint` writes it, but return once the tensors are
     staged (copied by `stager` into host memory): DCP writes them from there on `executor`'s thread,

@@ -77,8 +77,9 @@ def flex_kernels(backend: Union[str, Callable[..., Any]] = "inductor") -> tuple[
     """(document block-mask builder, flex attention), each compiled once per process with `backend`.
 
     dynamic=None is torch's automatic dynamic shapes (see the module docstring): a fixed-shape run
-    (pre-training) keeps the static kernel, a changing one compiles a dynamic kernel once. Uncompiled
-    flex attention materialises the scores; compiled it is one fused kernel.
+    (pre-training) keeps the static kernel, a changing one compiles a dynamic kernel once (torch 2.11:
+    the mask builder up to five graphs, tests/models/test_flex_shapes.py says why). Uncompiled flex
+    attention materialises the scores; compiled it is one fused kernel.
     """
     return (_under_flex_shapes(torch.compile(eager_document_block_mask, dynamic=None, backend=backend)),
             _under_flex_shapes(torch.compile(flex_attention, dynamic=None, backend=backend)))

@@ -37,6 +37,17 @@ from shardwise.models.config import ModelConfig, RopeScaling
 from shardwise.models.lean_ops import gated_activation, rms_norm, rotary
 
 
+@torch.no_grad()
+def init_normal(weight: torch.Tensor, std: float) -> None:
+    """Fill `weight` from N(0, std) drawn in fp32 from the global RNG, then rounded to its dtype, so that
+    one seed gives the same weights whether they are stored in 16 bits (the one-device O2 path) or in fp32
+    (FSDP2's masters). torch 2.13 draws a bf16 tensor that way itself; 2.11 draws other numbers for it."""
+    if weight.dtype == torch.float32:
+        nn.init.normal_(weight, mean=0.0, std=std)
+    else:
+        weight.copy_(torch.empty_like(weight, dtype=torch.float32).normal_(mean=0.0, std=std))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 as in Hugging Face LLaMA so logits match (saving only
     its input and the rsqrt for backward: `lean_ops.rms_norm`)."""
@@ -201,7 +212,7 @@ class Attention(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         """Normal weights, zero biases; the output projection gets the depth-scaled std."""
         for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
-            nn.init.normal_(lin.weight, mean=0.0, std=s)
+            init_normal(lin.weight, s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
@@ -232,7 +243,7 @@ class FeedForward(nn.Module):
         for lin, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
             if lin is None:
                 continue
-            nn.init.normal_(lin.weight, mean=0.0, std=s)
+            init_normal(lin.weight, s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
@@ -313,16 +324,16 @@ class Transformer(nn.Module):
         # GPT-2's scheme: projections that write into the residual stream shrink with depth.
         out_std = std / math.sqrt(2 * cfg.num_layers)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+            init_normal(self.tok_embeddings.weight, std)
         if self.pos_embeddings is not None:
-            nn.init.normal_(self.pos_embeddings.weight, mean=0.0, std=std)
+            init_normal(self.pos_embeddings.weight, std)
         for layer in self.layers.values():
             layer.init_weights(std, out_std)
         if self.norm is not None:
             self.norm.reset_parameters()
         # A tied output on a pipeline stage without the embedding owns its own copy, so it needs init.
         if self.output is not None and (not cfg.tie_embeddings or self.tok_embeddings is None):
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+            init_normal(self.output.weight, std)
         self.reset_rope_tables()
 
     def reset_rope_tables(self) -> None:

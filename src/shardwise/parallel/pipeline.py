@@ -306,14 +306,47 @@ class _StepLoss:
 class _Stage(PipelineStage):
     """torch's PipelineStage, reporting each weight pass: a zero-bubble schedule's weight pass adds the
     micro-batch's weight gradients to `.grad` by hand, past autograd's post-accumulate hooks (which
-    move 16-bit gradients into fp32 masters), so `on_weight_grads` does that job there."""
+    move 16-bit gradients into fp32 masters), so `on_weight_grads` does that job there. It also
+    steps around three limits of torch 2.11 that 2.13 lifted (see the comments below)."""
 
     on_weight_grads: Optional[Callable[[], None]] = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loss_nodes: dict[int, Any] = {}  # micro-batch -> its loss's autograd node, until its weight pass
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Optional[torch.Tensor] = None,  # noqa: D102
+                           full_backward: bool = True, last_backward: bool = False) -> None:
+        # The input pass of a zero-bubble schedule detaches the loss, and in torch 2.11 the autograd nodes of
+        # custom Functions under it (the chunked loss, the final RMSNorm) die with it: the weight pass would
+        # find them gone. Holding the loss's node until then keeps them (torch 2.13 keeps them anyway).
+        if loss is not None and not full_backward:
+            self._loss_nodes[bwd_chunk_id] = loss.grad_fn
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                   last_backward=last_backward)
+
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:  # noqa: D102
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self._loss_nodes.pop(bwd_chunk_id, None)
         if self.on_weight_grads is not None:
             self.on_weight_grads()
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # torch 2.11 warms up every neighbour link with a send and a receive, also to a neighbour on
+        # this rank (the middle of a V), which gloo cannot do; activations between stages of one rank
+        # never travel by point to point, so those links need no warm-up (torch 2.13 skips them).
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,  # noqa: D102
+                                   last_backward: bool = False) -> tuple:
+        # The stage inputs include the keyword arguments, and an int among them (loss_chunk_tokens) breaks
+        # torch 2.11's input-gradient pass (zero bubble), which takes every input for a tensor; torch 2.13
+        # skips non-tensors. They get no gradient, and the gradients sent back are the leading (positional)
+        # inputs', so dropping them changes nothing else.
+        if "input_values" in bwd_kwargs:
+            tensors = [v for v in bwd_kwargs["input_values"] if isinstance(v, torch.Tensor)]
+            bwd_kwargs = {**bwd_kwargs, "input_values": tensors}
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
 def _own_grad(param: torch.Tensor) -> torch.Tensor:

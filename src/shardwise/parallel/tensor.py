@@ -275,6 +275,7 @@ def apply_tensor_parallel(
             "the TP plan in shardwise/parallel/tensor.py does not know their module"
         )
 
+    model.register_forward_pre_hook(_reduce_partial_grads)
     if sp and tok is not None:
         model.register_forward_pre_hook(_sequence_check(tp), with_kwargs=True)
     elif sp:
@@ -284,6 +285,33 @@ def apply_tensor_parallel(
     if sp and _has_dropout(model):
         _install_rank_rng(model, tp_mesh)
     model._shardwise_tp = {"tp": tp, "sequence_parallel": sp, "loss_parallel": loss_parallel}
+
+
+def _replicate_partial_grad(grad: torch.Tensor) -> torch.Tensor:
+    """A replicated parameter's gradient, all-reduced when autograd leaves it a Partial sum."""
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+    return grad
+
+
+def _reduce_partial_grads(model: nn.Module, _args: tuple) -> None:
+    """Forward pre-hook: each replicated parameter's gradient is all-reduced in backward when it arrives
+    as a Partial sum (`_replicate_partial_grad`).
+
+    Under sequence parallelism a replicated weight applied to sequence-sharded activations (the norms'
+    weights and biases) gets a Partial(sum) gradient. torch 2.11 silently drops in-place foreach ops on
+    such a tensor: `torch._foreach_mul_` (gradient clipping, fp16 unscaling) is registered there as
+    non-linear (`_ops/_pointwise_ops.py`, `for_each_ops`), so the dispatcher scales an all-reduced
+    temporary and writes nothing back, and those gradients went unclipped. A Replicate gradient is scaled
+    in place on every version, and costs fewer collectives than a Partial one, which torch all-reduces
+    again in each foreach op of the norm, the clipping and the optimizer. The hooks are registered at
+    forward because allocating a meta model (`to_empty`) replaces the parameters; a parameter that has
+    one is marked. FSDP2's parameters (2-D placements) reduce their gradients themselves."""
+    for p in model.parameters():
+        if (p.requires_grad and isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
+                and not getattr(p, "_shardwise_reduces_partial_grad", False)):
+            p.register_hook(_replicate_partial_grad)
+            p._shardwise_reduces_partial_grad = True
 
 
 def _sequence_check(tp: int):  # noqa: ANN202 - a forward pre-hook
