@@ -515,8 +515,8 @@ class RunSection(_Section):
     keep_host_memory: Union[bool, Literal["auto"]] = Field(
         "auto", description="keep freed host memory in the process for the next step instead of returning it to "
         "the kernel (glibc malloc without mmap and heap trimming): large tensors stop page-faulting their memory "
-        "in every step, 3-6% a step on the 2-core CPU (docs/performance.md); the process's resident memory stays "
-        "at its peak until it ends. auto: on a CPU run; false leaves malloc as it is")
+        "in every step, about 5% off a step on the 2-core CPU (docs/performance.md); the process's resident "
+        "memory stays at its peak until it ends. auto: on a CPU run; false leaves malloc as it is")
     timeout_s: float = Field(
         600.0, gt=0, description="distributed: how long a rank waits for the others before failing"
     )

@@ -305,13 +305,15 @@ def _reduce_partial_grads(model: nn.Module, _args: tuple) -> None:
     temporary and writes nothing back, and those gradients went unclipped. A Replicate gradient is scaled
     in place on every version, and costs fewer collectives than a Partial one, which torch all-reduces
     again in each foreach op of the norm, the clipping and the optimizer. The hooks are registered at
-    forward because allocating a meta model (`to_empty`) replaces the parameters; a parameter that has
-    one is marked. FSDP2's parameters (2-D placements) reduce their gradients themselves."""
+    forward because allocating a meta model (`to_empty`) replaces the parameters; each parameter looked
+    at is marked, so a later forward passes over it. FSDP2's parameters (2-D placements) reduce their
+    gradients themselves."""
     for p in model.parameters():
-        if (p.requires_grad and isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements)
-                and not getattr(p, "_shardwise_reduces_partial_grad", False)):
+        if getattr(p, "_shardwise_reduces_partial_grad", False):  # after the first forward: every parameter
+            continue
+        if p.requires_grad and isinstance(p, DTensor) and all(pl.is_replicate() for pl in p.placements):
             p.register_hook(_replicate_partial_grad)
-            p._shardwise_reduces_partial_grad = True
+        p._shardwise_reduces_partial_grad = True  # looked at: nothing to do for it again
 
 
 def _sequence_check(tp: int):  # noqa: ANN202 - a forward pre-hook
