@@ -22,7 +22,7 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 
 # Top-level module or package of shardwise -> its layer (docs/ARCHITECTURE.md, "Packages").
 LAYERS = {
-    "errors": 0, "loss": 0, "files": 0, "units": 0, "torch_support": 0, "html_page": 1,
+    "errors": 0, "loss": 0, "files": 0, "untrusted": 0, "units": 0, "torch_support": 0, "html_page": 1,
     "models": 1,
     "config": 2,
     "data": 3, "peft": 3,
@@ -134,6 +134,8 @@ def test_no_module_imports_from_a_higher_layer() -> None:
         mine, theirs = _top(name), _top(target)
         if mine == theirs:
             continue  # inside one package any order goes, as long as there is no cycle
+        if theirs == "errors" and mine != "errors":
+            continue  # layer 0 may import the error types (the table's "nothing of shardwise but errors")
         if LAYERS[theirs] >= LAYERS[mine]:
             wrong.append(f"{_where(name, line)} ({mine}, layer {LAYERS[mine]}) imports {target} "
                          f"({theirs}, layer {LAYERS[theirs]})")

@@ -392,7 +392,7 @@ def test_duplicate_key_names_both_lines(capsys, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("content, needle", [
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is not a YAML text file: byte 0 is not UTF-8"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "is not a UTF-8 text file: byte 0 is not UTF-8"),
     (b"\x00\x01\x02\x03", "is not valid YAML: unacceptable character #x0000"),
     (b"model: {preset: tiny_llama}\ntrain: {max_steps: \xff\xfe}\n", "byte 47 is not UTF-8"),
     (b"model: {preset: tiny_llama\ntrain:", "not valid YAML"),

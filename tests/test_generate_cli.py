@@ -332,12 +332,12 @@ def test_adapter_of_a_shardwise_instruction_run_uses_that_runs_template(hf_llama
     run = tmp_path / "lora_run"
     shutil.copytree(instruction_run, run)
     (checkpoint,) = sorted((run / "checkpoints").glob("step_*"))
-    _random_adapter(base, checkpoint / "adapter")
+    _random_adapter(base, checkpoint / "adapter")  # files the checkpoint's checksums do not list: not verified
     for adapter in (checkpoint / "adapter", checkpoint, run):
-        loaded = load_for_generation(base, adapter=adapter)
+        loaded = load_for_generation(base, adapter=adapter, verify=False)
         assert loaded.tuned_template == DICT_TEMPLATE and loaded.chat_template() == DICT_TEMPLATE
         assert loaded.tokenizer.fingerprint == load_tokenizer(checkpoint / "tokenizer").fingerprint
-    assert load_for_generation(base, adapter=run).stop_ids_for(DICT_TEMPLATE) == [1]
+    assert load_for_generation(base, adapter=run, verify=False).stop_ids_for(DICT_TEMPLATE) == [1]
 
 
 def test_generate_mistakes(capsys, hf_llama, tmp_path, tok_dir) -> None:

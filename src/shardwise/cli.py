@@ -132,7 +132,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     loaded = load_for_generation(args.source, tokenizer=args.tokenizer, adapter=args.adapter,
-                                 device=resolve_device(args.device), dtype=dtype)
+                                 device=resolve_device(args.device), dtype=dtype, verify=args.verify)
     template = loaded.chat_template(args.chat)
     if template is None and args.system is not None:
         raise ConfigError(f"--system needs a chat template, and {args.source} is used as a plain text model "
@@ -190,7 +190,8 @@ def _cmd_tokenizer_train(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     result = convert_checkpoint(args.checkpoint, args.out, to=args.to, merge_lora=args.merge_lora,
-                                dtype=args.dtype, overwrite=args.overwrite, tokenizer=args.tokenizer)
+                                dtype=args.dtype, overwrite=args.overwrite, tokenizer=args.tokenizer,
+                                verify=args.verify)
     print(result.summary())
     return 0
 
@@ -302,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype (default fp32)")
     g.add_argument("--no-stream", action="store_true",
                    help="print when done instead of token by token (several prompts always print when done)")
+    g.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check a shardwise checkpoint's files against its checksums.json (saves reading the "
+                        "files once more; a flipped bit or a changed file then loads unnoticed)")
     g.set_defaults(func=_cmd_generate)
 
     tk = sub.add_parser("tokenizer", help="train a tokenizer",
@@ -347,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--tokenizer", metavar="DIR", default=None,
                     help="tokenizer directory to include (default: the one saved in the checkpoint)")
     cv.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    cv.add_argument("--no-verify", dest="verify", action="store_false",
+                    help="do not check a shardwise checkpoint's files against its checksums.json (saves reading the "
+                         "files once more; a flipped bit or a changed file then loads unnoticed)")
     cv.set_defaults(func=_cmd_convert)
 
     pr = sub.add_parser("prepare", help="clean and tokenise raw text into memory-mapped token shards",

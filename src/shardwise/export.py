@@ -19,9 +19,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .checkpoint.storage import find_checkpoint, step_of
-from .checkpoint.weights import load_model
-from .config import load_config, read_yaml
+from .checkpoint.storage import find_checkpoint, skipped_verification, step_of, verify_checkpoint
+from .checkpoint.weights import checkpoint_config, load_model
 from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
 from .files import publish_dir
@@ -64,14 +63,6 @@ class ConvertResult:
                 f"{', '.join(extras)}) of checkpoint {source}to {self.out}")
 
 
-def _run_config(path: Path) -> tuple[Any, Optional[str]]:
-    """The checkpoint's RunConfig (read as load_model reads it) and its model.init_from, if any."""
-    raw = read_yaml(path / "config.yaml")
-    # init_from is where the run started; it need not exist any more, so it is kept aside, not validated.
-    init_from = (raw.get("model") or {}).pop("init_from", None)
-    return load_config(raw=raw), init_from
-
-
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
     """Refuse an OUT whose replacement would destroy the checkpoint or data the user did not offer up."""
     out_abs, ckpt_abs = out.resolve(), checkpoint.resolve()
@@ -103,7 +94,7 @@ def _generation_config(model_cfg: Any) -> dict:
 
 def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", merge_lora: bool = False,
                        dtype: str = "fp32", overwrite: bool = False,
-                       tokenizer: str | Path | None = None) -> ConvertResult:
+                       tokenizer: str | Path | None = None, verify: bool = True) -> ConvertResult:
     """Write a checkpoint (or a run directory's newest) as a Hugging Face model (to="hf": LoRA merged,
     or the base plus OUT/adapter) or as a peft adapter only (to="peft")."""
     if to not in TARGETS:
@@ -114,7 +105,11 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
     out = Path(out)
     _check_out(out, path, overwrite)
     target = out.resolve()  # what is replaced: a symlink's target; `.` and `..` get their real names
-    cfg, init_from = _run_config(path)
+    if verify:  # every file against the checksums before any is read
+        verify_checkpoint(path, no_dist=True)
+    else:
+        skipped_verification(path, "--no-verify")
+    cfg, init_from = checkpoint_config(path)
     lora = cfg.lora
     if merge_lora and lora is None:
         raise ConfigError(f"--merge-lora: checkpoint {path} has no LoRA adapters (its config has no lora "
@@ -136,7 +131,7 @@ def convert_checkpoint(checkpoint: str | Path, out: str | Path, to: str = "hf", 
             log.warning("checkpoint %s holds no tokenizer/: writing the model without one (pass --tokenizer "
                         "DIR to include the tokenizer the run was trained with)", path)
 
-    model, _ = load_model(path)
+    model, _ = load_model(path, verify=False)  # verified above
     adapter: dict[str, torch.Tensor] = {}
     if lora is not None and not merge_lora:
         adapter = {n: t.to(DTYPES[dtype]) for n, t in lora_state_dict(model).items()}  # a shared lora_A once

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
 import os
 import platform
@@ -44,10 +43,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import read_yaml
 from .data.files import default_cache_dir
 from .errors import ConfigError
 from .files import write_json_atomic
+from .untrusted import int_field, kind_of, number_field, read_json_object, read_yaml, str_field
 
 log = logging.getLogger(__name__)
 
@@ -240,24 +239,79 @@ def custom_hardware(memory_gb: float, tflops: float, bandwidth_gbps: float, base
     return base.with_changes(**changes)
 
 
+# Each field of a hardware file: (lowest, highest) for numbers; the kind's names; None: any short text.
+_POSITIVE = ("memory_gib", "tflops_16", "tflops_32", "memory_bandwidth_gbps", "intra_bandwidth_gbps",
+             "inter_bandwidth_gbps", "host_bandwidth_gbps")
+_FRACTIONS = ("compute_efficiency", "comm_efficiency", "comm_overlap")
+_KINDS = ("cuda", "npu", "cpu")
+_MAX_FIGURE = 1e9  # no device has a billion GiB, TFLOP/s or GB/s
+
+
+def _hardware_name(name: Any, path: str | os.PathLike) -> str:
+    """An entry's name: a line of text (it is printed in tables and drawn on charts)."""
+    if not isinstance(name, str) or not 0 < len(name) <= 200 or not name.isprintable():
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
+        raise ConfigError(f"{path}: the entry {shown} needs a name of 1 to 200 printable characters (no line "
+                          "breaks or control characters)")
+    return name
+
+
+def _hardware_fields(fields: dict, name: str, path: str | os.PathLike) -> dict[str, Any]:
+    """The fields of one entry, each checked for its type and range (ConfigError naming entry and field)."""
+    where = f"{path}: {name}"
+    out: dict[str, Any] = {}
+    for key in fields:
+        if key in _POSITIVE or key in _FRACTIONS or key in ("tflops_8", "reserved_gib", "intra_latency_us",
+                                                           "inter_latency_us", "tp_layer_overhead_us"):
+            hi = 1.0 if key in _FRACTIONS else _MAX_FIGURE
+            value = number_field(fields, key, where, ConfigError, lo=0.0, hi=hi)
+            if value == 0 and (key in _POSITIVE or key in ("compute_efficiency", "comm_efficiency")):
+                raise ConfigError(f"{where}: {key!r} is 0, but it must be positive")
+            out[key] = value
+        elif key == "cores_per_node":
+            value = number_field(fields, key, where, ConfigError, lo=0.0, hi=_MAX_FIGURE, default=None)
+            if value == 0:
+                raise ConfigError(f"{where}: 'cores_per_node' is 0, but it must be positive (or left out)")
+            out[key] = value
+        elif key == "devices_per_node":
+            out[key] = int_field(fields, key, where, ConfigError, lo=1, hi=1_000_000)
+        elif key == "kind":
+            out[key] = str_field(fields, key, where, ConfigError, max_len=10)
+            if out[key] not in _KINDS:
+                raise ConfigError(f"{where}: 'kind' is {out[key]!r}; give one of {', '.join(_KINDS)}")
+        elif key == "source":
+            out[key] = str_field(fields, key, where, ConfigError, max_len=1000)
+    return out
+
+
 def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
-    """Entries of a user YAML file (name -> fields, `like: NAME` to start from a known entry)."""
-    raw = read_yaml(path)
+    """Entries of a user YAML file (name -> fields, `like: NAME` to start from a known entry), each
+    field checked for its type and range: ConfigError naming the file, the entry and the field."""
+    raw = read_yaml(path, ConfigError, advice="see `shardwise plan --list-hardware` and docs for the format")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: holds {kind_of(raw)}, not a mapping of device names to their fields")
     out: dict[str, Hardware] = {}
     for name, fields in raw.items():
+        name = _hardware_name(name, path)
         if not isinstance(fields, dict):
             raise ConfigError(f"{path}: {name} must be a mapping of fields ({', '.join(sorted(_FIELDS - {'name'}))})")
         fields = dict(fields)
         like = fields.pop("like", None)
-        unknown = sorted(set(fields) - _FIELDS)
+        unknown = sorted((k for k in fields if k not in _FIELDS or k == "name"), key=str)
         if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(_FIELDS), n=1, cutoff=0.5)
-            raise ConfigError(f"{path}: {name}.{unknown[0]} is not a hardware field"
+            close = difflib.get_close_matches(str(unknown[0]), sorted(_FIELDS), n=1, cutoff=0.5)
+            raise ConfigError(f"{path}: {name}.{str(unknown[0])[:100]} is not a hardware field"
                               + (f"; did you mean {close[0]}?" if close else "")
                               + f" Fields: {', '.join(sorted(_FIELDS - {'name'}))}")
+        fields = _hardware_fields(fields, name, path)
         if like is not None:
-            base = get_hardware(str(like), out)
-            out[str(name)] = base.with_changes(name=str(name), source=f"{path} (like {base.name})", **fields)
+            if not isinstance(like, str) or len(like) > 200:
+                raise ConfigError(f"{path}: {name}.like is {kind_of(like)}; give the name of a known device")
+            base = get_hardware(like, out)
+            source = fields.pop("source", f"{path} (like {base.name})")
+            out[name] = base.with_changes(name=name, source=source, **fields)
             continue
         required = ("memory_gib", "tflops_16", "intra_bandwidth_gbps")
         missing = [f for f in required if f not in fields]
@@ -267,10 +321,8 @@ def load_hardware_file(path: str | os.PathLike) -> dict[str, Hardware]:
         fields.setdefault("tflops_32", fields["tflops_16"] / 8)
         fields.setdefault("memory_bandwidth_gbps", 1000.0)
         fields.setdefault("inter_bandwidth_gbps", fields["intra_bandwidth_gbps"])
-        try:
-            out[str(name)] = Hardware(name=str(name), source=str(path), **fields)
-        except TypeError as e:
-            raise ConfigError(f"{path}: {name}: {e}") from None
+        fields.setdefault("source", str(path))
+        out[name] = Hardware(name=name, **fields)
     return out
 
 
@@ -336,12 +388,18 @@ def keep_best(path: Path, key: str, value: float) -> float:
     return value
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+def _read_json(path: Path) -> dict[str, float]:
+    """The measured peaks kept in `path`: each a finite positive number (anything else in a damaged or
+    foreign file is left out, and is replaced when the file is written again)."""
+    if not path.exists() and not path.is_symlink():
         return {}
-    return known if isinstance(known, dict) else {}
+    try:
+        known = read_json_object(path, ConfigError, limit=1 << 20)
+    except ConfigError as e:
+        log.debug("%s; it is measured again", e)
+        return {}
+    return {k: float(v) for k, v in known.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e30}
 
 
 # --- the peak FLOP/s that MFU divides by -------------------------------------------------------------

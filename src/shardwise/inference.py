@@ -4,24 +4,23 @@ are instruction-tuned, so that prompts get the chat template they were trained w
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from .checkpoint.storage import find_checkpoint
+from .checkpoint.storage import CHECKSUMS_FILE, find_checkpoint, skipped_verification, verify_checkpoint
 from .checkpoint.weights import load_model
-from .config import read_yaml
 from .data.chat import chat_stop_ids, render_generation_prompt, resolve_template
 from .data.tokenizer import Tokenizer, load_tokenizer
 from .errors import CheckpointError, ConfigError
 from .models.hf import from_hf
 from .models.transformer import Transformer
 from .peft.lora import is_lora_name, load_adapter, merge_lora
+from .untrusted import read_json_object, read_yaml
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -78,7 +77,8 @@ def generation_source(source: Union[str, os.PathLike]) -> tuple[str, Path]:
             f"{path} does not exist; give a shardwise checkpoint or run directory, or a Hugging Face model "
             "directory (config.json + *.safetensors)"
         )
-    if (path / "config.json").is_file():
+    config = path / "config.json"
+    if config.exists() or config.is_symlink():  # a config.json that is no regular file is refused when read
         return "hf", path
     if (path / _ADAPTER_CONFIG).is_file():
         raise ConfigError(f"{path} is a LoRA adapter, not a model: give its base model and the adapter as "
@@ -109,11 +109,51 @@ def _adapter_dir(adapter: Union[str, os.PathLike]) -> Path:
                           "or shardwise saves it (adapter_config.json + adapter_model.safetensors)")
 
 
-def _run_data(checkpoint_dir: Path) -> Optional[dict]:
-    """The data section of the shardwise run that wrote `checkpoint_dir`, or None when it is not one."""
-    if not (checkpoint_dir / "config.yaml").is_file():
+def run_config_doc(checkpoint_dir: Path) -> Optional[dict]:
+    """The config.yaml a shardwise run saved in `checkpoint_dir` (None when there is none), read as a
+    file from elsewhere: bounded, without aliases, a mapping; CheckpointError naming it otherwise."""
+    path = checkpoint_dir / "config.yaml"
+    if not path.exists() and not path.is_symlink():
         return None
-    return dict(read_yaml(checkpoint_dir / "config.yaml").get("data") or {})
+    doc = read_yaml(path, CheckpointError, advice="the checkpoint's config is damaged; restore it from the run")
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: holds a YAML {type(doc).__name__}, not a mapping of sections; the "
+                              "checkpoint's config is damaged")
+    return doc
+
+
+def _section(doc: Optional[dict], name: str, path: Path) -> Optional[dict]:
+    if doc is None:
+        return None
+    value = doc.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path / 'config.yaml'}: the {name} section is a {type(value).__name__}, not a "
+                              "mapping; the checkpoint's config is damaged")
+    return dict(value)
+
+
+def _run_data(checkpoint_dir: Path) -> Optional[dict]:
+    """The data section of the shardwise run that wrote `checkpoint_dir`, or None when it is not one; its
+    chat template checked as the run config's schema has it (a name or a dict of texts)."""
+    data = _section(run_config_doc(checkpoint_dir), "data", checkpoint_dir)
+    template = (data or {}).get("template", "auto")
+    if not (template in ("auto", "default", "tokenizer") or (
+            isinstance(template, dict) and all(isinstance(k, str) and isinstance(v, str) and len(v) <= 100_000
+                                               for k, v in template.items()))):
+        raise CheckpointError(f"{checkpoint_dir / 'config.yaml'}: data.template is {type(template).__name__}, not "
+                              "'auto', 'default', 'tokenizer' or a dict of texts; the checkpoint's config is damaged")
+    return data
+
+
+def _saved_by_a_run(adapter_path: Optional[Path]) -> list[Path]:
+    """The shardwise checkpoint an adapter directory lies in (its adapter/), if any."""
+    if adapter_path is None or not (adapter_path.parent / CHECKSUMS_FILE).is_file():
+        return []
+    return [adapter_path.parent]
 
 
 def _instruction_template(data: Optional[dict]) -> Any:
@@ -125,14 +165,7 @@ def _instruction_template(data: Optional[dict]) -> Any:
 
 def _json_object(file: Path) -> dict:
     """A model directory's JSON settings file; CheckpointError naming it when it is not a JSON object."""
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested too deep
-        raise CheckpointError(f"{file} is not valid JSON ({e}); fix it or copy the model directory again") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{file} holds a JSON {type(doc).__name__}, not an object; fix it or copy the model "
-                              "directory again")
-    return doc
+    return read_json_object(file, CheckpointError, advice="fix it or copy the model directory again")
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -162,8 +195,19 @@ def _hf_eos_ids(directory: Path, vocab_size: int) -> list[int]:
             value = _json_object(file).get("eos_token_id")
             if value is not None:
                 ids = value if isinstance(value, list) else [value]
-                return [i for i in ids if isinstance(i, int) and 0 <= i < vocab_size]
+                return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size]
     return []
+
+
+@torch.no_grad()
+def _check_finite(model: Transformer, source: Path, which: Callable[[str], bool] = lambda name: True) -> None:
+    """Every weight (of those `which` names) a finite number: a NaN or an infinity would make every
+    sampled token garbage (and sampling fail), so the file is named here instead."""
+    for name, param in model.named_parameters():
+        if which(name) and param.is_floating_point() and not bool(torch.isfinite(param).all()):
+            raise CheckpointError(f"{source}: the weight {name} holds NaN or infinite values (in "
+                                  f"{str(param.dtype).removeprefix('torch.')}), so the model cannot generate; the "
+                                  "weights are damaged, a diverged run saved them, or they overflow a 16-bit --dtype")
 
 
 def load_for_generation(
@@ -172,6 +216,7 @@ def load_for_generation(
     adapter: Union[str, os.PathLike, None] = None,
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.float32,
+    verify: bool = True,
 ) -> GenerationModel:
     """Load a shardwise checkpoint/run directory or a Hugging Face model directory, optionally with a
     peft-format LoRA adapter, and its tokenizer; and find out whether it is instruction-tuned.
@@ -181,11 +226,19 @@ def load_for_generation(
     template) when the run that saved the adapter or checkpoint trained on instruction data (its
     data.template is used, as training rendered conversations), or when a Hugging Face model or an
     adapter from elsewhere comes with a tokenizer that has a chat template.
+
+    A shardwise checkpoint's files (the source's, and an adapter's when a shardwise run saved it) are
+    checked against its checksums before any of them is read (`verify`; False skips that, saying so).
     """
     # Every path is checked, and the tokenizer read, before the (possibly large) model is loaded.
     kind, path = generation_source(source)
-    source_data = _run_data(path) if kind == "checkpoint" else None
     adapter_path = _adapter_dir(adapter) if adapter is not None else None
+    for checkpoint in ([path] if kind == "checkpoint" else []) + _saved_by_a_run(adapter_path):
+        if verify:
+            verify_checkpoint(checkpoint, no_dist=True)
+        else:
+            skipped_verification(checkpoint, "--no-verify")
+    source_data = _run_data(path) if kind == "checkpoint" else None
     adapter_data = _run_data(adapter_path.parent) if adapter_path is not None else None
     tokenizer_dir = Path(tokenizer).expanduser() if tokenizer is not None else None
     if tokenizer_dir is None and adapter_path is not None:  # fine-tuning tools save the tokenizer they used
@@ -204,12 +257,14 @@ def load_for_generation(
     if kind == "hf":
         model = from_hf(path, device=device, dtype=dtype)
     else:
-        model, _ = load_model(path, device=device, dtype=dtype)
+        model, _ = load_model(path, device=device, dtype=dtype, verify=False)  # verified above
+    _check_finite(model, path)
     if adapter_path is not None:
         if any(is_lora_name(n) for n, _ in model.named_parameters()):
             merge_lora(model)  # the checkpoint's own adapters become base weights; the new one goes on top
         load_adapter(model, adapter_path)
         model.eval()
+        _check_finite(model, adapter_path, is_lora_name)
     if tok.vocab_size > model.cfg.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_dir} has {tok.vocab_size} tokens but the model only {model.cfg.vocab_size}; "

@@ -443,6 +443,12 @@ def test_distributed_checkpoints_hold_no_pickle_and_canonical_names(launched):
         assert ".metadata" not in names and ckpt.METADATA_FILE in names
         assert {"rng_rank0.json", "rng_rank1.json", ckpt.STATE_FILE} <= names
         assert {n for n in names if n.endswith(".distcp")} <= {"__0_0.distcp", "__1_0.distcp"}
+        # Every file's checksum (each rank hashed its own shards), and nothing of that hashing left behind.
+        listed = set(json.loads((path / ckpt.CHECKSUMS_FILE).read_text())["files"])
+        on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()}
+        assert listed == on_disk - {ckpt.CHECKSUMS_FILE}
+        assert {"rng_rank1.json", "__1_0.distcp"} <= listed and not [n for n in names if n.startswith(".checksums")]
+        assert ckpt.verify_checkpoint(path)
         doc = json.loads((path / ckpt.METADATA_FILE).read_text())
         assert all(item["kind"] == "tensor" for item in doc["state_dict"].values())  # no pickled objects
         assert not [k for k in doc["state_dict"] if "_checkpoint_wrapped_module" in k or "_orig_mod" in k]

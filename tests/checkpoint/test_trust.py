@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import shardwise
 from shardwise.checkpoint.format import METADATA_FILE, SafeCheckpointReader, TensorOnlyLoadPlanner
-from shardwise.checkpoint.storage import load_weights, read_saved_tensors, read_trainer_state
+from shardwise.checkpoint.storage import CHECKSUMS_FILE, load_weights, read_saved_tensors, read_trainer_state
 from shardwise.checkpoint.weights import load_model
 from shardwise.cli import main
 from shardwise.data import load_tokenizer, train_bpe_tokenizer
@@ -265,6 +265,9 @@ def _tampered(original: Path, tmp_path: Path, attack: Callable) -> tuple[Path, P
     shutil.copytree(original, ckpt)
     marker = tmp_path / "PWNED"
     attack(ckpt, marker)
+    # Checksums catch a damaged file, but an attacker rewrites or drops checksums.json along with the rest:
+    # every check here must hold without it (a checkpoint without one loads, with a warning).
+    (ckpt / CHECKSUMS_FILE).unlink()
     return ckpt, marker
 
 

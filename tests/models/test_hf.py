@@ -217,5 +217,5 @@ def test_unreadable_weights_and_config_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
         from_hf(path)
     (path / "config.json").write_text("[]")
-    with pytest.raises(CheckpointError, match=r"config\.json holds a JSON list, not an object"):
+    with pytest.raises(CheckpointError, match=r"config\.json: holds a list, not a JSON object"):
         load_hf_config(path)

@@ -272,7 +272,8 @@ def test_nothing_matched_lists_eligible_names():
         apply_lora(model, r=2, alpha=4, dropout=0.0, target_modules=["qproj"])
     with pytest.raises(ConfigError, match=r"a single string is a regex.*\[q_proj\]"):
         apply_lora(model, r=2, alpha=4, dropout=0.0, target_modules="q_proj")
-    with pytest.raises(ConfigError, match=r"entry 'layers\.\(0' is not a valid regular expression"):
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: holds 'layers\.\(0', which is not a regular "
+                                          r"expression"):
         apply_lora(model, r=2, alpha=4, dropout=0.0, target_modules=["layers.(0"])
     with pytest.raises(ConfigError, match="lora.r must be a positive integer"):
         apply_lora(model, r=0, alpha=4, dropout=0.0, target_modules=["q_proj"])
@@ -422,11 +423,11 @@ def test_unreadable_adapter_files_are_named(tmp_path):
     config = adapter / "adapter_config.json"
     settings = config.read_text()
     config.write_text("[1, 2]")
-    with pytest.raises(CheckpointError, match=r"adapter_config\.json holds a JSON list"):
+    with pytest.raises(CheckpointError, match=r"adapter_config\.json: holds a list, not a JSON object"):
         load_adapter(build_model(_tiny_cfg()), adapter)
     config.write_text(settings)
     with safe_open(str(weights), framework="pt") as f:
         tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     save_file(tensors, str(weights), metadata={**metadata, ARCH_METADATA_KEY: "{not json"})
-    with pytest.raises(CheckpointError, match=f"{ARCH_METADATA_KEY} entry that is not JSON"):
+    with pytest.raises(CheckpointError, match=rf"its {ARCH_METADATA_KEY} entry\): is not valid JSON"):
         load_adapter(build_model(_tiny_cfg()), adapter)

@@ -45,19 +45,23 @@ from .storage import (
     HostStager,
     PendingCheckpoint,
     finish_async_save,
+    is_complete,
     list_checkpoints,
     load_checkpoint,
+    rank_state_file,
     read_rank_state,
     read_saved_tensors,
     read_trainer_state,
     resolve_resume,
     save_checkpoint,
     saved_ranks,
+    skipped_verification,
     start_async_save,
     step_dir,
     step_of,
+    verify_checkpoint,
 )
-from .weights import load_pretrained_tensors
+from .weights import base_fingerprint, fingerprint_difference, load_pretrained_tensors
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +193,9 @@ class Checkpointer:
     the run directory copied into each checkpoint (config.yaml, tokenizer/), when they exist.
     `async_save`: `save` stages the state in host memory and writes it in the background (`wait`);
     in a distributed run the checkpointer then creates a gloo process group of its own, so every rank
-    must construct it at the same point.
+    must construct it at the same point. `verify`: loads check every file of a checkpoint against its
+    checksums, and a LoRA run's base (`base`) against the fingerprint its checkpoint recorded
+    (train.verify_checkpoints).
     """
 
     def __init__(self, run_dir: str | Path, parts: list[nn.Module], optimizer: torch.optim.Optimizer, *,
@@ -197,12 +203,16 @@ class Checkpointer:
                  layout: dict[str, int] | None = None, device: torch.device = torch.device("cpu"),
                  rank: int = 0, keep: int = 3, seed: int = 0, lora: LoraConfig | None = None,
                  model_cfg: ModelConfig | None = None, base: str | None = None,
-                 extra_files: tuple[str, ...] = ("config.yaml", "tokenizer"), async_save: bool = False) -> None:
+                 extra_files: tuple[str, ...] = ("config.yaml", "tokenizer"), async_save: bool = False,
+                 verify: bool = True) -> None:
         self.run_dir, self.parts, self.optimizer = Path(run_dir), list(parts), optimizer
         self.masters, self.scaler, self.loader = masters, scaler, loader
         self.tied_copy, self.layout, self.device, self.rank = tied_copy, layout or {}, device, rank
         self.keep, self.seed, self.extra_files = keep, seed, extra_files
         self.lora, self.model_cfg, self.base = lora, model_cfg, base
+        self.verify = verify
+        self._resumed_from: Path | None = None  # the checkpoint this run resumed from
+        self._base_fingerprint: dict | None = None  # init_from's, for a LoRA run (computed once)
         self.rank_streams: dict[str, Any] = {}  # name -> object with state()/set_state()/reseed() (TP dropout)
         names = canonical_param_names(self.parts)
         # What the optimizer steps, by name: the fp32 masters at level O2, else the trainable parameters.
@@ -264,22 +274,35 @@ class Checkpointer:
         the directory appears only when the write is published (`wait`, or the next save); a pending
         save is published first, and a failure of its write raises here."""
         self.wait()
+        final = step_dir(self.run_dir, step)
+        if self._resumed_from is not None and step == step_of(self._resumed_from) and final.is_dir() \
+                and not final.is_symlink() and final.resolve() == self._resumed_from.resolve() and is_complete(final):
+            # Nothing has changed since the load (a run resumed at its last step): that checkpoint is this state.
+            log.info("checkpoint %s is the one this run resumed from, which holds this state", final)
+            return final
         trainer_state: dict[str, Any] = {"scaler": self.scaler.state_dict() if self.scaler is not None else None,
                                          "layout": self.layout}
         if self.loader is not None:
             trainer_state["loader"] = self.loader.state_dict()
+        if self.rank == 0 and self.lora is not None and self.base is not None:
+            trainer_state["base"] = self._base()
         extra = {name: self.run_dir / name for name in self.extra_files if (self.run_dir / name).exists()}
         streams = {n: r.state() for n, r in self.rank_streams.items()}
+        # A LoRA run's adapters are written into the checkpoint before it is published, with its checksums.
+        adapter = self._save_adapter if self.lora is not None else None
         if self.async_save:
             self._pending = start_async_save(self.run_dir, step, self.tensors(), trainer_state, extra, keep=self.keep,
                                              rank_state=rng.capture(self.device, streams), process_group=self._group,
-                                             stager=self._stager, executor=self._writer)
-            return step_dir(self.run_dir, step)
-        path = save_checkpoint(self.run_dir, step, self.tensors(), trainer_state, extra, keep=self.keep,
-                               rank_state=rng.capture(self.device, streams))
-        if self.lora is not None and self.rank == 0:
-            self._save_adapter(path)
-        return path
+                                             stager=self._stager, executor=self._writer, before_publish=adapter)
+            return final
+        return save_checkpoint(self.run_dir, step, self.tensors(), trainer_state, extra, keep=self.keep,
+                               rank_state=rng.capture(self.device, streams), before_publish=adapter)
+
+    def _base(self) -> dict:
+        """init_from's fingerprint (`weights.base_fingerprint`), computed once per run."""
+        if self._base_fingerprint is None:
+            self._base_fingerprint = base_fingerprint(self.base)
+        return self._base_fingerprint
 
     def wait(self, *, training_failed: bool = False) -> Path | None:
         """Wait for the pending background save (every rank calls it) and publish it; return its directory,
@@ -292,8 +315,6 @@ class Checkpointer:
             return None
         try:
             path = finish_async_save(pending)
-            if self.lora is not None and self.rank == 0:
-                self._save_adapter(path)
         except Exception as e:
             if not training_failed:
                 raise
@@ -302,7 +323,8 @@ class Checkpointer:
         return path
 
     def _save_adapter(self, path: Path) -> None:
-        """The checkpoint's LoRA adapters on their own, in the format `peft` loads (path/adapter)."""
+        """The checkpoint's LoRA adapters on their own, in the format `peft` loads (path/adapter); `path` is
+        the checkpoint's temporary directory, its tensors and trainer state written (rank 0)."""
         names = [n for n in read_trainer_state(path).get("shapes", {}).get("model", {}) if is_lora_name(n)]
         state = read_saved_tensors(path, "model", names)  # read back: any layout, on one rank
         lora = self.lora
@@ -321,10 +343,16 @@ class Checkpointer:
         if path is None:
             log.info("--resume auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
             return 0
+        if self.verify:
+            verify_checkpoint(path)
+        elif self.rank == 0:
+            skipped_verification(path)
+        saved = read_trainer_state(path)
+        _check_step(path, saved)
+        self._check_base(path, saved)
         ensure_optimizer_state(self.optimizer)
         per_part = model_state(self.parts)
         tensors = self.tensors(per_part)
-        saved = read_trainer_state(path)
         packed = any(f".{PACKED}" in n for n in tensors["optim"])
         if distributed():
             packed = sum_over([int(packed)])[0] > 0
@@ -351,8 +379,37 @@ class Checkpointer:
         self._restore_random_state(path, state, step)
         rank0_first(lambda: _clear_newer_checkpoints(self.run_dir, step, overwrite), self.rank,
                     "removing newer checkpoints")
+        self._resumed_from = path
         log.info("resumed from %s at step %d", path, step)
         return step
+
+    def _check_base(self, path: Path, saved: dict) -> None:
+        """A LoRA run's adapters belong to the base they were trained on (with QLoRA it is read from
+        model.init_from again at every start): init_from must still hold the weights the checkpoint
+        recorded (`weights.base_fingerprint`)."""
+        if self.lora is None or self.base is None:
+            return
+        recorded = saved.get("base")
+        if recorded is None:
+            if self.rank == 0:
+                log.warning("%s records no fingerprint of its base model (saved by an older shardwise): whether "
+                            "model.init_from %s still holds the weights it was trained on is not checked",
+                            path, self.base)
+            return
+        now = self._base()
+        difference = fingerprint_difference(recorded, now)
+        if difference is None:
+            return
+        message = (f"model.init_from {self.base} is not the base model that checkpoint {path} was trained on: "
+                   f"{difference} since then (the checkpoint recorded its base's files in {STATE_FILE}). The "
+                   "LoRA adapters only fit the weights they were trained on")
+        if not self.verify:
+            log.warning("%s; going on, as train.verify_checkpoints is false", message)
+            return
+        raise CheckpointError(
+            f"{message}: point model.init_from at that base model again. If the change is on purpose (the "
+            "same weights, saved again), set train.verify_checkpoints: false to go on anyway (it also skips "
+            "checking the checkpoint's files against their checksums)")
 
     def _restore_random_state(self, path: Path, state: dict, step: int) -> None:
         """Each rank continues its own random streams where the layout is the one saved; elsewhere
@@ -363,7 +420,7 @@ class Checkpointer:
         if distributed():  # every rank must take the same branch, or TP peers' streams diverge
             same = sum_over([int(not same or own is None)])[0] == 0
         if same and own is not None:
-            missing = rng.restore(own, self.device, self.rank_streams)
+            missing = rng.restore(own, self.device, self.rank_streams, source=str(rank_state_file(path, self.rank)))
             if missing and self.rank == 0:
                 log.warning("%s: no saved state for %s (saved on another kind of device?); it continues from "
                             "its current state", path, ", ".join(missing))
@@ -388,7 +445,7 @@ class Checkpointer:
                 named.setdefault(self.checkpoint_name(names[id(p)]), p)
         kind = "Hugging Face" if (Path(init_from).expanduser() / "config.json").is_file() else "checkpoint"
         log.info("loading %s weights from %s", kind, init_from)
-        load_pretrained_tensors(named, init_from, model_cfg, self.seed)
+        load_pretrained_tensors(named, init_from, model_cfg, self.seed, verify=self.verify)
         self.fill_tied_copies()
         if self.masters is not None:
             self.masters.masters_to_model()
@@ -433,17 +490,32 @@ def _agree_on_checkpoint(path: Path | None, run_dir: Path) -> None:
         "(NFS, Lustre, GPFS, ...; in Kubernetes a ReadWriteMany volume)")
 
 
+def _check_step(path: Path, saved: dict) -> None:
+    """The step a checkpoint records is the one its directory is named for: otherwise it was renamed or
+    its files were replaced, and resuming would misplace it among the run's checkpoints."""
+    recorded, named = saved["step"], step_of(path)
+    if recorded == named:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} cannot be loaded: its {STATE_FILE} records step {recorded}, but the directory is named "
+        f"for step {named}: it was renamed, or its files were replaced by another checkpoint's. If it is the "
+        f"checkpoint of step {recorded}, move it to {path.parent / f'step_{recorded:08d}'} (where no other is); or "
+        f"resume from another checkpoint with --resume PATH. Nothing was changed in {path.parent}")
+
+
 def _clear_newer_checkpoints(run_dir: Path, step: int, overwrite: bool) -> None:
     """Resuming from an older checkpoint forks the run: its newer checkpoints go only when asked."""
     newer = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
     if not newer:
         return
+    listed = ", ".join(str(p) for p in newer)
     if not overwrite:
         raise ConfigError(
             f"{run_dir} holds checkpoints newer than step {step} ({', '.join(p.name for p in newer)}); "
             f"continuing from step {step} would replace them. Pass --overwrite (Python: "
-            "train(resume=..., overwrite=True)) to replace them, or set another train.output_dir"
+            f"train(resume=..., overwrite=True)) to delete them ({listed}) and continue, resume from the newest "
+            "with --resume auto, or set another train.output_dir"
         )
     for p in newer:
-        shutil.rmtree(p)
-    log.warning("--overwrite: removed checkpoints newer than step %d: %s", step, ", ".join(p.name for p in newer))
+        p.unlink() if p.is_symlink() else shutil.rmtree(p)  # a link: only the link goes
+    log.warning("--overwrite: deleted the checkpoints newer than step %d: %s", step, listed)

@@ -20,7 +20,6 @@ Each problem raises a CheckpointError naming the checkpoint, the file and what i
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import pickle  # for its UnpicklingError only: the weights-only unpickler raises it for what it refuses
@@ -45,6 +44,8 @@ from torch.futures import Future
 
 from ..errors import CheckpointError
 from ..files import plain_file_name, write_json_atomic
+from ..untrusted import MAX_SIDE_FILE, MiB
+from ..untrusted import read_json_object as untrusted_json_object
 
 METADATA_FILE = ".metadata.json"
 
@@ -89,19 +90,26 @@ def _json_kind(value: Any) -> str:
 # --- JSON files -----------------------------------------------------------------------------------------
 
 
-def read_json_object(file: Path, checkpoint: Path) -> dict:
-    """A checkpoint's JSON file as a dict; a file that is not a JSON object fails naming it."""
+class _Refused(CheckpointError):
+    """What `untrusted` raises here, turned into `refused`'s one paragraph by `read_json_object`."""
+
+
+# Bounds on a checkpoint's JSON files, checked before they are read: .metadata.json grows with tensors x
+# ranks (a 70B model on 1024 ranks writes some tens of MiB), the others are small.
+JSON_LIMITS = {METADATA_FILE: 512 * MiB}
+SMALL_JSON_LIMIT = 1 * MiB  # a rank's random state (some KiB), the checksum manifest of small checkpoints
+
+
+def read_json_object(file: Path, checkpoint: Path, *, limit: int | None = None) -> dict:
+    """A checkpoint's JSON file as a dict, read through `shardwise.untrusted` (a regular file of at most
+    `limit` bytes, UTF-8, nested at most 100 levels, integers of at most 40 digits, no NaN): anything
+    else fails as a CheckpointError naming the checkpoint and the file."""
+    limit = limit if limit is not None else JSON_LIMITS.get(file.name, MAX_SIDE_FILE)
     try:
-        with open(file, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from e
-    # ValueError: not JSON, not UTF-8, or an integer too long to parse; RecursionError: nested too deep.
-    except (ValueError, RecursionError) as e:
-        raise refused(checkpoint, file.name, f"is not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise refused(checkpoint, file.name, f"holds {_json_kind(doc)}, not a JSON object")
-    return doc
+        return untrusted_json_object(file, _Refused, limit=limit)
+    except _Refused as e:
+        problem = str(e).removeprefix(f"{file}: ")
+        raise refused(checkpoint, file.name, problem) from None
 
 
 # --- .metadata.json <-> DCP Metadata ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import random
 from typing import Any
 
@@ -32,16 +33,8 @@ def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
 
 
-def _tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8).clone()
-
-
 def _jsonable(x: Any) -> Any:
     return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tupled(x: Any) -> Any:
-    return tuple(_tupled(v) for v in x) if isinstance(x, list) else x
 
 
 def _device_module(device: torch.device) -> Any:
@@ -60,41 +53,111 @@ def capture(device: torch.device, streams: dict[str, torch.Tensor] | None = None
     return state
 
 
-def restore(state: dict, device: torch.device, streams: dict[str, Any] | None = None) -> list[str]:
+def restore(state: Any, device: torch.device, streams: dict[str, Any] | None = None,
+            source: str = "the checkpoint") -> list[str]:
     """Set this rank's generators from `capture`'s dict (or the format before it); `streams` maps the
-    names of extra streams to objects with `set_state(tensor)`. Returns what could not be restored."""
+    names of extra streams to objects with `state()` and `set_state(tensor)`. Returns what could not be
+    restored. Every value is checked by type and size against the generator it is for before any is set,
+    so a damaged or crafted file (`source`, named in the error) changes nothing."""
     try:
-        return _restore(state, device, streams or {})
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the saved random state is malformed ({type(e).__name__}: {e}); "
-                              "the checkpoint was changed or damaged") from e
-
-
-def _restore(state: dict, device: torch.device, streams: dict[str, Any]) -> list[str]:
+        plan = _checked(state, device, streams or {})
+    except _Malformed as e:
+        raise CheckpointError(f"{source}: the saved random state is malformed ({e}); the checkpoint was changed "
+                              "or damaged: copy it again from the run that saved it") from None
     missing: list[str] = []
-    torch.set_rng_state(_tensor(state["cpu"] if "cpu" in state else state["torch"]))
-    random.setstate(_tupled(state["python"]))
+    try:
+        for name, apply in plan:
+            if apply is None:
+                missing.append(name)
+            else:
+                apply()
+    except (TypeError, ValueError, RuntimeError) as e:  # checked above: a state this torch refuses anyway
+        raise CheckpointError(f"{source}: the saved random state is malformed ({type(e).__name__}: {e}); the "
+                              "checkpoint was changed or damaged") from None
+    return missing
+
+
+class _Malformed(ValueError):
+    pass
+
+
+def _bytes_of(value: Any, what: str, length: int) -> torch.Tensor:
+    """A base64 string of exactly `length` bytes, as a uint8 tensor (the length checked before decoding)."""
+    if not isinstance(value, str):
+        raise _Malformed(f"{what} is {type(value).__name__}, not a base64 string")
+    if len(value) != 4 * ((length + 2) // 3):
+        raise _Malformed(f"{what} has {len(value):,} characters; the {length:,}-byte state it stands for has "
+                         f"{4 * ((length + 2) // 3):,}")
+    try:
+        data = base64.b64decode(value, validate=True)
+    except ValueError as e:  # binascii.Error
+        raise _Malformed(f"{what} is not base64 ({e})") from None
+    if len(data) != length:
+        raise _Malformed(f"{what} holds {len(data):,} bytes, not {length:,}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def _python_state(value: Any) -> tuple:
+    """`random.getstate()` as JSON gives it back: [3, [625 words < 2**32, the last an index <= 624], null or a
+    float]."""
+    if not isinstance(value, list) or len(value) != 3 or value[0] != 3 or isinstance(value[0], bool):
+        raise _Malformed(f"the Python state is {str(value)[:80]}, not [3, [625 numbers], null or a number]")
+    words, gauss = value[1], value[2]
+    if not isinstance(words, list) or len(words) != 625 or not all(
+            type(w) is int and 0 <= w < 2**32 for w in words) or words[-1] > 624:
+        raise _Malformed("the Python state's words are not 624 numbers below 2**32 and an index up to 624")
+    if gauss is not None and (type(gauss) is not float or not math.isfinite(gauss)):
+        raise _Malformed(f"the Python state's last value is {str(gauss)[:40]}, not null or a number")
+    return (3, tuple(words), gauss)
+
+
+def _checked(state: Any, device: torch.device, streams: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(what, a function that sets it, or None where nothing saved fits) for each generator, every value
+    checked first."""
+    if not isinstance(state, dict):
+        raise _Malformed(f"it is {type(state).__name__}, not an object")
+    fmt = state.get("format")
+    if fmt is not None and (type(fmt) is not int or not 1 <= fmt <= _FORMAT):
+        raise _Malformed(f"format {str(fmt)[:40]} is not one this shardwise reads (1 to {_FORMAT})")
+    key = "cpu" if "cpu" in state else "torch"
+    cpu = _bytes_of(state.get(key), f"the CPU state ({key!r})", torch.get_rng_state().numel())
+    python = _python_state(state.get("python"))
+    plan: list[tuple[str, Any]] = [("the CPU generator", lambda: torch.set_rng_state(cpu)),
+                                   ("Python's random", lambda: random.setstate(python))]
     module = _device_module(device)
     saved = state.get("device")
-    if "cuda" in state and "format" not in state:  # before format 2: every visible GPU's state
-        saved = _old_cuda_state(state["cuda"], device)
+    if "cuda" in state and fmt is None:  # before format 2: every visible GPU's state
+        cuda = state["cuda"]
+        if not isinstance(cuda, list) or len(cuda) > 4096:
+            raise _Malformed("the old CUDA states are not a list of states")
+        saved = _old_cuda_state(cuda, device)
+    if saved is not None and (not isinstance(saved, dict) or not isinstance(saved.get("type"), str)):
+        raise _Malformed(f"the device state is {str(saved)[:80]}, not an object with a type and a state")
     if module is not None:
         if saved and saved["type"] == device.type:
-            module.set_rng_state(_tensor(saved["state"]), device)
+            value = _bytes_of(saved.get("state"), f"the {device.type} state",
+                              module.get_rng_state(device).numel())
+            plan.append((f"the {device.type} generator", lambda: module.set_rng_state(value, device)))
         else:
-            missing.append(f"the {device.type} generator")
+            plan.append((f"the {device.type} generator", None))
+    saved_streams = state.get("streams", {})
+    if not isinstance(saved_streams, dict):
+        raise _Malformed(f"the streams are {type(saved_streams).__name__}, not an object")
     for name, stream in streams.items():
-        if name in state.get("streams", {}):
-            stream.set_state(_tensor(state["streams"][name]))
+        if name in saved_streams:
+            value = _bytes_of(saved_streams[name], f"stream {name}", stream.state().numel())
+            plan.append((f"stream {name}", lambda stream=stream, value=value: stream.set_state(value)))
         else:
-            missing.append(f"stream {name}")
-    return missing
+            plan.append((f"stream {name}", None))
+    return plan
 
 
 def _old_cuda_state(states: list[str], device: torch.device) -> dict | None:
     """The pre-format-2 list of every visible GPU's state: usable only where the same GPUs are visible."""
     if device.type != "cuda" or len(states) != torch.cuda.device_count():
         return None
+    if not isinstance(states[device.index or 0], str):
+        raise _Malformed("an old CUDA state is not a string")
     return {"type": "cuda", "state": states[device.index or 0]}
 
 

@@ -8,6 +8,8 @@ Layout of a run directory:
         trainer_state.json               step, data position, loss scaler, global tensor shapes (rank 0)
         rng_rank0.json rng_rank1.json    random generator states, one file per rank
         config.yaml, tokenizer/          what `shardwise generate` needs to use it on its own
+        adapter/                         a LoRA run's adapters in peft's format
+        checksums.json                   every other file's size and SHA-256, written last
 
 Tensors are stored by canonical name in groups: `model.<param>` (no wrapper prefixes such as
 `_checkpoint_wrapped_module.` or `_orig_mod.`), `optim.<param>.<state key>` and, at precision level
@@ -19,7 +21,10 @@ A checkpoint is written into a hidden temporary directory shared by all ranks an
 by rank 0 only when every rank's files are on disk (checked: every shard file the DCP metadata names,
 and every rank's state file, so that ranks writing to disks of their own nodes never publish a
 checkpoint with shards missing); a failure on any rank stops every rank before the rename, so the
-previous checkpoints stay the newest good ones. `is_complete` checks the shard files too. An asynchronous save
+previous checkpoints stay the newest good ones. Whatever stands at the checkpoint's place (one a crash
+left incomplete) is moved aside to `step_N.incomplete-<time>`, kept and named in a warning, never
+written into or skipped. Every load first checks each file against `checksums.json`
+(`verify_checkpoint`). `is_complete` checks the shard files too. An asynchronous save
 (`start_async_save`, `finish_async_save`) copies the tensors into host memory and returns; DCP writes
 them into the same temporary directory in the background, and the directory is published the same
 way, later, once every rank's write has finished.
@@ -33,15 +38,18 @@ in memory; nothing pickled is written to disk or read from it.)
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import shutil
+import stat
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,10 +59,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..errors import CheckpointError
-from ..files import fsync_dir, fsync_tree, write_json_atomic
+from ..files import fsync_dir, fsync_tree, plain_file_name, write_json_atomic
 from ..parallel.collectives import all_reduce, attempt, fail_together
 from .format import (
     METADATA_FILE,
+    SMALL_JSON_LIMIT,
     JsonMetadataWriter,
     SafeCheckpointReader,
     TensorOnlyLoadPlanner,
@@ -69,6 +78,7 @@ log = logging.getLogger(__name__)
 CPU = torch.device("cpu")
 
 STATE_FILE = "trainer_state.json"
+CHECKSUMS_FILE = "checksums.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -95,7 +105,7 @@ def rank_state_file(path: str | Path, rank: int) -> Path:
 def read_rank_state(path: str | Path, rank: int) -> dict | None:
     """Rank `rank`'s saved state (`train.rng.capture`), or None when the checkpoint has none for it."""
     file = rank_state_file(path, rank)
-    return read_json_object(file, Path(path)) if file.is_file() else None
+    return read_json_object(file, Path(path), limit=SMALL_JSON_LIMIT) if file.is_file() else None
 
 
 def saved_ranks(path: str | Path) -> int:
@@ -219,7 +229,8 @@ def _temporary_dir(final: Path) -> Path:
 
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                     trainer_state: dict, extra_files: dict[str, str | Path] | None = None,
-                    keep: int = 3, *, rank_state: dict | None = None, process_group: Any = None) -> Path:
+                    keep: int = 3, *, rank_state: dict | None = None, process_group: Any = None,
+                    before_publish: Callable[[Path], None] | None = None) -> Path:
     """Write a checkpoint for `step` atomically, then drop all but the newest `keep`.
 
     `tensors` maps groups ("model", "optim", "master") to flat name -> tensor dicts; `extra_files`
@@ -231,56 +242,110 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, dict[str,
     ranks need not hold the same names (pipeline stages); replicated tensors are written once.
     `run_dir` must be the same shared directory on every rank. `trainer_state` and `extra_files` are
     taken from rank 0 only. Every rank returns the final path, or every rank raises.
+
+    Every file gets its SHA-256 checksum in `checksums.json` (each rank hashes the shard files it wrote;
+    rank 0 the rest, then writes the manifest last). `before_publish(tmp)` runs on rank 0 once the
+    tensors and the trainer state are in the temporary directory, before the manifest: what it adds
+    there (a LoRA run's adapter) is published with the checkpoint, or not at all.
+
+    A directory already at the step's place is never written into nor skipped: it is moved aside
+    (`_move_aside`), kept, and a warning says where.
     """
     group = process_group
     rank = _rank(group)
     final = step_dir(run_dir, step)
-    if final.exists():
-        log.info("checkpoint %s already exists; not saving it again", final)
-        return final
     tmp = _temporary_dir(final)
-    _, error = attempt(lambda: _prepare_temporary(tmp, rank, tensors))
+    _, error = attempt(lambda: _prepare_temporary(tmp, final, rank, tensors))
     fail_together(error, group, f"preparing {tmp}", error_class=CheckpointError)
     # DCP stops every rank with a CheckpointException when any rank fails inside it.
     with warnings.catch_warnings():  # DCP warns that one process means no process group: we know
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         metadata = dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp, sync_files=True),
                             process_group=group, no_dist=not _distributed())
-    _, error = attempt(lambda: write_json_atomic(rank_state_file(tmp, rank),
-                                                   rank_state if rank_state is not None else capture_rng(CPU)))
+
+    def finish_rank() -> None:
+        write_json_atomic(rank_state_file(tmp, rank), rank_state if rank_state is not None else capture_rng(CPU))
+        hash_own_files(tmp, rank)
+    _, error = attempt(finish_rank)
     fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
     # Rank 0, once every rank's files are on disk; the other ranks wait in `fail_together` for the rename.
     _, error = attempt(lambda: _publish(tmp, final, step, trainer_state, metadata, list(tensors), extra_files,
-                                        keep, _world(group))) if rank == 0 else (None, None)
+                                        keep, _world(group), before_publish)) if rank == 0 else (None, None)
     fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     if rank == 0:
         log.info("saved checkpoint %s", final)
     return final
 
 
-def _prepare_temporary(tmp: Path, rank: int, tensors: dict[str, dict[str, Any]]) -> None:
-    """Check what is to be saved; on rank 0 create the empty temporary directory (stale ones removed)."""
+def _prepare_temporary(tmp: Path, final: Path, rank: int, tensors: dict[str, dict[str, Any]]) -> None:
+    """Check what is to be saved; on rank 0 create the empty temporary directory (stale ones removed),
+    after moving aside whatever is at `final`'s place."""
     _check_tensor_values(tensors)
     if rank == 0:
+        check_checkpoint_root(tmp.parent)
         tmp.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(tmp.parent)
+        if os.path.lexists(final):
+            _move_aside(final)
         tmp.mkdir()
 
 
+def check_checkpoint_root(root: Path) -> None:
+    """RUN_DIR/checkpoints must be a directory of the run's own, not a symbolic link: saves write into it
+    and remove old checkpoints from it, which would happen in the directory the link points to."""
+    if root.is_symlink():
+        raise CheckpointError(
+            f"{root} is a symbolic link (to {os.readlink(root)}): shardwise writes checkpoints into it and removes "
+            "old ones from it, so it never works through a link. To keep checkpoints on another disk, set "
+            "train.output_dir to a directory on that disk (and remove the link)")
+
+
+def _move_aside(final: Path) -> Path:
+    """Rename what stands at a checkpoint's place (a checkpoint left incomplete by a crash, a complete one
+    that a resume skipped past, a link) to `step_N.incomplete-<time>` / `step_N.replaced-<time>`: a name
+    `list_checkpoints` never takes for a checkpoint and nothing of shardwise ever removes. The warning
+    says where it went; the user may look at it, and delete it."""
+    complete = final.is_dir() and not final.is_symlink() and is_complete(final)
+    kind = "replaced" if complete else "incomplete"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = final.with_name(f"{final.name}.{kind}-{stamp}")
+    n = 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = final.with_name(f"{final.name}.{kind}-{stamp}-{n}")
+    os.rename(final, aside)
+    fsync_dir(final.parent)
+    if complete:
+        log.warning("%s already held a complete checkpoint that this run did not resume from (another run "
+                    "writing into the same train.output_dir?); it was moved to %s, kept, and the checkpoint of "
+                    "this run is saved in its place", final, aside)
+    else:
+        log.warning("%s held an incomplete checkpoint (%s; left by a save that did not finish); it was moved to "
+                    "%s, kept (delete it when you no longer need it), and the new checkpoint is saved in its place",
+                    final, "a symbolic link" if final.is_symlink() or aside.is_symlink() else _incomplete(aside),
+                    aside)
+    return aside
+
+
 def _publish(tmp: Path, final: Path, step: int, trainer_state: dict, metadata: Metadata, groups: list[str],
-             extra_files: dict[str, str | Path] | None, keep: int, world: int) -> None:
+             extra_files: dict[str, str | Path] | None, keep: int, world: int,
+             before_publish: Callable[[Path], None] | None = None) -> None:
     """Rank 0, once every rank's files are in `tmp` (checked: the shard files the metadata names and the
     state file of each of the `world` ranks): the extra files and the trainer state beside them,
-    everything flushed, `tmp` renamed to `final`, then all but the newest `keep` checkpoints removed."""
+    `before_publish`'s files, the checksum manifest last, everything flushed, `tmp` renamed to `final`,
+    then all but the newest `keep` checkpoints removed."""
     for name, src in (extra_files or {}).items():
         src = Path(src)
         if src.is_dir():
-            shutil.copytree(src, tmp / name)
+            shutil.copytree(src, tmp / name)  # copies of the files, links followed: the checkpoint holds no link
         elif src.is_file():
-            shutil.copy2(src, tmp / name)
+            shutil.copyfile(src, tmp / name)
     _check_every_file(tmp, final, metadata, world)
     state = dict(trainer_state, step=step, shapes=_shapes_from_metadata(metadata, groups))
     write_json_atomic(tmp / STATE_FILE, state)
+    if before_publish is not None:
+        before_publish(tmp)
+    write_checksums(tmp, world)
     fsync_tree(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -302,6 +367,195 @@ def _check_every_file(tmp: Path, final: Path, metadata: Metadata, world: int) ->
         "put train.output_dir on a file system that every node mounts at the same path (NFS, Lustre, GPFS, ...; "
         f"in Kubernetes a ReadWriteMany volume). The newest complete checkpoint in {final.parent} is still the "
         "one before it")
+
+
+# --- Checksums: every file of a checkpoint, recorded when saved and checked when loaded -------------------
+#
+# checksums.json = {"format": 1, "algorithm": "sha256", "files": {"<relative path>": {"size": N, "sha256": HEX}}}
+# lists every file of the checkpoint but itself; it is written last, before the rename. Each rank hashes the
+# shard files and the random state it wrote (`hash_own_files`, into a hidden `.checksums_rank<r>.json` that
+# rank 0 folds into the manifest); rank 0 hashes the rest. SHA-256 because it is the fastest of hashlib's
+# strong hashes on CPUs with SHA extensions (x86 since Ice Lake / Zen, ARMv8): it guards against disk and
+# copy faults, not against someone who rewrites the manifest too (`format` checks what no one may write).
+
+_MANIFEST_FORMAT = 1
+_HASH = "sha256"
+_BLOCK = 8 << 20
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_MAX_FILES = 1_000_000
+_OWN_DIGESTS = re.compile(r"^\.checksums_rank(\d+)\.json$")
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a regular file (not followed through a symbolic link), read in 8 MiB blocks."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        h = hashlib.sha256()
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _own_digests_file(tmp: Path, rank: int) -> Path:
+    return tmp / f".checksums_rank{rank}.json"
+
+
+def hash_own_files(tmp: Path, rank: int) -> None:
+    """On each rank, after its writes: the checksums of the shard files it wrote (`__<rank>_*.distcp`) and
+    of its random state, into `.checksums_rank<rank>.json` for rank 0 to fold into the manifest."""
+    names = [p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") and p.name.endswith(".distcp")]
+    names.append(rank_state_file(tmp, rank).name)
+    files = {}
+    for name in sorted(names):
+        files[name] = {"size": os.stat(tmp / name).st_size, _HASH: file_digest(tmp / name)}
+    write_json_atomic(_own_digests_file(tmp, rank), files)
+
+
+def _files_below(path: Path) -> dict[str, os.stat_result]:
+    """Every file below `path` by relative name (POSIX separators), directories walked without following
+    links; a symbolic link or anything but a regular file or directory is refused (shardwise writes none)."""
+    found: dict[str, os.stat_result] = {}
+    pending = [Path()]
+    while pending:
+        rel = pending.pop()
+        for entry in os.scandir(path / rel):
+            name = (rel / entry.name).as_posix()
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                pending.append(rel / entry.name)
+            elif stat.S_ISREG(st.st_mode):
+                found[name] = st
+            else:
+                what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                raise refused(path, name, f"is {what}; shardwise writes only regular files into a checkpoint")
+            if len(found) > _MAX_FILES:
+                raise refused(path, ".", f"holds more than {_MAX_FILES:,} files")
+    return found
+
+
+def write_checksums(tmp: Path, world: int = 1) -> None:
+    """Rank 0, last before publishing: `checksums.json`, from the ranks' own checksums of their files
+    (checked against the files' sizes) and rank 0's of the rest."""
+    files: dict[str, dict] = {}
+    for rank in range(world):
+        own = _own_digests_file(tmp, rank)
+        if own.is_file():
+            files.update(_manifest_entries(read_json_object(own, tmp), tmp, own.name))
+            own.unlink()
+    present = _files_below(tmp)
+    for name in [n for n in present if _OWN_DIGESTS.match(n)]:  # a rank of another world size: stale
+        (tmp / name).unlink()
+        present.pop(name)
+    present.pop(CHECKSUMS_FILE, None)
+    for name in [n for n in files if n not in present or present[n].st_size != files[n]["size"]]:
+        files.pop(name)  # changed since its rank hashed it (cannot happen but by a bug): hash it again
+    for name, st in present.items():
+        if name not in files:
+            files[name] = {"size": st.st_size, _HASH: file_digest(tmp / name)}
+    manifest = {"format": _MANIFEST_FORMAT, "algorithm": _HASH, "files": dict(sorted(files.items()))}
+    write_json_atomic(tmp / CHECKSUMS_FILE, manifest)
+
+
+def _manifest_entries(doc: Any, path: Path, file: str) -> dict[str, dict]:
+    """{relative name: {"size", "sha256"}} checked by type and range (the names: relative, plain parts)."""
+    def bad(problem: str) -> CheckpointError:
+        return refused(path, file, problem)
+
+    if not isinstance(doc, dict) or len(doc) > _MAX_FILES:
+        raise bad("has no object of files")
+    out = {}
+    for name, entry in doc.items():
+        parts = name.split("/")
+        if not all(plain_file_name(part) for part in parts) or len(name) > 4096:
+            raise bad(f"lists {name[:200]!r}, which is not a file name inside the checkpoint")
+        if not isinstance(entry, dict) or set(entry) != {"size", _HASH}:
+            raise bad(f"gives {name} the entry {str(entry)[:200]}; shardwise writes "
+                      f"{{\"size\": ..., \"{_HASH}\": ...}}")
+        if not is_count(entry["size"]) or not isinstance(entry[_HASH], str) or not _HEX.match(entry[_HASH]):
+            raise bad(f"gives {name} the size {entry['size']!r} and checksum {str(entry[_HASH])[:80]!r}; a size is a "
+                      "non-negative integer, a SHA-256 checksum 64 hexadecimal digits")
+        out[name] = entry
+    return out
+
+
+def read_checksums(path: Path) -> dict[str, dict] | None:
+    """The checked entries of a checkpoint's `checksums.json`, or None when it has none (an older checkpoint)."""
+    file = path / CHECKSUMS_FILE
+    if not os.path.lexists(file):
+        return None
+    doc = read_json_object(file, path)
+    if doc.get("format") != _MANIFEST_FORMAT or doc.get("algorithm") != _HASH:
+        raise refused(path, CHECKSUMS_FILE, f"has the format {str(doc.get('format'))[:40]!r} and algorithm "
+                                            f"{str(doc.get('algorithm'))[:40]!r}; this shardwise writes and reads "
+                                            f"format {_MANIFEST_FORMAT} with {_HASH}")
+    return _manifest_entries(doc.get("files"), path, CHECKSUMS_FILE)
+
+
+def _changed(path: Path, name: str, how: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} cannot be loaded: {name} changed since it was saved ({how}): a disk or copy fault, "
+        f"or an edit. Copy the checkpoint again from where it was saved (its {CHECKSUMS_FILE} lists every file's "
+        f"checksum: `sha256sum`), or load an older checkpoint of the run (--resume {path.parent}/step_...)")
+
+
+def _verify_listing(path: Path, entries: dict[str, dict]) -> list[str]:
+    """Files listed and present with the listed sizes (cheap: no file read); the names, in order."""
+    present = _files_below(path)
+    present.pop(CHECKSUMS_FILE, None)
+    # A whole directory beside the tensors left out of a copy (tokenizer/, adapter/) is no damage to what a load
+    # reads: what needs it says so (generate asks for --tokenizer). A file missing from one that is there is.
+    gone = {name.split("/")[0] for name in entries if "/" in name and not os.path.lexists(path / name.split("/")[0])}
+    for directory in sorted(gone):
+        log.warning("%s: %s/ was saved with the checkpoint (its %s lists it) but is not there any more; loading "
+                    "without it", path, directory, CHECKSUMS_FILE)
+    entries = {name: entry for name, entry in entries.items() if name.split("/")[0] not in gone or "/" not in name}
+    for name in sorted(entries):
+        if name not in present:
+            raise _changed(path, name, f"it is missing, but {CHECKSUMS_FILE} lists it")
+        if present[name].st_size != entries[name]["size"]:
+            raise _changed(path, name, f"it has {present[name].st_size:,} bytes; {entries[name]['size']:,} were saved")
+    extra = sorted(set(present) - set(entries))
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded: {extra[0]} was not saved with it ({CHECKSUMS_FILE} does not list "
+            f"it{f', nor {len(extra) - 1} more' if len(extra) > 1 else ''}): it was added or renamed since. Remove "
+            "it, or copy the checkpoint again from where it was saved")
+    return sorted(entries)
+
+
+def verify_checkpoint(path: str | Path, *, process_group: Any = None, no_dist: bool | None = None) -> bool:
+    """Check every file of a checkpoint against its `checksums.json`: none missing, none added, each with
+    its size and SHA-256 (the ranks of a job share the hashing, file by file, and fail together).
+    A CheckpointError names the first file that changed. A checkpoint without a manifest (written before
+    shardwise kept checksums) loads with a warning; returns whether the files were verified."""
+    path = Path(path)
+    alone = not _distributed() if no_dist is None else no_dist
+    rank, world = (0, 1) if alone else (_rank(process_group), _world(process_group))
+
+    def check() -> bool:
+        entries = read_checksums(path)
+        if entries is None:
+            return False
+        names = _verify_listing(path, entries)
+        for name in names[rank::world]:
+            if file_digest(path / name) != entries[name][_HASH]:
+                raise _changed(path, name, f"its {_HASH} checksum is not the one in {CHECKSUMS_FILE}")
+        return True
+    verified, error = attempt(check)
+    if not alone:
+        fail_together(error, process_group, verbatim=True, error_class=CheckpointError)
+    elif error is not None:
+        raise error
+    if not verified and rank == 0:
+        log.warning("%s has no %s (saved by a shardwise before checksums, or removed): its files are loaded "
+                    "without checking that they are the bytes that were saved", path, CHECKSUMS_FILE)
+    return bool(verified)
+
+
+def skipped_verification(path: str | Path, switch: str = "train.verify_checkpoints is false") -> None:
+    """Say that a checkpoint's files are loaded unchecked, and which `switch` said so."""
+    log.warning("%s: the files of %s are not checked against its %s, so a flipped bit in them would load "
+                "unnoticed", switch, path, CHECKSUMS_FILE)
 
 
 # --- Asynchronous saves: staged in host memory, written in the background, published later ---------------
@@ -345,6 +599,7 @@ class PendingCheckpoint:
     groups: list[str]
     process_group: Any
     write: Future  # -> DCP's Metadata, or the write's exception
+    before_publish: Callable[[Path], None] | None = None
 
     @property
     def tmp(self) -> Path:
@@ -355,24 +610,22 @@ class PendingCheckpoint:
 def start_async_save(run_dir: str | Path, step: int, tensors: dict[str, dict[str, torch.Tensor]],
                      trainer_state: dict, extra_files: dict[str, str | Path] | None = None, keep: int = 3, *,
                      rank_state: dict, process_group: Any, stager: HostStager,
-                     executor: ThreadPoolExecutor) -> PendingCheckpoint | None:
+                     executor: ThreadPoolExecutor,
+                     before_publish: Callable[[Path], None] | None = None) -> PendingCheckpoint:
     """Begin the checkpoint of `step` as `save_checkpoint` writes it, but return once the tensors are
     staged (copied by `stager` into host memory): DCP writes them from there on `executor`'s thread,
     into the same hidden temporary directory, with `process_group` (a group of its own: the write's
     collectives must not interleave with training's). Nothing is published until `finish_async_save`.
 
     Every rank calls it; every rank returns, or every rank raises (nothing is then left running).
-    None when the checkpoint already exists."""
+    What stands at the step's place is moved aside as `save_checkpoint` does."""
     group = process_group
     rank = _rank(group)
     final = step_dir(run_dir, step)
-    if final.exists():
-        log.info("checkpoint %s already exists; not saving it again", final)
-        return None
     tmp = _temporary_dir(final)
 
     def prepare() -> dict:
-        _prepare_temporary(tmp, rank, tensors)
+        _prepare_temporary(tmp, final, rank, tensors)
         return stager.stage(tensors)
     staged, error = attempt(prepare)
     fail_together(error, group, f"preparing {tmp}", error_class=CheckpointError)
@@ -380,15 +633,18 @@ def start_async_save(run_dir: str | Path, step: int, tensors: dict[str, dict[str
     fail_together(error, group, f"writing {tmp}", error_class=CheckpointError)
     if not _distributed():
         _quiet_single_process_warning()
-    write = executor.submit(_write_tensors, staged, tmp, group)
+    write = executor.submit(_write_tensors, staged, tmp, group, rank)
     return PendingCheckpoint(final=final, step=step, trainer_state=trainer_state, extra_files=extra_files, keep=keep,
-                             groups=list(tensors), process_group=group, write=write)
+                             groups=list(tensors), process_group=group, write=write, before_publish=before_publish)
 
 
-def _write_tensors(staged: dict, tmp: Path, group: Any) -> Metadata:
-    """The background part of an asynchronous save: DCP writes the staged tensors into `tmp`."""
-    return dcp.save(staged, storage_writer=JsonMetadataWriter(tmp, sync_files=True), process_group=group,
-                    no_dist=not _distributed())
+def _write_tensors(staged: dict, tmp: Path, group: Any, rank: int) -> Metadata:
+    """The background part of an asynchronous save: DCP writes the staged tensors into `tmp`, then this
+    rank hashes the files it wrote (off the training thread too)."""
+    metadata = dcp.save(staged, storage_writer=JsonMetadataWriter(tmp, sync_files=True), process_group=group,
+                        no_dist=not _distributed())
+    hash_own_files(tmp, rank)
+    return metadata
 
 
 def _quiet_single_process_warning() -> None:
@@ -424,7 +680,8 @@ def finish_async_save(pending: PendingCheckpoint) -> Path:
     try:
         fail_together(error, group, f"the background write of checkpoint {final}", error_class=CheckpointError)
         _, error = attempt(lambda: _publish(tmp, final, pending.step, pending.trainer_state, metadata,
-                                            pending.groups, pending.extra_files, pending.keep, _world(group))) \
+                                            pending.groups, pending.extra_files, pending.keep, _world(group),
+                                            pending.before_publish)) \
             if rank == 0 else (None, None)
         fail_together(error, group, f"finishing {final}", error_class=CheckpointError)
     except CheckpointError:
@@ -439,12 +696,19 @@ def finish_async_save(pending: PendingCheckpoint) -> Path:
 def _remove_stale_temporaries(root: Path) -> None:
     # Only hidden .tmp directories: they were never renamed into place, so they hold no good state.
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(".step_") and p.name.endswith(".tmp"):
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name.startswith(".step_") and p.name.endswith(".tmp"):
+            if p.is_symlink():
+                p.unlink()  # only the link: never what it points to
+            elif p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _prune(run_dir: str | Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep]:
+        if old.is_symlink():  # removing through it would delete what the link points to
+            log.warning("%s is a symbolic link; old checkpoints are removed only when they are directories of the "
+                        "run's own, so it is left as it is (keep_checkpoints=%d)", old, keep)
+            continue
         shutil.rmtree(old)
         log.info("removed old checkpoint %s (keep_checkpoints=%d)", old, keep)
 
@@ -480,6 +744,13 @@ def _check_trainer_state(state: dict, path: Path) -> None:
         raise bad(f"has the data loader state {state['loader']!r}; it must be an object")
     if state.get("scaler") is not None and not isinstance(state["scaler"], dict):
         raise bad(f"has the loss scaler state {state['scaler']!r}; it must be an object or null")
+    layout = state.get("layout")
+    if layout is not None and (not isinstance(layout, dict) or
+                               not all(isinstance(k, str) and is_count(v) for k, v in layout.items())):
+        raise bad(f"has the layout {str(layout)[:200]}; it must be an object of counts (world_size, dp, tp, pp)")
+    base = state.get("base")
+    if base is not None and (not isinstance(base, dict) or not isinstance(base.get("files"), dict)):
+        raise bad(f"has the base model fingerprint {str(base)[:200]}; it must be an object with the base's files")
 
 
 _MISMATCH_HINTS = {

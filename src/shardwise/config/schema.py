@@ -295,6 +295,12 @@ class TrainConfig(_Section):
         "(pinned on CUDA) and training goes on while it is written, then published atomically; costs one more "
         "copy of the model, optimizer and master state per rank in host memory for the whole run, so off by default"
     )
+    verify_checkpoints: bool = Field(
+        True, description="check every file of a checkpoint against the SHA-256 checksums saved with it "
+        "(checksums.json) before loading it (resume, init_from), and a LoRA/QLoRA run's base model at init_from "
+        "against the fingerprint its checkpoint recorded; false skips both (faster resumes of very large "
+        "checkpoints: a flipped bit in a file, or another base model, then loads unnoticed)"
+    )
     nan_policy: Literal["stop", "skip"] = Field("stop", description="on a NaN/Inf loss")
     check_replicas_steps: Optional[int] = Field(
         None, ge=1, description="every N steps compare parameter checksums across data-parallel replicas"

@@ -4,7 +4,6 @@ given twice), `--set a.b=value` overrides, writing the config in force, and the 
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from typing import Any
@@ -12,12 +11,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from .. import untrusted
 from ..errors import ConfigError
 from .schema import RunConfig
 from .seed_keys import SEED_KEYS, Spelling, deep_copy, seed_value, seeds_used, set_key, translate_with_origins
 from .validation import validate
 
 log = logging.getLogger(__name__)
+
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few kilobytes; one of 16 MiB is no config
 
 
 def read_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
@@ -71,36 +73,22 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or "" in key.split("."):
         raise ConfigError(f"--set {item!r} has no key before '='; write section.key=value, e.g. train.lr=1e-4")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+    value = untrusted.parse_yaml(text, f"--set {item!r}", ConfigError) if text.strip() else None
     return key, value
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """Load a YAML mapping from a file, with clear messages for a missing, binary or malformed file
-    (and for a key given twice, which YAML itself would let the second silently replace)."""
+    """Load a YAML mapping from a file, with clear messages for a missing, binary, oversized or malformed
+    file, a key given twice (which YAML itself would let the second silently replace), and aliases
+    (a kilobyte of nested aliases expands to gigabytes: configs write their values out). The same
+    reader serves the user's config and the `config.yaml` of a run or checkpoint from elsewhere."""
     if os.path.isdir(path):
         raise ConfigError(f"config path {path} is a directory; give the YAML file in it")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path} does not exist; check the path")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not a YAML text file: byte {e.start} is not UTF-8 (a binary file, or "
-                          "another encoding); give a UTF-8 YAML config") from None
-    stream = io.StringIO(text)
-    stream.name = str(path)  # YAML's messages then say which file (with line and column)
-    try:
-        raw = yaml.load(stream, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
+    text = untrusted.read_text(path, ConfigError, limit=MAX_CONFIG_BYTES,
+                               advice="give a UTF-8 YAML config of a few kilobytes")
+    raw = untrusted.parse_yaml(text, path, ConfigError)
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -108,44 +96,17 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML error on one line, where it is first: 'line 5, column 1: found key ...'. PyYAML's own text
-    spreads over several lines with the file name on each."""
-    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
-        return " ".join(str(e).split())
-    mark = e.problem_mark
-    where = f"line {mark.line + 1}, column {mark.column + 1}"
-    context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
-    return f"{where}: {e.problem}{context}"
+class _NoAliasDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that writes a value seen twice out again instead of as an alias (which
+    `read_yaml` refuses)."""
 
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping: plain YAML keeps the last one,
-    so a repeated section (two `train:` blocks) would silently drop every key of the first."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        """The mapping of `node`; a ConstructorError naming both lines for a repeated key."""
-        first: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *defaults` may be overridden by the keys beside it: that is its purpose
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                seen = key in first
-            except TypeError:
-                continue  # an unhashable key: SafeLoader's own check reports it
-            if seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark,
-                    f"found key {key!r} a second time (first on line {first[key].line + 1}); keep one of them",
-                    key_node.start_mark)
-            first[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def to_yaml(cfg: RunConfig) -> str:
     """The full resolved config as YAML (saved in the run directory)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.dump(cfg.model_dump(mode="json"), Dumper=_NoAliasDumper, sort_keys=False)
 
 
 def config_reference() -> str:

@@ -4,6 +4,21 @@ and the cache: where it lives and the keys that change when a file does.
 Everything the other data modules need to know about files is here, so that this module imports no
 other data module and each of them can import it.
 
+Everything here is bounded, since the files (and what a glob finds) are not the user's own writing:
+
+- a glob is walked by `glob_files`, not `glob.glob`: `**` enters each real directory once (a symbolic
+  link back to a directory already searched, such as `a -> .`, is not followed again), at most
+  `MAX_GLOB_DEPTH` levels deep, and the walk stops with a DataError past `MAX_GLOB_ENTRIES` directory
+  entries or `MAX_GLOB_FILES` matches;
+- gzip input is decompressed as it is read and refused (DataError naming the file) once it has
+  inflated to more than `MAX_GZIP_RATIO` times its compressed size (past a floor of
+  `GZIP_RATIO_FLOOR` bytes) or past `MAX_GZIP_BYTES`: a 1.5 MB gzip bomb inflates to 4 GB, real
+  text to 3-10 times its size;
+- a line (`read_lines`) or a whole-file document (`read_whole`) longer than `MAX_RECORD_BYTES` is
+  refused naming the file and line, read no further than that bound;
+- a JSON line (`parse_json_line`) is parsed with integers of at most `MAX_INT_DIGITS` digits and a
+  nesting too deep for the parser's recursion is a bad line, not a traceback.
+
 Rules for bad files, checked for every file before any work starts (`inspect_input`): an empty
 file is skipped and counted by the reader (it holds no document, so nothing is lost); a binary file
 (a NUL byte, or mostly undecodable bytes, in its first 8 KiB) stops with a DataError, since it is
@@ -13,19 +28,22 @@ converted.
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import gzip
 import hashlib
+import io
 import json
 import logging
 import os
+import stat
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import DataError
+from ..untrusted import MAX_INT_DIGITS
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +60,19 @@ _EXTENSIONS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", "
 _DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz")
 # Bump when what files_key feeds changes, so that old caches are never read as new ones.
 _CACHE_VERSION = 1
+
+MiB = 1 << 20
+# Globs: directory levels a `**` descends, directory entries looked at, files matched (per pattern).
+MAX_GLOB_DEPTH = 32
+MAX_GLOB_ENTRIES = 5_000_000
+MAX_GLOB_FILES = 2_000_000
+# gzip: decompressed / compressed size (real text: 3-10; a gzip bomb: about 1000), the decompressed
+# size always allowed (a small file of very repetitive text), and the most any one file may inflate to.
+MAX_GZIP_RATIO = 200
+GZIP_RATIO_FLOOR = 16 * MiB
+MAX_GZIP_BYTES = 1 << 40
+# One line, one paragraph or one whole-file document: what is held in memory at once.
+MAX_RECORD_BYTES = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,7 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
     for pattern in globs:
         pattern = os.path.expanduser(str(pattern))
         # A literal path wins, so that names containing [ ] or ? are not read as patterns.
-        matches = [pattern] if os.path.exists(pattern) else glob.glob(pattern, recursive=True)
+        matches = [pattern] if os.path.exists(pattern) else glob_files(pattern)
         files = [m for m in matches if os.path.isfile(m)]
         if not files:
             if any(os.path.isdir(m) for m in matches):
@@ -105,6 +136,123 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
             )
         found.update(os.path.abspath(f) for f in files)
     return sorted(found)
+
+
+def _has_magic(part: str) -> bool:
+    return any(c in part for c in "*?[")
+
+
+class _GlobWalk:
+    """One pattern's walk: `glob.glob(pattern, recursive=True)`'s matches, bounded (see `glob_files`)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.entries = 0
+        # Real directories (device, inode) each `**` of the pattern has entered: entered once only.
+        self.seen: dict[int, set[tuple[int, int]]] = {}
+        self.loops_skipped: list[str] = []
+
+    def _scan(self, directory: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(directory or ".") as it:
+                entries = list(it)
+        except OSError:
+            return []  # not a directory, unreadable, gone: glob.glob skips it too
+        self.entries += len(entries)
+        if self.entries > MAX_GLOB_ENTRIES:
+            raise DataError(
+                f"data file pattern {self.pattern!r} looked at more than {MAX_GLOB_ENTRIES:,} directory entries "
+                f"(under {directory or '.'!r}) without finishing; narrow the pattern to the data files"
+            )
+        return entries
+
+    def _enter(self, index: int, directory: str) -> bool:
+        """Whether `**` number `index` enters `directory`: not when it has entered that real directory already."""
+        try:
+            st = os.stat(directory or ".")
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+        seen = self.seen.setdefault(index, set())
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            if len(self.loops_skipped) < 3:
+                self.loops_skipped.append(directory)
+            return False
+        seen.add(key)
+        return True
+
+    def walk(self, base: str, parts: list[str], i: int) -> Iterator[str]:
+        """Paths under `base` matching `parts[i:]`."""
+        if i == len(parts):
+            yield base
+            return
+        part = parts[i]
+        if part == "**":
+            yield from self._recurse(base, parts, i, 0)
+        elif _has_magic(part):
+            hidden_ok = part.startswith(".")
+            for entry in self._scan(base):
+                if (hidden_ok or not entry.name.startswith(".")) and fnmatch.fnmatchcase(entry.name, part):
+                    yield from self.walk(os.path.join(base, entry.name), parts, i + 1)
+        else:
+            path = os.path.join(base, part)
+            if os.path.lexists(path):
+                yield from self.walk(path, parts, i + 1)
+
+    def _recurse(self, base: str, parts: list[str], i: int, depth: int) -> Iterator[str]:
+        """`**` (parts[i]) at `base`: zero directories, then each non-hidden subdirectory in turn."""
+        if not self._enter(i, base):
+            return
+        last = i == len(parts) - 1
+        if not last:
+            yield from self.walk(base, parts, i + 1)
+        elif depth == 0 and base:
+            yield os.path.join(base, "")  # `**` matching no directory: the base itself, as glob gives it
+        for entry in self._scan(base):
+            if entry.name.startswith("."):
+                continue
+            path = os.path.join(base, entry.name)
+            try:
+                is_dir = entry.is_dir()  # follows symbolic links, as glob does
+            except OSError:
+                is_dir = False
+            if last:
+                yield path
+            if is_dir:
+                if depth + 1 > MAX_GLOB_DEPTH:
+                    raise DataError(
+                        f"data file pattern {self.pattern!r}: '**' goes more than {MAX_GLOB_DEPTH} directories "
+                        f"deep (at {path!r}); is there a symbolic-link loop? Narrow the pattern (one '*' per level)"
+                    )
+                yield from self._recurse(path, parts, i, depth + 1)
+
+
+def glob_files(pattern: str) -> list[str]:
+    """What `glob.glob(pattern, recursive=True)` finds, bounded: `**` enters each real directory once
+    (a symbolic link back to one already searched is not followed), at most MAX_GLOB_DEPTH levels deep;
+    past MAX_GLOB_ENTRIES directory entries or MAX_GLOB_FILES matches it stops with a DataError."""
+    if not _has_magic(pattern):
+        return [pattern] if os.path.lexists(pattern) else []
+    dir_only = pattern.endswith(os.sep)
+    parts = [p for p in pattern.split(os.sep) if p]
+    base = os.sep if pattern.startswith(os.sep) else ""
+    walk = _GlobWalk(pattern)
+    found: list[str] = []
+    for path in walk.walk(base, parts, 0):
+        if dir_only and not os.path.isdir(path):
+            continue
+        found.append(os.path.join(path, "") if dir_only else path)
+        if len(found) > MAX_GLOB_FILES:
+            raise DataError(
+                f"data file pattern {pattern!r} matches more than {MAX_GLOB_FILES:,} paths; narrow it, or join "
+                f"small files into larger ones"
+            )
+    if walk.loops_skipped:
+        logger.info("%s: directories reached a second time (symbolic links) were searched once: %s", pattern,
+                    ", ".join(walk.loops_skipped))
+    return found
 
 
 def resolve_inputs(inputs: Sequence[str] | str, fmt: str = "auto") -> list[InputFile]:
@@ -135,13 +283,117 @@ def _format_of(path: str, fmt: str) -> str:
     return _EXTENSIONS.get(ext, "txt")
 
 
+class _BoundedGzip(io.RawIOBase):
+    """A gzip file's decompressed bytes, counted as they stream: past MAX_GZIP_RATIO times the compressed
+    size (and GZIP_RATIO_FLOOR) or past MAX_GZIP_BYTES, reading stops with a DataError naming the file."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        compressed = os.path.getsize(path)
+        self.allowed = min(MAX_GZIP_BYTES, max(GZIP_RATIO_FLOOR, MAX_GZIP_RATIO * compressed))
+        self.compressed = compressed
+        self.count = 0
+        self._gz = gzip.GzipFile(path, "rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._gz.readinto(buffer)
+        self.count += n
+        if self.count > self.allowed:
+            ratio = f"{self.count / max(1, self.compressed):,.0f} times" if self.compressed else "far more than"
+            raise DataError(
+                f"{self.path}: this gzip file inflates to more than {self.allowed:,} bytes ({ratio} its "
+                f"{self.compressed:,} compressed bytes; text compresses 3-10 times, and more than "
+                f"{MAX_GZIP_RATIO} times is a decompression bomb), so it is not read; if it is genuine, "
+                f"decompress it yourself (`gunzip -k {self.path}`) and give the uncompressed file"
+            )
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._gz.close()
+        super().close()
+
+
 def _open_binary(path: str, gz: bool) -> BinaryIO:
-    return gzip.open(path, "rb") if gz else open(path, "rb")  # type: ignore[return-value]
+    if not gz:
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    return io.BufferedReader(_BoundedGzip(path), buffer_size=1 << 16)  # type: ignore[return-value]
 
 
 def open_input(f: InputFile) -> BinaryIO:
     """The bytes of an inspected input file, decompressed when it is gzip."""
     return _open_binary(f.path, f.gzip)
+
+
+def read_lines(fh: BinaryIO, path: str) -> Iterator[bytes]:
+    """The lines of an opened input, each with its newline; a line longer than MAX_RECORD_BYTES stops
+    with a DataError naming the file and line, after reading no more than that."""
+    lineno = 0
+    while True:
+        line = fh.readline(MAX_RECORD_BYTES + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > MAX_RECORD_BYTES:
+            raise DataError(
+                f"{path}:{lineno}: the line is longer than {MAX_RECORD_BYTES:,} bytes (no newline within it), "
+                f"so it is not read; is it one record per line? Split it into lines (records) of reasonable size"
+            )
+        yield line
+
+
+def read_at_most(fh: BinaryIO, limit: int) -> bytes:
+    """The rest of an opened file, but no more than `limit` + 1 bytes, read in pieces (`read(limit)` would
+    set aside `limit` bytes at once, however small the file)."""
+    chunks: list[bytes] = []
+    total = 0
+    while total <= limit:
+        chunk = fh.read(min(16 * MiB, limit + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def read_whole(fh: BinaryIO, path: str, advice: str) -> bytes:
+    """All of an opened input, which is one document; more than MAX_RECORD_BYTES stops with a DataError."""
+    data = read_at_most(fh, MAX_RECORD_BYTES)
+    if len(data) > MAX_RECORD_BYTES:
+        raise DataError(f"{path}: one document of more than {MAX_RECORD_BYTES:,} bytes is not read whole; {advice}")
+    return data
+
+
+class BadJson(ValueError):
+    """A line that is not usable JSON; the message says why (without file and line)."""
+
+
+def _line_int(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > MAX_INT_DIGITS:
+        raise BadJson(f"a JSON integer of {len(digits):,} digits (at most {MAX_INT_DIGITS} are read)")
+    return int(digits)
+
+
+_LINE_DECODER = json.JSONDecoder(parse_int=_line_int)
+
+
+def parse_json_line(text: str) -> Any:
+    """One JSON line, or BadJson saying why not: not JSON, an integer of more than MAX_INT_DIGITS
+    digits, nesting deeper than the parser recurses (about 1,000 levels; a RecursionError)."""
+    try:
+        return _LINE_DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        raise BadJson(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    except BadJson:
+        raise
+    except RecursionError:
+        raise BadJson("JSON nested too deeply (more levels than the parser recurses; records nest a few)") from None
+    except (ValueError, OverflowError) as e:  # Python's own 4,300-digit bound, a float it cannot make
+        raise BadJson(f"JSON that cannot be read ({e})") from None
 
 
 def inspect_input(path: str, fmt: str = "auto") -> InputFile:
@@ -165,7 +417,8 @@ def inspect_input(path: str, fmt: str = "auto") -> InputFile:
         return InputFile(path, kind, False, size, False)
     gz = magic[:2] == _GZIP_MAGIC
     try:
-        with _open_binary(path, gz) as f:
+        # gzip.open inflates no more than the bytes asked for: the sniff is bounded as it is.
+        with gzip.open(path, "rb") if gz else open(path, "rb") as f:
             head = f.read(_SNIFF_BYTES)
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read {path}: it looks gzip-compressed but is not valid gzip ({e})") from e
@@ -226,11 +479,18 @@ __all__ = [
     "InputFile",
     "check_choice",
     "default_cache_dir",
+    "BadJson",
+    "MAX_RECORD_BYTES",
     "expand_files",
     "file_stamps",
     "files_key",
+    "glob_files",
     "import_pyarrow_parquet",
     "inspect_input",
     "open_input",
+    "parse_json_line",
+    "read_at_most",
+    "read_lines",
+    "read_whole",
     "resolve_inputs",
 ]

@@ -61,8 +61,19 @@ from tqdm.auto import tqdm
 
 from ..errors import DataError
 from ..loss import IGNORE_INDEX
+from ..untrusted import parse_json
 from .chat import BadRecord, Message, Piece, Renderer, encode_pieces, parse_messages, resolve_template
-from .files import InputFile, expand_files, files_key, inspect_input, open_input
+from .files import (
+    BadJson,
+    InputFile,
+    expand_files,
+    files_key,
+    inspect_input,
+    open_input,
+    parse_json_line,
+    read_at_most,
+    read_lines,
+)
 from .shards import token_dtype
 from .tokenizer import Tokenizer
 
@@ -77,6 +88,8 @@ SUFFIXES = (".jsonl", ".json", ".ndjson")
 _CACHE_VERSION = 1
 _RECORDS_PER_CHUNK = 1024
 _WARN_LINES = 10
+# A .json array is parsed whole (JSON lines stream): at most this many bytes.
+MAX_JSON_ARRAY_BYTES = 1 << 30
 
 
 # --- records --------------------------------------------------------------------------------------
@@ -145,7 +158,7 @@ def _json_lines(f: InputFile) -> Iterator[tuple[int, str | None, int]]:
     lineno = 0
     try:
         with open_input(f) as fh:
-            for lineno, raw in enumerate(fh, 1):
+            for lineno, raw in enumerate(read_lines(fh, f.path), 1):
                 try:
                     text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError:
@@ -207,17 +220,9 @@ def iter_records(
 def _file_objects(f: InputFile) -> Iterator[tuple[str, Any, int]]:
     """("file:line", parsed object or BadRecord, bytes) for each record of a .jsonl or .json file."""
     path = f.path
-    if path.endswith(".json"):
-        with open(path, "rb") as fh:
-            head = fh.read(4096).lstrip()
-        if head.startswith(b"\xef\xbb\xbf"):
-            head = head[3:].lstrip()
-        if head.startswith(b"["):
-            try:
-                with open(path, encoding="utf-8-sig") as fh:
-                    items = json.load(fh)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{path!r} starts like a JSON array but does not parse: {e}") from e
+    if path.endswith(".json") and not f.empty:
+        items = _json_array(f)
+        if items is not None:
             size = os.path.getsize(path) // max(1, len(items))
             for i, item in enumerate(items):
                 yield f"{path} item {i}", item, size
@@ -228,9 +233,43 @@ def _file_objects(f: InputFile) -> Iterator[tuple[str, Any, int]]:
             yield where, BadRecord("is not valid UTF-8 text (a binary file?)"), size
             continue
         try:
-            yield where, json.loads(text), size
-        except json.JSONDecodeError as e:
-            yield where, BadRecord(f"is not JSON ({e.msg} at column {e.colno})"), size
+            obj = parse_json_line(text)
+        except BadJson as e:
+            yield where, BadRecord("is " + str(e).replace("not valid JSON", "not JSON", 1)), size
+            continue
+        yield where, obj, size
+
+
+def _json_array(f: InputFile) -> list | None:
+    """The items of a .json file holding one JSON array, or None when it does not start with '['."""
+    path = f.path
+    try:
+        with open_input(f) as fh:
+            head = fh.read(4096).lstrip()
+            if head.startswith(b"\xef\xbb\xbf"):
+                head = head[3:].lstrip()
+            if not head.startswith(b"["):
+                return None
+            fh.seek(0)
+            raw = read_at_most(fh, MAX_JSON_ARRAY_BYTES)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"cannot read instruction data file {path}: {e}") from e
+    if len(raw) > MAX_JSON_ARRAY_BYTES:
+        raise DataError(
+            f"{path!r} is a JSON array of more than {MAX_JSON_ARRAY_BYTES:,} bytes, which is not parsed whole; "
+            f"convert it to JSON lines, which are read one record at a time (`jq -c '.[]' {path} > "
+            f"{path[:-5]}.jsonl`)"
+        )
+    try:
+        items = parse_json_line(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path!r} starts like a JSON array but is not UTF-8 text (byte {e.start:,})") from None
+    except BadJson as e:
+        raise DataError(f"{path!r} starts like a JSON array but does not parse: {e}") from None
+    if not isinstance(items, list):
+        raise DataError(f"{path!r} starts like a JSON array but holds {type(items).__name__}; give one array of "
+                        f"records, or JSON lines")
+    return items
 
 
 # --- tokenising and caching -----------------------------------------------------------------------
@@ -289,6 +328,33 @@ def _save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
         raise
 
 
+def _read_sft_cache(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """A token cache written by `load_sft_tokens`, checked whole (shapes, offsets, ids, counts); DataError
+    for anything a damaged or altered file holds."""
+    try:
+        with np.load(cache, allow_pickle=False) as z:
+            tokens, mask, offsets, raw_stats = z["tokens"], z["mask"], z["offsets"], z["stats"]
+        if raw_stats.shape != () or raw_stats.dtype.kind != "U":
+            raise DataError("its stats are not one string")
+        stats = parse_json(str(raw_stats), cache, DataError)
+        if not (isinstance(stats, dict) and all(isinstance(k, str) and type(v) is int and v >= 0
+                                                for k, v in stats.items())):
+            raise DataError("its stats are not counts")
+        if tokens.ndim != 1 or tokens.dtype.kind != "u" or mask.shape != tokens.shape or mask.dtype != bool:
+            raise DataError("its tokens or mask have the wrong shape or type")
+        if offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) < 2 or offsets[0] != 0:
+            raise DataError("its sample offsets are malformed")
+        if offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0):
+            raise DataError("its sample offsets do not fit its tokens")
+        if len(tokens) and int(tokens.max()) >= vocab_size:
+            raise DataError(f"it holds token ids past the vocabulary of {vocab_size}")
+    except DataError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zlib.error, MemoryError) as e:
+        raise DataError(f"{type(e).__name__}: {e}") from None
+    return tokens, mask, offsets, stats
+
+
 def load_sft_tokens(
     files: Sequence[str],
     tokenizer: Tokenizer,
@@ -304,13 +370,11 @@ def load_sft_tokens(
         cache = Path(cache_dir).expanduser() / f"sft-{key}.npz"
         if cache.is_file():
             try:
-                with np.load(cache, allow_pickle=False) as z:
-                    tokens, mask, offsets = z["tokens"], z["mask"], z["offsets"]
-                    stats = json.loads(str(z["stats"]))
+                tokens, mask, offsets, stats = _read_sft_cache(cache, tokenizer.vocab_size)
                 logger.info("using cached SFT tokens %s (%d samples)", cache, len(offsets) - 1)
                 return tokens, mask, offsets, stats
-            except (OSError, ValueError, KeyError) as e:
-                logger.warning("SFT token cache %s is unreadable (%s); tokenizing again", cache, e)
+            except DataError as e:
+                logger.warning("SFT token cache %s is unusable (%s); tokenizing again", cache, e)
     logger.info("tokenizing %d instruction file(s) with %r", len(files), tokenizer)
     tokens, mask, offsets, stats = _tokenize_records(files, tokenizer, renderer, on_bad_line)
     if cache is not None:

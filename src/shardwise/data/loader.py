@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import DataError
+from ..untrusted import int_field, kind_of
 
 logger = logging.getLogger(__name__)
 
@@ -486,17 +487,18 @@ class StatefulLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a saved position, also with a different dp_size or batch shape.
 
-        Accepts the older layout {"epoch", "consumed" (within that epoch), "seed"} too.
+        Accepts the older layout {"epoch", "consumed" (within that epoch), "seed"} too. Every field is
+        checked for type and range (the state comes from a checkpoint, which may be damaged).
         """
+        if not isinstance(state, Mapping):
+            raise DataError(f"{_STATE}is {kind_of(state)}, not a mapping; {_DAMAGED}")
         if "version" in state:
             consumed, seed = self._read_current(state)
         elif "epoch" in state:
             consumed, seed = self._read_per_epoch(state)
         else:
-            raise DataError(
-                f"the checkpoint's data loader state {dict(state)!r} has neither 'version' nor 'epoch'; "
-                f"the checkpoint is damaged or not from shardwise"
-            )
+            keys = ", ".join(repr(k)[:40] for k in list(state)[:8]) or "none"
+            raise DataError(f"{_STATE}has neither 'version' nor 'epoch' (keys: {keys}); {_DAMAGED}")
         if seed != self.seed:
             logger.warning(
                 "data order follows the checkpoint's seed %d, not the configured %d", seed, self.seed
@@ -507,21 +509,13 @@ class StatefulLoader:
         self._stop_prefetch()  # and so does the prefetch thread (with the checkpoint's seed)
 
     def _read_current(self, state: Mapping[str, Any]) -> tuple[int, int]:
-        try:
-            version = int(state["version"])
-            consumed, seed, size = int(state["consumed"]), int(state["seed"]), int(state["num_samples"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(
-                f"the checkpoint's data loader state {dict(state)!r} needs integer 'version', 'consumed', "
-                f"'seed' and 'num_samples'; the checkpoint is damaged or not from shardwise"
-            ) from e
+        fields = _state_fields(state, ("version", "consumed", "seed", "num_samples"))
+        version, consumed, seed, size = (fields[k] for k in ("version", "consumed", "seed", "num_samples"))
         if version != STATE_VERSION:
             raise DataError(
                 f"the checkpoint's data loader state has version {version}, but this shardwise reads "
                 f"version {STATE_VERSION}; resume with the shardwise version that wrote the checkpoint"
             )
-        if consumed < 0:
-            raise DataError(f"the checkpoint's data loader state has a negative position: {dict(state)!r}")
         if size != self.num_samples:
             raise DataError(
                 f"the checkpoint was trained on a dataset of {size} samples, but this one has "
@@ -533,15 +527,8 @@ class StatefulLoader:
         return consumed, seed
 
     def _read_per_epoch(self, state: Mapping[str, Any]) -> tuple[int, int]:
-        try:
-            epoch, within, seed = int(state["epoch"]), int(state["consumed"]), int(state["seed"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(
-                f"the checkpoint's data loader state {dict(state)!r} needs integer 'epoch', 'consumed' "
-                f"and 'seed'; the checkpoint is damaged or not from shardwise"
-            ) from e
-        if epoch < 0 or within < 0:
-            raise DataError(f"the checkpoint's data loader state has a negative position: {dict(state)!r}")
+        fields = _state_fields(state, ("epoch", "consumed", "seed"))
+        epoch, within, seed = fields["epoch"], fields["consumed"], fields["seed"]
         if within > self.num_samples:
             raise DataError(
                 f"the checkpoint stopped {within} samples into epoch {epoch}, but one epoch of this "
@@ -552,6 +539,28 @@ class StatefulLoader:
         # over either way, and epoch `epoch` continues with its own permutation from `within` on.
         logger.info("converted an older data loader state (epoch %d, %d samples in)", epoch, within)
         return epoch * self.num_samples + within, seed
+
+
+_STATE = "the checkpoint's data loader state "
+_DAMAGED = "the checkpoint is damaged or not from shardwise"
+# Positions and sizes in samples, and seeds: whole numbers no run comes near.
+_STATE_MAX = 1 << 62
+
+
+def _state_fields(state: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, int]:
+    """`keys` of a saved loader state as whole numbers in 0..2**62 (a tensor or numpy scalar counts as one
+    number); DataError naming the field otherwise."""
+    out = {}
+    for key in keys:
+        value = state.get(key)
+        if isinstance(value, np.integer) or (isinstance(value, torch.Tensor) and value.numel() == 1
+                                             and not value.is_floating_point()):
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise DataError(f"{_STATE}has a negative {key!r} ({value}), which is no position; {_DAMAGED}")
+        out[key] = int_field({key: value}, key, _STATE.strip(), DataError, hi=_STATE_MAX,
+                             advice=f"it needs whole numbers {', '.join(map(repr, keys))}; {_DAMAGED}")
+    return out
 
 
 def create_dataset(

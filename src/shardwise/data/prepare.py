@@ -47,12 +47,14 @@ from tqdm.auto import tqdm
 
 from ..errors import DataError
 from ..files import fsync_dir, write_json_atomic
+from ..untrusted import read_json_object
 from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
 from .shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_DTYPE,
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     TokenShards,
     shard_dtype,
     shard_names,
@@ -580,11 +582,12 @@ def _remove_stale_temps(out: Path) -> None:
 
 
 def _is_prepared(path: Path) -> bool:
+    """Whether `path` holds a shardwise manifest (what `overwrite` may replace), read within bounds."""
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = read_json_object(path / MANIFEST_FILE, DataError, limit=MAX_MANIFEST_BYTES)
+    except DataError:
         return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+    return manifest.get("format") == FORMAT_NAME
 
 
 def _is_empty_dir(path: Path) -> bool:

@@ -15,15 +15,16 @@ A directory written by `prepare_corpus` (prepare.py) holds:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import DataError
+from ..untrusted import fail, int_field, kind_of, read_json_object, str_field
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,11 @@ FORMAT_NAME = "shardwise-token-shards"
 FORMAT_VERSION = 1
 INDEX_DTYPE = np.dtype("<i8")
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# A manifest lists every input file, so a corpus of millions of small files has a large one.
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_SHARDS = 1_000_000
+MAX_TOKENS = 1 << 50
+_SHARD_FILE = re.compile(r"shard-\d{5,}\.(bin|idx)")
 
 
 def shard_dtype(name: str) -> np.dtype:
@@ -75,22 +81,59 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"interrupted before it finished (the manifest is written last, so nothing in it is used); "
             f"{_reprepare_hint(d)}"
         )
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}; the directory is damaged, {_reprepare_hint(d)}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+    advice = f"the directory is damaged, {_reprepare_hint(d)}"
+    manifest = read_json_object(path, DataError, limit=MAX_MANIFEST_BYTES, advice=advice)
+    if manifest.get("format") != FORMAT_NAME:
         raise DataError(
             f"{path} is not a shardwise token-shard manifest (no \"format\": \"{FORMAT_NAME}\"); "
             f"point at a directory written by `shardwise prepare`"
         )
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or type(version) is not int:
         raise DataError(
-            f"{path} has format version {version!r}, but this shardwise reads version {FORMAT_VERSION}; "
+            f"{path} has format version {repr(version)[:40]}, but this shardwise reads version {FORMAT_VERSION}; "
             f"{_reprepare_hint(d)}, or use the shardwise release that wrote it"
         )
+    _check_manifest(manifest, path, advice)
     return manifest
+
+
+def _check_manifest(m: dict[str, Any], path: Path, advice: str) -> None:
+    """Type and range of every manifest field a reader uses; DataError naming the file and field."""
+    dtype = str_field(m, "dtype", path, DataError, advice=advice)
+    if dtype not in _DTYPES:
+        fail(DataError, path, f"'dtype' is {dtype!r}, not one of {sorted(_DTYPES)}", advice)
+    for key in ("num_tokens", "num_documents"):
+        int_field(m, key, path, DataError, hi=MAX_TOKENS, advice=advice)
+    info = m.get("tokenizer")
+    if not isinstance(info, dict):
+        fail(DataError, path, f"'tokenizer' is {kind_of(info)}, not an object", advice)
+    where = f"{path} (tokenizer)"
+    vocab = int_field(info, "vocab_size", where, DataError, lo=1, hi=1 << 32, advice=advice)
+    int_field(info, "eos_id", where, DataError, hi=vocab - 1, advice=advice)
+    str_field(info, "fingerprint", where, DataError, max_len=256, advice=advice)
+    if info.get("source") is not None:
+        str_field(info, "source", where, DataError, max_len=4096, advice=advice)
+    if dtype == "uint16" and vocab > 65536:
+        fail(DataError, path, f"'dtype' uint16 cannot hold the ids of a vocabulary of {vocab:,}", advice)
+    shards = m.get("shards")
+    if not isinstance(shards, list) or len(shards) > MAX_SHARDS:
+        what = kind_of(shards) if not isinstance(shards, list) else f"a list of {len(shards):,}"
+        fail(DataError, path, f"'shards' is {what}, not a list of at most {MAX_SHARDS:,} shards", advice)
+    for i, shard in enumerate(shards):
+        where = f"{path} (shard {i})"
+        if not isinstance(shard, dict):
+            fail(DataError, where, f"is {kind_of(shard)}, not an object", advice)
+        for key in ("file", "index"):
+            name = str_field(shard, key, where, DataError, max_len=64, advice=advice)
+            # A plain shard file name: a manifest never points outside its own directory.
+            if not _SHARD_FILE.fullmatch(name):
+                fail(DataError, where, f"{key!r} is {name!r}, not a shard file name like 'shard-00000.bin'", advice)
+        for key in ("num_tokens", "num_documents"):
+            int_field(shard, key, where, DataError, hi=MAX_TOKENS, advice=advice)
+        for key in ("blake2b", "index_blake2b"):
+            if shard.get(key) is not None:
+                str_field(shard, key, where, DataError, max_len=128, advice=advice)
 
 
 class TokenShards:
@@ -240,9 +283,17 @@ class TokenShards:
             lo, hi = max(start, base) - base, min(stop, int(self._offsets[i + 1])) - base
             if hi > lo:
                 parts.append(self._tokens_of(i)[lo:hi])
-        if len(parts) == 1:
-            return np.asarray(parts[0])
-        return np.concatenate(parts)
+        out = np.asarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+        # A shard changed after preparation (same size, other bytes) could hold ids past the vocabulary,
+        # which index past the embedding table (on a GPU, a device-side assert): a few microseconds a sample.
+        if self.vocab_size <= np.iinfo(self.dtype).max and len(out) and int(out.max()) >= self.vocab_size:
+            shard = self._token_files[self._shards_in(start, stop)[0]]
+            raise DataError(
+                f"shard file {shard} (or the next) holds token id {int(out.max()):,} between positions {start:,} and "
+                f"{stop:,}, past the vocabulary of {self.vocab_size:,} in the manifest: the directory is damaged "
+                f"(changed after preparation); {_reprepare_hint(self.directory)}"
+            )
+        return out
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
         """Sorted global positions p, start <= p < stop, at which a document begins (int64)."""

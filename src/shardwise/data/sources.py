@@ -13,13 +13,17 @@ preparation and tokenizer training share.
   a time; a null value is a bad line like those of JSON Lines.
 - Text and JSON Lines may be gzip-compressed (`.gz`, recognised by its magic bytes).
 
+Nothing is held in memory past `files.MAX_RECORD_BYTES` at once: a longer line, paragraph or
+whole-file document stops with a DataError naming the file (and line); gzip input is bounded as
+files.py says (a decompression bomb is refused). A JSON line nested too deeply or holding an
+over-long integer is a bad line like any other.
+
 Invalid UTF-8 is repaired (each bad byte sequence becomes U+FFFD) and counted: documents affected
 and characters replaced, in `ReadStats`. A UTF-8 byte order mark at the start of a file is dropped.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from collections.abc import Iterator, Sequence
@@ -27,7 +31,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DataError
-from .files import InputFile, check_choice, import_pyarrow_parquet, open_input
+from .files import (
+    GZIP_RATIO_FLOOR,
+    MAX_GZIP_BYTES,
+    MAX_GZIP_RATIO,
+    MAX_RECORD_BYTES,
+    BadJson,
+    InputFile,
+    check_choice,
+    import_pyarrow_parquet,
+    open_input,
+    parse_json_line,
+    read_lines,
+    read_whole,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +158,8 @@ class _BadLines:
 def _read_txt(f: InputFile, mode: str, decode: _Decoder) -> Iterator[str]:
     with open_input(f) as fh:
         if mode == "file":
-            raw = fh.read()
+            raw = read_whole(fh, f.path, "split it into smaller files, or read it by paragraphs "
+                             "(txt_documents='paragraph', --txt-documents paragraph)")
             if raw.startswith(_UTF8_BOM):
                 raw = raw[len(_UTF8_BOM):]
             text, replaced = decode(raw)
@@ -149,8 +167,9 @@ def _read_txt(f: InputFile, mode: str, decode: _Decoder) -> Iterator[str]:
             yield text
             return
         lines: list[bytes] = []
+        held = 0
         first = True
-        for line in fh:
+        for line in read_lines(fh, f.path):
             if first:
                 first = False
                 if line.startswith(_UTF8_BOM):
@@ -159,9 +178,15 @@ def _read_txt(f: InputFile, mode: str, decode: _Decoder) -> Iterator[str]:
                 yield from _text_lines(line, decode)
             elif line.strip():
                 lines.append(line)
+                held += len(line)
+                if held > MAX_RECORD_BYTES:
+                    raise DataError(
+                        f"{f.path}: a paragraph of more than {MAX_RECORD_BYTES:,} bytes (no blank line within "
+                        f"it) is not read whole; separate its documents with blank lines, or split the file"
+                    )
             elif lines:
                 yield _paragraph(lines, decode)
-                lines = []
+                lines, held = [], 0
         if lines:
             yield _paragraph(lines, decode)
 
@@ -189,7 +214,7 @@ def _paragraph(lines: list[bytes], decode: _Decoder) -> str:
 def _read_jsonl(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines) -> Iterator[str]:
     wording = bad.wording
     with open_input(f) as fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, line in enumerate(read_lines(fh, f.path), 1):
             if lineno == 1 and line.startswith(_UTF8_BOM):
                 line = line[len(_UTF8_BOM):]
             if not line.strip():
@@ -197,9 +222,9 @@ def _read_jsonl(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines)
             where = f"{f.path}:{lineno}"
             text, replaced = decode(line)
             try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                bad(where, f"not valid JSON ({e.msg} at column {e.colno})", line)
+                obj = parse_json_line(text)
+            except BadJson as e:
+                bad(where, str(e), line)
                 continue
             if not isinstance(obj, dict):
                 bad(where, f"a JSON {type(obj).__name__}, not an object with a {text_field!r} field", line)
@@ -252,14 +277,32 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
             f"column {text_field!r} of parquet file {f.path} has type {kind}, not string; "
             f"set text_field (--text-field) to a string column"
         )
-    row = 0
+    _check_parquet_sizes(pf, f.path, text_field)
+    # Text is counted as it is read, bounded like gzip: a dictionary-encoded column can repeat one long
+    # value in every row, so it is read as a dictionary (each value decoded once, rows sharing it).
+    budget = min(MAX_GZIP_BYTES, max(GZIP_RATIO_FLOOR, MAX_GZIP_RATIO * f.bytes))
+    total = row = 0
     try:
+        pf = pq.ParquetFile(f.path, read_dictionary=[text_field])
         for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
-            for value in batch.column(0).to_pylist():
+            column = batch.column(0)
+            if pa.types.is_dictionary(column.type):
+                values = column.dictionary.to_pylist()
+                rows = [None if i is None else values[i] for i in column.indices.to_pylist()]
+            else:
+                rows = column.to_pylist()
+            for value in rows:
                 row += 1
                 if value is None:
                     bad(f"{f.path}: row {row}", f"column {text_field!r} is null")
                     continue
+                total += len(value)
+                if total > budget:
+                    raise DataError(
+                        f"{f.path}: column {text_field!r} holds more than {budget:,} bytes of text by row {row}, "
+                        f"more than {MAX_GZIP_RATIO} times the file's {f.bytes:,} bytes (a decompression bomb), so "
+                        f"it is not read; if it is genuine, split it into smaller files"
+                    )
                 if isinstance(value, bytes):
                     value, replaced = decode(value)
                     decode.count(replaced)
@@ -268,6 +311,32 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
         raise
     except Exception as e:
         raise DataError(f"cannot read parquet file {f.path} after row {row}: {_first_line(e)}") from e
+
+
+def _check_parquet_sizes(pf: Any, path: str, text_field: str) -> None:
+    """Refuse a parquet file whose text column inflates like a decompression bomb (the gzip bounds of
+    files.py, from the sizes its metadata states) or holds more than MAX_RECORD_BYTES a row on average."""
+    try:
+        md = pf.metadata
+        leaves = [md.schema.column(i).path for i in range(md.num_columns)]
+        index = leaves.index(text_field)
+        for g in range(md.num_row_groups):
+            group = md.row_group(g)
+            column = group.column(index)
+            inflated, stored = int(column.total_uncompressed_size), int(column.total_compressed_size)
+            if inflated > max(GZIP_RATIO_FLOOR, MAX_GZIP_RATIO * stored) or inflated > MAX_GZIP_BYTES:
+                raise DataError(
+                    f"{path}: column {text_field!r} of row group {g} inflates from {stored:,} to {inflated:,} "
+                    f"bytes (more than {MAX_GZIP_RATIO} times: a decompression bomb), so it is not read; if it is "
+                    f"genuine, rewrite the file uncompressed or with fewer rows per group"
+                )
+            if inflated > MAX_RECORD_BYTES * max(1, int(group.num_rows)):
+                raise DataError(f"{path}: rows of row group {g} average more than {MAX_RECORD_BYTES:,} bytes of "
+                                f"{text_field!r}; split its documents")
+    except DataError:
+        raise
+    except Exception as e:  # metadata pyarrow cannot read: the reader below says so on the first batch
+        logger.debug("%s: parquet metadata not checked (%s)", path, e)
 
 
 def _first_line(e: Exception) -> str:

@@ -31,6 +31,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from ..errors import DataError
 from ..files import publish_dir, write_bytes_atomic, write_text_atomic
+from ..untrusted import MAX_SIDE_FILE, decode_text, fail, kind_of, read_bytes, read_json_object, read_text
 from .files import InputFile, expand_files
 from .sources import TXT_LINES, BadLineWording, ReadStats, read_documents
 
@@ -58,6 +59,35 @@ _HOW_TO_MAKE_ONE = (
 )
 
 _INSTALL_SENTENCEPIECE = "pip install sentencepiece (or pip install shardwise[sentencepiece])"
+
+# Bounds on what a tokenizer directory holds, all far above real ones: a model file (Gemma's 262k-token
+# tokenizer.json is 33 MB), a chat template (a few KB), a special token, the largest token id.
+MAX_MODEL_FILE = 512 << 20
+MAX_CHAT_TEMPLATE = 1 << 20
+MAX_TOKEN_CHARS = 1024
+MAX_VOCAB = 1 << 24
+_FIX_FILE = "fix or delete the file"
+
+
+def backend_call(source: str, what: str, fn: Any, *args: Any, panics_only: bool = False, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, a call into a tokenizer library: any failure it raises (with `panics_only`,
+    only a panic: other errors are the caller's, such as a negative id to decode) becomes a DataError
+    naming the tokenizer. The Rust `tokenizers` library panics on some inputs (a pre-tokenizer regex that
+    backtracks past Oniguruma's retry limit), which Python sees as pyo3_runtime.PanicException, a
+    BaseException; SentencePiece raises RuntimeError or OSError."""
+    try:
+        return fn(*args, **kwargs)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError, DataError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - PanicException derives from BaseException
+        if panics_only and isinstance(e, Exception):
+            raise
+        text = " ".join(str(e).split())[:300] or type(e).__name__
+        raise DataError(
+            f"{source}: the tokenizer library failed {what} ({type(e).__name__}: {text}); the tokenizer's files "
+            f"are damaged or hold a setting the library cannot run (such as a pre-tokenizer regex that "
+            f"backtracks without end): fix the tokenizer, or use another one"
+        ) from None
 
 
 class Tokenizer:
@@ -98,8 +128,8 @@ class Tokenizer:
         self._fingerprint: str | None = None
 
     def _count_vocab(self) -> int:
-        vocab = self.backend.get_vocab(with_added_tokens=True)
-        return max(vocab.values()) + 1 if vocab else 0
+        vocab = backend_call(self._source, "listing its vocabulary", self.backend.get_vocab, with_added_tokens=True)
+        return _checked_vocab_size(max(vocab.values()) + 1 if vocab else 0, self._source)
 
     def _resolve(self, role: str, token: str | None) -> str | None:
         if token is not None:
@@ -128,7 +158,7 @@ class Tokenizer:
     # --- encoding -------------------------------------------------------------------------------
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return backend_call(self._source, "encoding text", self.backend.encode, text, add_special_tokens=False).ids
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, optionally wrapped in bos/eos."""
@@ -143,11 +173,18 @@ class Tokenizer:
         """Token ids of many texts, encoded in parallel by the Rust library."""
         # encode_batch_fast skips offset tracking (newer tokenizers releases only).
         fast = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
-        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        encoded = backend_call(self._source, "encoding text", fast, list(texts), add_special_tokens=False)
+        return [e.ids for e in encoded]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of a sequence of token ids."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return backend_call(self._source, "decoding ids", self.backend.decode, [int(i) for i in ids],
+                            panics_only=True, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def source(self) -> str:
+        """The tokenizer as messages name it ("tokenizer '/path/to/dir'")."""
+        return self._source
 
     def __len__(self) -> int:
         """Vocabulary size (as `len()` of a Hugging Face tokenizer)."""
@@ -338,17 +375,19 @@ class SentencePieceTokenizer(Tokenizer):
         )
 
     def _count_vocab(self) -> int:
-        return self.backend.get_piece_size()
+        return _checked_vocab_size(self.backend.get_piece_size(), self._source)
 
     def _encode_plain(self, text: str) -> list[int]:
         # Explicit add_bos/add_eos=False: a processor can be configured to add them by default.
-        return self.backend.encode(text, out_type=int, add_bos=False, add_eos=False)
+        return backend_call(self._source, "encoding text", self.backend.encode, text, out_type=int, add_bos=False,
+                            add_eos=False)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel by the C++ library."""
         if not texts:
             return []
-        return self.backend.encode(list(texts), out_type=int, add_bos=False, add_eos=False)
+        return backend_call(self._source, "encoding text", self.backend.encode, list(texts), out_type=int,
+                            add_bos=False, add_eos=False)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of a sequence of token ids (control tokens such as bos/eos shown as text unless skipped)."""
@@ -395,51 +434,96 @@ class SentencePieceTokenizer(Tokenizer):
         return dict(self._config)
 
 
+def _checked_vocab_size(size: int, source: str) -> int:
+    if size > MAX_VOCAB:
+        raise DataError(
+            f"{source} has token ids up to {size - 1:,}, but vocabularies stay below {MAX_VOCAB:,} (the largest "
+            f"real ones hold about 260,000), and every id is a row of the embedding table; the tokenizer is "
+            f"damaged: fix it, or use another one"
+        )
+    return size
+
+
 def _chat_templates(value: Any, source: str) -> dict[str, str]:
     """Named chat templates from a config value: a string (default), a list of {name, template}, a dict."""
     if value is None:
         return {}
     if isinstance(value, str):
-        return {"default": value}
-    if isinstance(value, Mapping) and all(isinstance(v, str) for v in value.values()):
-        return dict(value)
-    if isinstance(value, Sequence) and all(
+        templates = {"default": value}
+    elif isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        templates = dict(value)
+    elif isinstance(value, Sequence) and all(
         isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
         for t in value
     ):
-        return {t["name"]: t["template"] for t in value}
-    raise DataError(
-        f"chat_template of {source} must be a Jinja string or a list of "
-        f'{{"name": ..., "template": ...}} entries, got {type(value).__name__}; fix or remove it'
-    )
+        templates = {t["name"]: t["template"] for t in value}
+    else:
+        raise DataError(
+            f"chat_template of {source} must be a Jinja string or a list of "
+            f'{{"name": ..., "template": ...}} entries, got {kind_of(value)}; fix or remove it'
+        )
+    for name, template in templates.items():
+        if len(template) > MAX_CHAT_TEMPLATE or len(name) > MAX_TOKEN_CHARS:
+            raise DataError(
+                f"chat template {name[:40]!r} of {source} is {len(template):,} characters long, more than the "
+                f"{MAX_CHAT_TEMPLATE:,} a chat template can be (real ones have a few thousand); fix or remove it"
+            )
+    return templates
 
 
 def _token_content(value: Any) -> str | None:
-    """A special token as configs store it: a string, or an AddedToken dict with `content`."""
+    """A special token as configs store it: a string, or an AddedToken dict with `content` (checked by
+    `_read_config`)."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+_ROLES = ("bos", "eos", "pad")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A tokenizer side file (tokenizer_config.json, special_tokens_map.json): a JSON object read within
+    bounds, with each field shardwise uses checked for its type; {} when there is no such file."""
+    if not os.path.lexists(path):
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"cannot read {path}: {e}; fix or delete the file") from e
-    return data if isinstance(data, dict) else {}
+    doc = read_json_object(path, DataError, limit=MAX_SIDE_FILE, advice=_FIX_FILE)
+    for role in _ROLES:
+        key = f"{role}_token"
+        value = doc.get(key)
+        content = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(content, str):
+            what = f"{{'content': {kind_of(content)}}}" if isinstance(value, dict) else kind_of(value)
+            fail(DataError, path, f"{key!r} is {what}, not a token (a string, or {{\"content\": \"...\"}})",
+                 _FIX_FILE)
+        if isinstance(content, str) and len(content) > MAX_TOKEN_CHARS:
+            fail(DataError, path, f"{key!r} is {len(content):,} characters long, not a token", _FIX_FILE)
+        tid = doc.get(f"{role}_token_id")
+        if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int)):
+            fail(DataError, path, f"'{role}_token_id' is {kind_of(tid)}, not a token id", _FIX_FILE)
+    limit = doc.get("model_max_length")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
+        fail(DataError, path, f"'model_max_length' is {kind_of(limit)}, not a number", _FIX_FILE)
+    if "chat_template" in doc:
+        _chat_templates(doc["chat_template"], str(path))
+    return doc
+
+
+def _read_added_tokens(path: Path) -> dict[str, Any]:
+    """added_tokens.json: {token: id}, checked; {} when absent."""
+    doc = _read_config(path)
+    for token, tid in doc.items():
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            fail(DataError, path, f"token {token[:40]!r} has {kind_of(tid)}, not an id", _FIX_FILE)
+    return doc
 
 
 def _read_chat_template(d: Path, config: Mapping[str, Any], source: str) -> dict[str, str]:
     """The directory's chat templates; a chat_template.jinja file wins over the config, as in transformers."""
     templates = _chat_templates(config.get("chat_template"), f"{source} ({CONFIG_FILE})")
     jinja = d / CHAT_TEMPLATE_FILE
-    if jinja.is_file():
-        try:
-            templates["default"] = jinja.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"cannot read {jinja}: {e}; fix or delete the file") from e
+    if os.path.lexists(jinja):
+        templates["default"] = read_text(jinja, DataError, limit=MAX_CHAT_TEMPLATE, advice=_FIX_FILE)
     if templates and "default" not in templates:
         logger.warning(
             "%s has chat templates %s but none named 'default'; chat_template is None",
@@ -451,9 +535,9 @@ def _read_chat_template(d: Path, config: Mapping[str, Any], source: str) -> dict
 
 def _check_token_ids(tok: Tokenizer, config: Mapping[str, Any], where: Path) -> None:
     """Refuse `*_token_id` entries of a config that point outside the vocabulary."""
-    for role in ("bos", "eos", "pad"):
+    for role in _ROLES:
         want = config.get(f"{role}_token_id")
-        if isinstance(want, int) and not 0 <= want < tok.vocab_size:
+        if isinstance(want, int) and not isinstance(want, bool) and not 0 <= want < tok.vocab_size:
             raise DataError(
                 f"{role}_token_id {want} in {where} is outside the vocabulary of "
                 f"{tok.vocab_size} tokens; remove it or use an id below {tok.vocab_size}"
@@ -463,11 +547,17 @@ def _check_token_ids(tok: Tokenizer, config: Mapping[str, Any], where: Path) -> 
 def _load_hf(d: Path) -> Tokenizer:
     """A Hugging Face tokenizer directory holding tokenizer.json."""
     path = d / TOKENIZER_FILE
+    text = decode_text(read_bytes(path, DataError, limit=MAX_MODEL_FILE, advice=_FIX_FILE), path, DataError,
+                       _FIX_FILE)
     try:
-        backend = _HFTokenizer.from_file(str(path))
-    except Exception as e:  # the Rust library raises plain Exception for malformed files
-        raise DataError(f"{path} is not a valid Hugging Face tokenizer file: {e}") from e
-    config = {**_read_json(d / SPECIAL_MAP_FILE), **_read_json(d / CONFIG_FILE)}
+        backend = _HFTokenizer.from_str(text)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - plain Exception for malformed files; a Rust panic is a BaseException
+        problem = " ".join(str(e).split())[:300] or type(e).__name__
+        raise DataError(f"{path} is not a valid Hugging Face tokenizer file: {problem}; {_FIX_FILE}") from None
+    del text
+    config = {**_read_config(d / SPECIAL_MAP_FILE), **_read_config(d / CONFIG_FILE)}
     tokens = {role: _token_content(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
     source = f"tokenizer {str(d)!r}"
     tok = Tokenizer(
@@ -495,14 +585,13 @@ def _import_sentencepiece(what: Path) -> Any:
 def _load_sentencepiece(model_file: Path, config_dir: Path | None) -> SentencePieceTokenizer:
     """A SentencePiece model file, with the configs of `config_dir` (its Hugging Face directory) if given."""
     spm = _import_sentencepiece(model_file)
-    try:
-        data = model_file.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read SentencePiece model {model_file}: {e}") from e
+    data = read_bytes(model_file, DataError, limit=MAX_MODEL_FILE, advice=_FIX_FILE)
     processor = spm.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(data)
-    except Exception as e:  # the C++ library raises RuntimeError/OSError variously for bad files
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the C++ library raises RuntimeError/OSError variously
         raise DataError(
             f"{model_file} is not a valid SentencePiece model ({e}); pass the .model file written by "
             f"SentencePieceTrainer, or a directory holding a Hugging Face {TOKENIZER_FILE}"
@@ -512,7 +601,7 @@ def _load_sentencepiece(model_file: Path, config_dir: Path | None) -> SentencePi
     own_config: dict[str, Any] = {}
     templates: dict[str, str] = {}
     if config_dir is not None:
-        added = _read_json(config_dir / "added_tokens.json")
+        added = _read_added_tokens(config_dir / "added_tokens.json")
         if added:
             # Those ids lie beyond the model's pieces and SentencePiece never produces them, so text holding
             # such tokens would be tokenised differently from the model's training.
@@ -521,8 +610,8 @@ def _load_sentencepiece(model_file: Path, config_dir: Path | None) -> SentencePi
                 f"which shardwise does not support; convert the directory to a {TOKENIZER_FILE} with "
                 f"transformers (AutoTokenizer.from_pretrained(dir).save_pretrained(new_dir)) and use that"
             )
-        own_config = _read_json(config_dir / CONFIG_FILE)
-        config = {**_read_json(config_dir / SPECIAL_MAP_FILE), **own_config}
+        own_config = _read_config(config_dir / CONFIG_FILE)
+        config = {**_read_config(config_dir / SPECIAL_MAP_FILE), **own_config}
         templates = _read_chat_template(config_dir, config, source)
     tokens = {role: _token_content(config.get(f"{role}_token")) for role in ("bos", "eos", "pad")}
     tok = SentencePieceTokenizer(
@@ -584,8 +673,12 @@ def _check_text_file(path: str) -> None:
     """Refuse a file that is missing or binary (compressed, parquet, UTF-16), naming it."""
     if not os.path.isfile(path):
         raise DataError(f"tokenizer training file {path!r} does not exist; check the input paths")
-    with open(path, "rb") as fh:
-        head = fh.read(8192)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8192)
+    except OSError as e:
+        raise DataError(f"tokenizer training file {path!r} cannot be read ({e.strerror or e}); check its "
+                        f"permissions") from None
     kind = next((name for magic, name in _BINARY_MAGIC if head.startswith(magic)), None)
     if kind == "bzip2" and not head[3:4].isdigit():
         kind = None  # plain text that happens to start with "BZh"

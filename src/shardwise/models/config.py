@@ -6,6 +6,15 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The largest sizes a model config may give (no model is near them: 1024 layers, widths of a million, 16M
+# tokens). They keep what is built before any weight is compared with a config from elsewhere (a model
+# on the meta device, RoPE tables of max_position_embeddings rows) small, and a typo in a config clear.
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 20  # hidden_size, intermediate_size, head_dim
+MAX_HEADS = 1 << 14
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 22
+
 
 class RopeScaling(BaseModel):
     """RoPE frequency scaling as in Hugging Face configs (`linear` or LLaMA-3's `llama3`)."""
@@ -32,15 +41,18 @@ class ModelConfig(BaseModel):
     model_type: Literal["llama", "qwen2", "gpt2", "mistral", "baichuan", "gpt"] = Field(
         "llama", description="family label (the flags below decide the architecture)"
     )
-    vocab_size: int = Field(32000, gt=0, description="tokens in the vocabulary")
-    hidden_size: int = Field(4096, gt=0, description="model width")
-    num_layers: int = Field(32, gt=0, description="transformer blocks")
-    num_heads: int = Field(32, gt=0, description="attention (query) heads")
-    num_kv_heads: Optional[int] = Field(None, gt=0, description="grouped-query attention; default num_heads")
-    head_dim: Optional[int] = Field(None, gt=0, description="default hidden_size // num_heads")
-    intermediate_size: Optional[int] = Field(None, gt=0, description="FFN width; default LLaMA rule or 4x")
+    vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB, description="tokens in the vocabulary")
+    hidden_size: int = Field(4096, gt=0, le=MAX_WIDTH, description="model width")
+    num_layers: int = Field(32, gt=0, le=MAX_LAYERS, description="transformer blocks")
+    num_heads: int = Field(32, gt=0, le=MAX_HEADS, description="attention (query) heads")
+    num_kv_heads: Optional[int] = Field(None, gt=0, le=MAX_HEADS,
+                                        description="grouped-query attention; default num_heads")
+    head_dim: Optional[int] = Field(None, gt=0, le=MAX_WIDTH, description="default hidden_size // num_heads")
+    intermediate_size: Optional[int] = Field(None, gt=0, le=MAX_WIDTH,
+                                             description="FFN width; default LLaMA rule or 4x")
     multiple_of: int = Field(256, gt=0, description="FFN width rounding for the LLaMA rule")
-    max_position_embeddings: int = Field(4096, gt=0, description="longest sequence the model takes")
+    max_position_embeddings: int = Field(4096, gt=0, le=MAX_POSITIONS,
+                                         description="longest sequence the model takes")
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="RMSNorm (LLaMA) or LayerNorm (GPT-2)")
     norm_eps: float = Field(1e-5, gt=0, description="norm epsilon")
     mlp: Literal["gated", "plain"] = Field("gated", description="gated = SwiGLU-style, plain = GPT-2 style")

@@ -7,7 +7,7 @@ from typing import Callable, Collection, Optional, Sequence, Union
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .transformer import KVCache, Transformer
 
 # The value given to `on_token` for a row that has already finished.
@@ -46,8 +46,8 @@ def _check_args(
         )
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < float("inf"):  # NaN too
+        raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k must be >= 1 or None, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -61,10 +61,19 @@ def sample_next(
     top_p: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """Pick one token per row from logits [B, vocab]: argmax at temperature 0, else filtered sampling."""
+    """Pick one token per row from logits [B, vocab]: argmax at temperature 0, else filtered sampling.
+    Logits that are NaN or infinite (weights that hold them, or a 16-bit overflow) fail with a
+    CheckpointError rather than a token picked from garbage (or torch.multinomial's error)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise CheckpointError(
+            "the model computed NaN or infinite logits, so no token can be picked: its weights hold NaN or "
+            "infinite values, or a 16-bit dtype overflowed (try --dtype fp32)")
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    scaled = logits.float() / temperature
+    if not bool(torch.isfinite(scaled).all()):  # a temperature so small it overflows float32: its limit, greedy
+        return logits.argmax(dim=-1)
+    logits = scaled
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -20,10 +21,20 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from shardwise.errors import CheckpointError, ConfigError
+from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.files import plain_file_name
-from shardwise.models.config import ModelConfig
+from shardwise.models.config import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ModelConfig
 from shardwise.models.transformer import Transformer
+from shardwise.untrusted import (
+    ascii_digits,
+    bool_field,
+    fail,
+    int_field,
+    kind_of,
+    number_field,
+    read_json_object,
+    str_field,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -64,151 +75,211 @@ def _supported_list() -> str:
 
 # ---------------------------------------------------------------- config ----
 
+_CONFIG_ADVICE = "fix it or download the model again"
+
+
 def _read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise CheckpointError(f"{path} not found: a Hugging Face model directory needs {what}")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(doc).__name__}, not an object")
-    return doc
+    return read_json_object(path, CheckpointError, advice=_CONFIG_ADVICE)
 
 
-def hf_family(hf: dict) -> str:
+def _names(values: list[str], limit: int = 5) -> str:
+    shown = [v if len(v) <= 80 else v[:77] + "..." for v in values[:limit]]
+    return ", ".join(shown) + (f" and {len(values) - limit} more" if len(values) > limit else "")
+
+
+def hf_family(hf: dict, source: str | os.PathLike = "config.json") -> str:
     """Our model_type for an HF config dict; ConfigError naming the supported architectures otherwise."""
-    archs = hf.get("architectures") or []
+    archs = hf.get("architectures")
+    if archs is None:
+        archs = []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        fail(CheckpointError, source, f"'architectures' is {kind_of(archs)}, not a list of class names such as "
+             '["LlamaForCausalLM"]', _CONFIG_ADVICE)
     if archs:
         bad = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
         if bad:
             raise ConfigError(
-                f"unsupported architecture {', '.join(bad)} in config.json; supported: {_supported_list()}"
+                f"unsupported architecture {_names(bad)} in {source}; supported: {_supported_list()}"
             )
         return SUPPORTED_ARCHITECTURES[archs[0]]
     model_type = hf.get("model_type")
-    if model_type in _ARCH_BY_TYPE:
+    if isinstance(model_type, str) and model_type in _ARCH_BY_TYPE:
         return model_type
+    shown = model_type if isinstance(model_type, str) and len(model_type) <= 80 else kind_of(model_type)
     raise ConfigError(
-        f"config.json names no supported architecture (architectures={archs}, model_type={model_type!r}); "
+        f"{source} names no supported architecture (architectures={archs}, model_type={shown!r}); "
         f"supported: {_supported_list()}"
     )
 
 
-def _activation(name: Optional[str], default: str) -> str:
-    name = name or default
+def _activation(hf: dict, key: str, default: str, source: str | os.PathLike) -> str:
+    name = str_field(hf, key, source, CheckpointError, max_len=100, default=default, advice=_CONFIG_ADVICE)
     if name not in _ACT_FROM_HF:
-        raise ConfigError(f"unsupported activation {name!r} in config.json; supported: {', '.join(_ACT_FROM_HF)}")
+        raise ConfigError(f"unsupported activation {name!r} in {source}; supported: {', '.join(_ACT_FROM_HF)}")
     return _ACT_FROM_HF[name]
 
 
-def _rope(hf: dict) -> tuple[float, Optional[dict]]:
+def _mapping(hf: dict, key: str, source: str | os.PathLike) -> dict:
+    """`hf[key]` as an object ({} when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        fail(CheckpointError, source, f"{key!r} is {kind_of(value)}, not an object", _CONFIG_ADVICE)
+    return value
+
+
+def _rope(hf: dict, source: str | os.PathLike) -> tuple[float, Optional[dict]]:
     """(rope_theta, our rope_scaling) from either the transformers-5 `rope_parameters` or the older
     `rope_theta` + `rope_scaling` keys."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    for k, v in legacy.items():
+    params = dict(_mapping(hf, "rope_parameters", source))
+    for k, v in _mapping(hf, "rope_scaling", source).items():
         params.setdefault(k, v)
-    theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    kind = params.get("rope_type") or params.get("type") or "default"
+    where = f"{source} (rope_parameters / rope_scaling)"
+    theta = number_field(hf, "rope_theta", source, CheckpointError, lo=1e-9, hi=1e30, default=None,
+                         advice=_CONFIG_ADVICE)
+    if theta is None:
+        theta = number_field(params, "rope_theta", where, CheckpointError, lo=1e-9, hi=1e30, default=10000.0,
+                             advice=_CONFIG_ADVICE)
+    kind = params.get("rope_type") if params.get("rope_type") is not None else params.get("type")
+    kind = "default" if kind is None else kind
+    if not isinstance(kind, str):
+        fail(CheckpointError, where, f"'rope_type' is {kind_of(kind)}, not a name", _CONFIG_ADVICE)
     if kind == "default":
         return theta, None
     if kind not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported RoPE scaling {kind!r} in config.json; supported: default, linear, llama3")
-    scaling: dict[str, Any] = {"type": kind, "factor": float(params.get("factor", 1.0))}
+        raise ConfigError(f"unsupported RoPE scaling {kind[:80]!r} in {source}; supported: default, linear, llama3")
+    scaling: dict[str, Any] = {"type": kind, "factor": number_field(params, "factor", where, CheckpointError,
+                                                                    lo=1e-9, hi=1e9, default=1.0)}
     if kind == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if key in params:
-                scaling[key] = params[key]
+        for key in ("low_freq_factor", "high_freq_factor"):
+            if params.get(key) is not None:
+                scaling[key] = number_field(params, key, where, CheckpointError, lo=1e-9, hi=1e9)
+        if params.get("original_max_position_embeddings") is not None:
+            scaling["original_max_position_embeddings"] = int_field(
+                params, "original_max_position_embeddings", where, CheckpointError, lo=1, hi=MAX_POSITIONS)
     return theta, scaling
 
 
-def hf_to_model_config(hf: dict) -> ModelConfig:
-    """A ModelConfig for an HF config dict (as in config.json)."""
-    family = hf_family(hf)
+def hf_to_model_config(hf: dict, source: str | os.PathLike = "config.json") -> ModelConfig:
+    """A ModelConfig for an HF config dict (as in config.json, whose name `source` is): every field used
+    is checked for its type and range, a CheckpointError naming the file and the field otherwise."""
+    family = hf_family(hf, source)
     try:
         if family == "gpt2":
-            return _gpt2_config(hf)
-        return _llama_like_config(hf, family)
+            return _gpt2_config(hf, source)
+        return _llama_like_config(hf, family, source)
+    except ShardwiseError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"config.json cannot be used for a {family} model: {exc}") from exc
+        raise CheckpointError(f"{source} cannot be used for a {family} model: {' '.join(str(exc).split())}") \
+            from None
 
 
-def _llama_like_config(hf: dict, family: str) -> ModelConfig:
-    theta, scaling = _rope(hf)
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+def _size(hf: dict, key: str, source: str | os.PathLike, hi: int, default: Any = None, lo: int = 1) -> Any:
+    """A size of config.json: a whole number in [lo, hi]; `default` when absent (None: required)."""
+    if default is None:
+        return int_field(hf, key, source, CheckpointError, lo=lo, hi=hi, advice=_CONFIG_ADVICE)
+    return int_field(hf, key, source, CheckpointError, lo=lo, hi=hi, default=default, advice=_CONFIG_ADVICE)
+
+
+def _flag(hf: dict, key: str, source: str | os.PathLike, default: bool) -> bool:
+    return bool_field(hf, key, source, CheckpointError, default=default, advice=_CONFIG_ADVICE)
+
+
+def _positive(hf: dict, key: str, source: str | os.PathLike, default: float, hi: float = 1e6) -> float:
+    value = number_field(hf, key, source, CheckpointError, lo=0.0, hi=hi, default=default, advice=_CONFIG_ADVICE)
+    if value <= 0:
+        fail(CheckpointError, source, f"{key!r} is {value}, but it must be positive", _CONFIG_ADVICE)
+    return value
+
+
+def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> ModelConfig:
+    theta, scaling = _rope(hf, source)
+    hidden = _size(hf, "hidden_size", source, MAX_WIDTH)
+    heads = _size(hf, "num_attention_heads", source, MAX_HEADS)
     if family == "qwen2":
         qkv_bias, out_bias = True, False
     else:
-        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-    max_pos = hf.get("max_position_embeddings", 4096 if family == "llama" else 32768)
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", True) if family == "qwen2" else True
+        qkv_bias = out_bias = _flag(hf, "attention_bias", source, False)
+    max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS, 4096 if family == "llama" else 32768)
+    window = int_field(hf, "sliding_window", source, CheckpointError, lo=0, default=None, advice=_CONFIG_ADVICE)
+    uses_window = _flag(hf, "use_sliding_window", source, True) if family == "qwen2" else True
     if window and uses_window and window < max_pos:
         warnings.warn(
             f"config.json asks for sliding-window attention ({window} tokens), which shardwise does not "
             f"implement: attention is full causal, identical up to {window} tokens",
             stacklevel=3,
         )
+    head_dim = int_field(hf, "head_dim", source, CheckpointError, lo=1, hi=MAX_WIDTH, default=0,
+                         advice=_CONFIG_ADVICE) or None
+    if head_dim is None and hidden % heads:
+        fail(CheckpointError, source, f"'hidden_size' {hidden} is not divisible by 'num_attention_heads' {heads} "
+             "and there is no 'head_dim'", _CONFIG_ADVICE)
     return ModelConfig(
         model_type=family,
-        vocab_size=hf["vocab_size"],
+        vocab_size=_size(hf, "vocab_size", source, MAX_VOCAB),
         hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"],
+        num_layers=_size(hf, "num_hidden_layers", source, MAX_LAYERS),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf["intermediate_size"],
+        num_kv_heads=_size(hf, "num_key_value_heads", source, MAX_HEADS, heads),
+        head_dim=head_dim or hidden // heads,
+        intermediate_size=_size(hf, "intermediate_size", source, MAX_WIDTH),
         max_position_embeddings=max_pos,
         norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=_positive(hf, "rms_norm_eps", source, 1e-6, hi=1.0),
         mlp="gated",
-        activation=_activation(hf.get("hidden_act"), "silu"),
+        activation=_activation(hf, "hidden_act", "silu", source),
         position="rope",
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=qkv_bias,
         out_bias=out_bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        initializer_range=hf.get("initializer_range", 0.02),
+        mlp_bias=_flag(hf, "mlp_bias", source, False),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", source, False),
+        initializer_range=_positive(hf, "initializer_range", source, 0.02),
     )
 
 
-def _gpt2_config(hf: dict) -> ModelConfig:
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+def _gpt2_config(hf: dict, source: str | os.PathLike) -> ModelConfig:
+    if _flag(hf, "scale_attn_by_inverse_layer_idx", source, False) or _flag(hf, "reorder_and_upcast_attn",
+                                                                           source, False):
         raise ConfigError("GPT-2 configs with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn "
                           "are not supported")
-    if hf.get("scale_attn_weights", True) is False:
+    if _flag(hf, "scale_attn_weights", source, True) is False:
         raise ConfigError("GPT-2 configs with scale_attn_weights=false are not supported")
-    hidden = hf.get("n_embd", 768)
+    hidden = _size(hf, "n_embd", source, MAX_WIDTH, 768)
+    heads = _size(hf, "n_head", source, MAX_HEADS, 12)
+    if hidden % heads:
+        fail(CheckpointError, source, f"'n_embd' {hidden} is not divisible by 'n_head' {heads}", _CONFIG_ADVICE)
     return ModelConfig(
         model_type="gpt2",
-        vocab_size=hf.get("vocab_size", 50257),
+        vocab_size=_size(hf, "vocab_size", source, MAX_VOCAB, 50257),
         hidden_size=hidden,
-        num_layers=hf.get("n_layer", 12),
-        num_heads=hf.get("n_head", 12),
-        intermediate_size=hf.get("n_inner") or 4 * hidden,
-        max_position_embeddings=hf.get("n_positions", 1024),
+        num_layers=_size(hf, "n_layer", source, MAX_LAYERS, 12),
+        num_heads=heads,
+        intermediate_size=_size(hf, "n_inner", source, MAX_WIDTH, 4 * hidden),
+        max_position_embeddings=_size(hf, "n_positions", source, MAX_POSITIONS, 1024),
         norm="layernorm",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm_eps=_positive(hf, "layer_norm_epsilon", source, 1e-5, hi=1.0),
         mlp="plain",
-        activation=_activation(hf.get("activation_function"), "gelu_new"),
+        activation=_activation(hf, "activation_function", "gelu_new", source),
         position="learned",
         qkv_bias=True,
         out_bias=True,
         mlp_bias=True,
         norm_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        initializer_range=hf.get("initializer_range", 0.02),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", source, True),
+        initializer_range=_positive(hf, "initializer_range", source, 0.02),
     )
 
 
 def load_hf_config(directory: str | os.PathLike[str]) -> ModelConfig:
     """The ModelConfig of a Hugging Face model directory (its config.json)."""
-    return hf_to_model_config(_read_json(Path(directory) / "config.json", "config.json"))
+    path = Path(directory) / "config.json"
+    return hf_to_model_config(_read_json(path, "config.json"), path)
 
 
 def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
@@ -449,11 +520,18 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
         handles: dict[str, tuple[Any, Path]] = {}
         for path, names in _weight_files(directory):
             f = stack.enter_context(open_safetensors(path))
-            for hf_name in names if names is not None else list(f.keys()):
+            keys = list(f.keys())
+            held = set(keys)
+            absent = [n for n in names or () if n not in held]
+            if absent:
+                raise CheckpointError(f"{directory / INDEX_FILE} places {_short(absent)} in {path}, which does not "
+                                      "hold it; download the complete model again")
+            for hf_name in names if names is not None else keys:
                 handles[hf_name] = (f, path)
         if cfg.position == "learned" and "wte.weight" in handles:  # the original gpt2 files: no prefix
             handles = {k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}": v
                        for k, v in handles.items()}
+        _check_layer_count(handles, cfg, directory)  # before a model of cfg's size is built, even on meta
         every_name = _parameter_names(cfg)
         expected = {hf_tensor_for(n, cfg)[0] for n in every_name}
         unexpected = [k for k in handles if k not in expected and not _skippable(k)
@@ -469,22 +547,100 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
         yield handles
 
 
+_HF_LAYER = re.compile(r"(?:model\.layers|transformer\.h)\.([^.]+)\.")
+_OUR_LAYER = re.compile(r"layers\.([^.]+)\.")
+
+
+def _layer_index(pattern: re.Pattern, name: str) -> Optional[int]:
+    """The layer a tensor name is in (ASCII digits only: int() also reads '٣'), None for no layer."""
+    match = pattern.match(name)
+    return int(match.group(1)) if match and ascii_digits(match.group(1)) else None
+
+
+def _check_layer_count(handles: dict[str, Any], cfg: ModelConfig, directory: Path) -> None:
+    """config.json's layer count against the layers the weight files hold (the highest index + 1)."""
+    layers: dict[int, list[str]] = {}
+    for name in handles:
+        index = _layer_index(_HF_LAYER, name)
+        if index is not None:
+            layers.setdefault(index, []).append(name)
+    present = max(layers) + 1 if layers else 0
+    said = f"config.json says {cfg.num_layers} layers, the weights hold {present}"
+    if cfg.num_layers < present:
+        extra = [n for i in sorted(layers) if i >= cfg.num_layers for n in sorted(layers[i])]
+        raise CheckpointError(f"{len(extra)} tensor(s) in {directory} do not belong to a {cfg.model_type} model "
+                              f"with this config: {_short(extra)} ({said})")
+    if cfg.num_layers > present:
+        one = [n for n in _parameter_names(cfg.model_copy(update={"num_layers": 1})) if n.startswith("layers.0.")]
+        missing = [n.replace("layers.0.", f"layers.{present}.", 1) for n in one]
+        raise CheckpointError(f"{len(one) * (cfg.num_layers - present)} weight(s) missing from {directory}: "
+                              f"{_short(missing)} ({said})")
+
+
+def check_saved_shapes(cfg: ModelConfig, saved: dict[str, Any], source: str | os.PathLike,
+                       lora_r: Optional[int] = None) -> None:
+    """A model config (a checkpoint's config.yaml) against the shapes its weight files hold, under our
+    parameter names (`saved`: name -> shape), before anything is allocated: the layer count first (so
+    that not even a model on the meta device is built for a config that claims a billion layers), then
+    every parameter's shape, and LoRA's rank (`lora_r`) against the saved lora_A. CheckpointError naming
+    `source` otherwise."""
+    def refuse(problem: str) -> None:
+        fail(CheckpointError, source, problem, "its config.yaml does not describe the weights it holds: the "
+             "checkpoint is damaged, or the config was edited")
+
+    if cfg.position == "rope" and cfg.max_position_embeddings > MAX_POSITIONS:
+        refuse(f"model.max_position_embeddings is {cfg.max_position_embeddings:,}, more than the "
+               f"{MAX_POSITIONS:,} shardwise builds RoPE tables for")
+    indices = {_layer_index(_OUR_LAYER, name) for name in saved} - {None}
+    present = max(indices) + 1 if indices else 0
+    if cfg.num_layers != present:
+        refuse(f"model.num_layers is {cfg.num_layers:,}, but the weights hold {present} layers")
+    for name, shape in _parameter_names(cfg).items():
+        if name not in saved:
+            refuse(f"the model has a weight {name}, which the checkpoint does not hold")
+        if tuple(saved[name]) != shape:
+            refuse(f"the weight {name} has shape {tuple(saved[name])} in the checkpoint, but the model section "
+                   f"gives {shape}")
+    if lora_r is not None:
+        for name, shape in saved.items():
+            if ".lora_A." in name and (len(shape) != 2 or shape[0] != lora_r):
+                refuse(f"the adapter {name} has shape {tuple(shape)}, but lora.r is {lora_r:,}")
+
+
 def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter names (a tied matrix once) and shapes for `cfg`, from a meta-device model."""
     with torch.device("meta"):
         return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
 
 
+# The dtypes weights are stored in that torch reads and converts exactly (not F4 or F6, whose slices torch
+# cannot take, nor integers, booleans or complex numbers, which are no weights).
+WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def check_weight_dtype(f: Any, name: str, path: Path) -> None:
+    """CheckpointError naming the tensor and file when its stored dtype is no weight dtype (from the header)."""
+    dtype = f.get_slice(name).get_dtype()
+    if dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{path}: the tensor {name} is stored as {dtype}, not as floating-point weights "
+                              f"({', '.join(WEIGHT_DTYPES)}); save the weights again")
+
+
 def _check_shapes(handles: dict[str, tuple[Any, Path]], shapes: dict[str, tuple[int, ...]], cfg: ModelConfig) -> None:
-    """Every tensor as stored (after its conversion to our layout) must have our parameter's shape."""
+    """Every tensor as stored (after its conversion to our layout) must have our parameter's shape, in a
+    floating-point dtype."""
     for ours, shape in shapes.items():
         hf_name, convert = hf_tensor_for(ours, cfg)
         f, path = handles[hf_name]
+        check_weight_dtype(f, hf_name, path)
         stored = tuple(f.get_slice(hf_name).get_shape())
-        got = stored if convert is None else tuple(convert(torch.empty(stored, device="meta")).shape)
+        if convert is None or len(stored) != len(shape):  # a conversion transposes 2-D weights only
+            got = stored
+        else:
+            got = tuple(convert(torch.empty(stored, device="meta")).shape)
         if got != shape:
             raise CheckpointError(
-                f"tensor {hf_name} (our {ours}) in {path.name} has shape {stored}, but the model expects "
+                f"tensor {hf_name} (our {ours}) in {path} has shape {stored}, but the model expects "
                 f"{shape if convert is None else f'{shape} (after conversion; got {got})'}; the checkpoint "
                 "does not match config.json"
             )
@@ -538,6 +694,7 @@ def from_hf(
     Built on the meta device and allocated once on `device` (no random init: every weight is loaded).
     """
     cfg = load_hf_config(directory)
+    check_hf_weights(directory, cfg)  # config.json's sizes against the weights present, before allocating
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)

@@ -23,15 +23,27 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
-from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, open_safetensors, save_safetensors
+from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, check_weight_dtype, open_safetensors, save_safetensors
 from shardwise.peft.quantize import is_quantized, linear
+from shardwise.untrusted import (
+    bool_field,
+    bounded_fullmatch,
+    compile_pattern,
+    fail,
+    int_field,
+    kind_of,
+    number_field,
+    parse_json,
+    read_json_object,
+    str_field,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -158,12 +170,12 @@ def hf_module_name(name: str, cfg: ModelConfig) -> str:
 def our_module_names(hf_name: str, cfg: ModelConfig) -> Optional[list[str]]:
     """Our block linears behind an HF module name (three for GPT-2's c_attn); None if it is not one."""
     if _is_gpt2(cfg):
-        match = re.fullmatch(r"(?:transformer\.)?h\.(\d+)\.(.+)", hf_name)
+        match = re.fullmatch(r"(?:transformer\.)?h\.(0|[1-9][0-9]*)\.(.+)", hf_name)
         back = _GPT2_BACK
     else:
-        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+        match = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)", hf_name)
         back = _LLAMA_BACK
-    if match is None:
+    if match is None:  # the index in ASCII digits without leading zeros: '٣' or '03' name no layer of ours
         return None
     idx, rest = match.groups()
     names = [f"layers.{idx}.{ours}" for ours, theirs in back.items() if theirs == rest]
@@ -270,18 +282,36 @@ def _suffix_match(entry: str, name: str) -> bool:
     return name == entry or name.endswith("." + entry)
 
 
-def _compile(pattern: str) -> re.Pattern:
-    """A target_modules regex; ConfigError naming it when it does not compile."""
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"lora.target_modules entry {pattern!r} is not a valid regular expression ({exc}); "
-                          "escape a literal '.' as '\\.' or give a plain name such as q_proj") from exc
+_TARGETS = "lora.target_modules"
+_TARGETS_ADVICE = "escape a literal '.' as '\\.' or give plain names such as [q_proj, v_proj]"
+
+
+def _compile(pattern: str) -> Any:
+    """A target_modules regex, compiled with the `regex` package (matched with a time bound); ConfigError
+    naming it when it does not compile."""
+    return compile_pattern(pattern, _TARGETS, ConfigError, advice=_TARGETS_ADVICE)
+
+
+def _hit(pattern: Any, ours: str, hf: str) -> bool:
+    """Whether `pattern` matches our name or the HF name in full, within the time bound (a pattern that
+    backtracks without end fails naming itself instead of hanging)."""
+    return (bounded_fullmatch(pattern, ours, _TARGETS, ConfigError, advice=_TARGETS_ADVICE)
+            or bounded_fullmatch(pattern, hf, _TARGETS, ConfigError, advice=_TARGETS_ADVICE))
+
+
+def _check_targets(target_modules: Any) -> None:
+    """A string, or a non-empty list of strings (each at most 1,000 characters)."""
+    entries = [target_modules] if isinstance(target_modules, str) else target_modules
+    if not isinstance(entries, (list, tuple)) or not entries or len(entries) > 10_000 \
+            or not all(isinstance(e, str) and 0 < len(e) <= 1000 for e in entries):
+        raise ConfigError(f"{_TARGETS} is {kind_of(target_modules)}: give 'all-linear', a regular expression, "
+                          "or a list of module names (each a non-empty string of at most 1,000 characters)")
 
 
 def select_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) -> list[str]:
     """Our names of the block linears that `target_modules` selects (see apply_lora); ConfigError if none."""
     cfg = model.cfg
+    _check_targets(target_modules)
     eligible = _eligible(model)
     both = [(name, hf_module_name(name, cfg)) for name in eligible]
     if isinstance(target_modules, str):
@@ -289,15 +319,15 @@ def select_targets(model: nn.Module, target_modules: Union[str, Sequence[str]]) 
             chosen = eligible
         else:
             pattern = _compile(target_modules)
-            chosen = [ours for ours, hf in both if pattern.fullmatch(ours) or pattern.fullmatch(hf)]
+            chosen = [ours for ours, hf in both if _hit(pattern, ours, hf)]
     else:
         entries = list(target_modules)
+        patterns = {e: _compile(e) for e in entries if set(e) & _REGEX_CHARS}  # each compiled once, checked first
         chosen = []
         for ours, hf in both:
             for entry in entries:
-                if set(entry) & _REGEX_CHARS:
-                    pattern = _compile(entry)
-                    hit = pattern.fullmatch(ours) or pattern.fullmatch(hf)
+                if entry in patterns:
+                    hit = _hit(patterns[entry], ours, hf)
                 else:
                     hit = _suffix_match(entry, ours) or _suffix_match(entry, hf)
                 if hit:
@@ -600,48 +630,74 @@ class AdapterSettings:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
 
+MAX_RANK = 1 << 16  # no adapter has a rank near this; each tensor's shape is checked against it too
+_ADVICE = "fix the file or save the adapter again"
+
+
 def read_adapter_config(adapter_dir: Union[str, os.PathLike[str]]) -> AdapterSettings:
-    """The settings in a peft adapter_config.json; CheckpointError for options shardwise does not support."""
+    """The settings in a peft adapter_config.json, each checked for its type and range; CheckpointError
+    naming the file and the field for a bad one, and for options shardwise does not support."""
     path = Path(adapter_dir) / ADAPTER_CONFIG
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise CheckpointError(f"{path} not found: a LoRA adapter directory needs {ADAPTER_CONFIG} "
                               f"and {ADAPTER_WEIGHTS} (as peft's save_pretrained writes them)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(cfg).__name__}, not an object of adapter settings")
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{path} is a {cfg.get('peft_type')} adapter; shardwise loads LoRA adapters only")
+    cfg = read_json_object(path, CheckpointError, advice=_ADVICE)
+    peft_type = str_field(cfg, "peft_type", path, CheckpointError, max_len=100, default="LORA", advice=_ADVICE)
+    if peft_type != "LORA":
+        raise CheckpointError(f"{path} is a {peft_type} adapter; shardwise loads LoRA adapters only")
     for key, what in _UNSUPPORTED_OPTIONS.items():
         if cfg.get(key):
             raise CheckpointError(f"{path} uses {what}, which shardwise does not support; "
                                   "train the adapter without it")
-    if cfg.get("bias", "none") != "none":
-        raise CheckpointError(f"{path} trains biases (bias={cfg['bias']!r}); shardwise supports bias='none' only")
+    bias = str_field(cfg, "bias", path, CheckpointError, max_len=100, default="none", advice=_ADVICE)
+    if bias != "none":
+        raise CheckpointError(f"{path} trains biases (bias={bias!r}); shardwise supports bias='none' only")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise CheckpointError(
-            f"{path} was initialised with init_lora_weights={init!r}, which also changes the base weights; "
+            f"{path} was initialised with init_lora_weights={init[:100]!r}, which also changes the base weights; "
             "convert it to a plain LoRA adapter with peft (path_initial_model_for_weight_conversion) first"
         )
-    try:
-        return AdapterSettings(
-            r=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout", 0.0)),
-            use_rslora=bool(cfg.get("use_rslora", False)), target_modules=cfg.get("target_modules"),
-            base_model_name_or_path=cfg.get("base_model_name_or_path"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path} has no valid r / lora_alpha / lora_dropout ({exc})") from exc
+    r = int_field(cfg, "r", path, CheckpointError, lo=1, hi=MAX_RANK, advice=_ADVICE)
+    alpha = number_field(cfg, "lora_alpha", path, CheckpointError, lo=0.0, hi=1e9, default=8.0, advice=_ADVICE)
+    if alpha <= 0:
+        fail(CheckpointError, path, f"'lora_alpha' is {alpha}, but it must be positive", _ADVICE)
+    dropout = number_field(cfg, "lora_dropout", path, CheckpointError, lo=0.0, hi=1.0, default=0.0, advice=_ADVICE)
+    if dropout >= 1:
+        fail(CheckpointError, path, f"'lora_dropout' is {dropout}, but it must be below 1", _ADVICE)
+    targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        fail(CheckpointError, path, f"'target_modules' is {kind_of(targets)}, not a name, a pattern or a list of "
+             "names", _ADVICE)
+    return AdapterSettings(
+        r=r, alpha=alpha, dropout=dropout,
+        use_rslora=bool_field(cfg, "use_rslora", path, CheckpointError, default=False, advice=_ADVICE),
+        target_modules=targets,
+        base_model_name_or_path=str_field(cfg, "base_model_name_or_path", path, CheckpointError, max_len=4096,
+                                          default=None, advice=_ADVICE),
+    )
+
+
+def _saved_architecture(metadata: dict, path: Path) -> Optional[dict]:
+    """The architecture fingerprint saved in the adapter file's metadata (None when there is none)."""
+    if ARCH_METADATA_KEY not in metadata:
+        return None
+    saved = parse_json(metadata[ARCH_METADATA_KEY], f"{path} (its {ARCH_METADATA_KEY} entry)", CheckpointError,
+                       advice="save the adapter again")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} has a {ARCH_METADATA_KEY} entry that is not a JSON object; save the "
+                              "adapter again")
+    return saved
 
 
 def read_adapter(
     adapter_dir: Union[str, os.PathLike[str]], model_cfg: ModelConfig
 ) -> tuple[AdapterSettings, dict[str, torch.Tensor]]:
     """An adapter's settings and its tensors under our names (full, CPU), checked against `model_cfg`:
-    CheckpointError for layers the model lacks, tensors of the wrong shape, incomplete pairs and a
-    different architecture fingerprint."""
+    CheckpointError for names that are no LoRA weight of this model (an index in other than ASCII
+    digits included: nothing is dropped), layers the model lacks, tensors of the wrong shape or dtype
+    (checked from the header, before any is read), incomplete pairs and a different architecture."""
     directory = Path(adapter_dir)
     settings = read_adapter_config(directory)
     path = directory / ADAPTER_WEIGHTS
@@ -657,53 +713,51 @@ def read_adapter(
         raise CheckpointError(f"{path} not found")
     with open_safetensors(path) as f:
         metadata = f.metadata() or {}
-        peft_state = {key: f.get_tensor(key) for key in f.keys()}
-
-    modules: dict[str, set[str]] = {}
-    for key in peft_state:
-        parsed = _parse_peft_key(key)
-        if parsed is None or our_module_names(parsed[0], model_cfg) is None:
-            raise CheckpointError(
-                f"adapter tensor {key} in {path} is not a LoRA weight of an attention or MLP linear of a "
-                f"{model_cfg.model_type} model; shardwise supports LoRA on those linears only (or the adapter "
-                "belongs to another architecture)"
-            )
-        layer = int(our_module_names(parsed[0], model_cfg)[0].split(".")[1])
-        if layer >= model_cfg.num_layers:
-            raise CheckpointError(
-                f"adapter tensor {key} in {path} is for layer {layer}, but the model has {model_cfg.num_layers} "
-                "layers: the adapter was trained on another base model"
-            )
-        modules.setdefault(parsed[0], set()).add(parsed[1])
-    for module, kinds in sorted(modules.items()):
-        if kinds != {"lora_A", "lora_B"}:
-            missing = ({"lora_A", "lora_B"} - kinds).pop()
-            raise CheckpointError(f"{path} has no {missing} for {module}: the adapter file is incomplete")
-    for key, tensor in peft_state.items():
-        module, kind = _parse_peft_key(key)
-        expected = _expected_shape(module, kind, settings.r, model_cfg)
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(
-                f"adapter tensor {key} in {path} has shape {tuple(tensor.shape)}, but this model (r={settings.r}) "
-                f"needs {expected}: the adapter was trained on another base model or with another rank"
-            )
-    if not peft_state:
-        raise CheckpointError(f"{path} holds no LoRA tensors")
-    if ARCH_METADATA_KEY in metadata:
-        try:
-            saved = json.loads(metadata[ARCH_METADATA_KEY])
-        except ValueError as exc:
-            raise CheckpointError(f"{path} has a {ARCH_METADATA_KEY} entry that is not JSON ({exc}); save the "
-                                  "adapter again") from None
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path} has a {ARCH_METADATA_KEY} entry that is not a JSON object; save the "
-                                  "adapter again")
+        keys = list(f.keys())
+        if not keys:
+            raise CheckpointError(f"{path} holds no LoRA tensors")
+        modules: dict[str, set[str]] = {}
+        for key in keys:
+            parsed = _parse_peft_key(key)
+            if parsed is None or our_module_names(parsed[0], model_cfg) is None:
+                raise CheckpointError(
+                    f"adapter tensor {key[:200]!r} in {path} is not a LoRA weight of an attention or MLP linear of a "
+                    f"{model_cfg.model_type} model; shardwise supports LoRA on those linears only (or the adapter "
+                    "belongs to another architecture)"
+                )
+            layer = int(our_module_names(parsed[0], model_cfg)[0].split(".")[1])
+            if layer >= model_cfg.num_layers:
+                raise CheckpointError(
+                    f"adapter tensor {key} in {path} is for layer {layer}, but the model has {model_cfg.num_layers} "
+                    "layers: the adapter was trained on another base model"
+                )
+            if parsed[1] in modules.get(parsed[0], set()):
+                raise CheckpointError(f"{path} holds {parsed[1]} of {parsed[0]} twice (as {key}); save the adapter "
+                                      "again")
+            modules.setdefault(parsed[0], set()).add(parsed[1])
+        for module, kinds in sorted(modules.items()):
+            if kinds != {"lora_A", "lora_B"}:
+                missing = ({"lora_A", "lora_B"} - kinds).pop()
+                raise CheckpointError(f"{path} has no {missing} for {module}: the adapter file is incomplete")
+        for key in keys:
+            module, kind = _parse_peft_key(key)
+            expected = _expected_shape(module, kind, settings.r, model_cfg)
+            check_weight_dtype(f, key, path)
+            shape = tuple(f.get_slice(key).get_shape())
+            if shape != expected:
+                raise CheckpointError(
+                    f"adapter tensor {key} in {path} has shape {shape}, but this model (r={settings.r}) "
+                    f"needs {expected}: the adapter was trained on another base model or with another rank"
+                )
+        peft_state = {key: f.get_tensor(key) for key in keys}
+    saved = _saved_architecture(metadata, path)
+    if saved is not None:
         current = architecture_fingerprint(model_cfg)
-        diffs = [f"{k}: adapter {saved.get(k)!r}, model {current.get(k)!r}"
-                 for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+        diffs = [f"{k}: adapter {saved.get(k)!r}, model {current.get(k)!r}"[:200]
+                 for k in sorted(set(saved) | set(current), key=str) if saved.get(k) != current.get(k)]
         if diffs:
             raise CheckpointError(
-                f"the adapter in {directory} was trained on another architecture ({'; '.join(diffs)}); "
+                f"the adapter in {directory} was trained on another architecture ({'; '.join(diffs[:10])}); "
                 "load it onto the base model it was trained on"
             )
     return settings, from_peft_state(peft_state, model_cfg)

@@ -32,6 +32,13 @@ STEP_COLOURS = {"compute": "#4878d0", "recompute": "#82c6e2", "tp_comm": "#ee854
                 "offload": "#797979"}
 
 
+def chart_text(name: str) -> str:
+    """A name (a hardware file's device) as matplotlib text: `$` escaped (else `a$x$` is parsed as mathtext,
+    and a bad formula fails the whole drawing), one line, at most 80 characters."""
+    name = " ".join(str(name).split())
+    return (name if len(name) <= 80 else name[:77] + "...").replace("$", r"\$")
+
+
 def _subplots(figsize: tuple[float, float]) -> tuple[Any, Any]:
     fig = figure_class()(figsize=figsize)
     return fig, fig.subplots()
@@ -223,7 +230,7 @@ def write_plan_report(result: PlanResult, out: str | Path, profile: Any = None,
         images.append(step_chart(layouts, out / "step_time.png"))
         bars = [(lay["label"], lay["memory"]) for lay in layouts if lay["memory"] is not None]
         images.append(memory_chart(bars, out / "memory.png", numbers["capacity_bytes"], layouts[0]["usable_bytes"],
-                                   f"memory per device on {numbers['hardware']}"))
+                                   f"memory per device on {chart_text(numbers['hardware'])}"))
         parts = [p for p in StepTime.PARTS if any(lay["step"][p] for lay in layouts)]
         tables.append(table(["layout", "step s", *parts, "tokens/s per device", "MFU", "peak GiB"],
                                  [[lay["label"] + " " + lay["layout"], f"{lay['step']['total']:.6g}",

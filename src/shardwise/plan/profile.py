@@ -45,6 +45,7 @@ from ..errors import ConfigError, DeviceError
 from ..hardware import Hardware
 from ..parallel.launch import shutdown
 from ..step_time import StepTime, predict_step
+from ..train.metrics import read_metrics
 from ..train.probe import measure_training
 from ..train.trainer import Trainer
 from ..units import GIB
@@ -107,11 +108,11 @@ def _worker(rank: int, world: int, port: int, raw: dict[str, Any], memory: bool,
         times, allocated = [], None
         if rank == 0:
             tokens = cfg.global_batch_size(world) * cfg.data.seq_length
-            records = [json.loads(line) for line in
-                       (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
-            times = [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+            records = read_metrics(Path(cfg.train.output_dir))  # bounded, each line checked
+            times = [tokens / r["tokens_per_s"] for r in records if _positive(r.get("tokens_per_s"))]
             # CUDA/NPU: max_memory_allocated over the ranks (on a CPU it is the process RSS: not tensors).
-            allocated = max((r["peak_memory_gb"] for r in records if "peak_memory_gb" in r), default=None)
+            allocated = max((r["peak_memory_gb"] for r in records if _positive(r.get("peak_memory_gb"))),
+                            default=None)
         peak = None
         if memory:
             mem_raw = json.loads(json.dumps(raw))
@@ -121,6 +122,11 @@ def _worker(rank: int, world: int, port: int, raw: dict[str, Any], memory: bool,
         shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None, None))
+
+
+def _positive(value: Any) -> bool:
+    """A finite positive number (a record's figure that can be divided by or compared)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def synthetic_dataset(cfg: RunConfig) -> Any:
@@ -181,6 +187,9 @@ def measure_layout(cfg: RunConfig, devices: int, steps: int, warmup: int = 1, me
                 if p.is_alive():
                     p.terminate()
     times = results[0][0][warmup:]
+    if not times:
+        raise DeviceError(f"profiling {label or 'a layout'}: the run's metrics.jsonl holds no step time after the "
+                          f"{warmup} warm-up step(s)")
     peaks = [results[r][1] for r in range(devices) if results[r][1] is not None]
     allocated = results[0][2] if device != "cpu" else None
     return Run(cfg=cfg, devices=devices, step_times=times, memory_peaks=peaks, allocated_gb=allocated, label=label)

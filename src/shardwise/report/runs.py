@@ -7,9 +7,9 @@ data that is not where the config points, tokens seen when the device count is u
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,14 @@ from ..data.shards import MANIFEST_FILE
 from ..data.tokenizer import load_tokenizer
 from ..errors import ShardwiseError
 from ..memory.estimate import MemoryEstimate, estimate_memory
-from ..train.metrics import METRICS_FILE, read_metrics
+from ..train.metrics import METRICS_FILE, read_metrics_file
+from ..untrusted import decode_text, parse_yaml, read_bytes, read_json, read_json_object
 
 CONFIG_FILE = "config.yaml"
 PROFILE_SUMMARY = Path("profile") / "summary.json"
+MAX_STEP = 2**62  # a step beyond this is no step a run logged
+MAX_CONFIG = 1 << 20  # config.yaml: a run's is a few kilobytes
+MAX_DEVICES = 1 << 24  # a device count read from the records beyond this is no run's
 
 
 @dataclass
@@ -111,6 +115,10 @@ class Run:
         return f"peak allocated ({self.measured_device})"
 
 
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -132,11 +140,19 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
     not one)."""
     path = Path(path)
     _check_run_dir(path)
-    all_records = [r for r in read_metrics(path) if _number(r.get("step")) and isinstance(r["step"], int)]
+    read = read_metrics_file(path / METRICS_FILE)
+    all_records = [r for r in read.records if _is_step(r.get("step"))]
     records = [r for r in all_records if "loss" in r]
     evals = [r for r in all_records if "eval_loss" in r]
     run = Run(path=path, name=name or path.resolve().name, records=records, evals=evals,
               restarts=find_restarts(all_records))
+    if read.skipped_bytes:
+        run.notes.append(f"{METRICS_FILE} is larger than the report reads: its first {read.skipped_bytes:,} bytes are "
+                         "left out (the curves start at the first step after them)")
+    unread = read.bad_lines + len(read.records) - len(all_records)
+    if unread:
+        run.notes.append(f"{METRICS_FILE}: {unread:,} line(s) are not a record with a step (0 to {MAX_STEP:,}) and "
+                         "are left out (a torn last line of a stopped run, or damage)")
     if not records:
         run.notes.append(f"{METRICS_FILE} holds no training record yet")
     _note_non_finite(run)
@@ -145,9 +161,9 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
         run.config.run.device if run.config is not None and run.config.run.device != "auto" else None)
     if run.config is not None:
         _tokens(run)
-        _memory(run)
-        _manifest(run)
+        _memory(run)  # the config's sizes are bounded (models.config.MAX_LAYERS, ...): the meta build is small
         _finetuning(run)
+        _manifest(run)
     _profile(run)
     return run
 
@@ -167,7 +183,7 @@ def _check_run_dir(path: Path) -> None:
     if not path.is_dir():
         raise ShardwiseError(f"{path} is a file, not a run directory: give the directory that holds {METRICS_FILE} "
                              "(the train.output_dir of a run)")
-    if not (path / METRICS_FILE).is_file():
+    if not (path / METRICS_FILE).exists() and not (path / METRICS_FILE).is_symlink():
         raise ShardwiseError(f"{path} holds no {METRICS_FILE}: give the run directory (train.output_dir) of a "
                              "run that has logged at least one step")
 
@@ -198,24 +214,27 @@ def find_restarts(records: list[dict[str, Any]]) -> list[int]:
 
 def _log_grid(train: list[dict[str, Any]]) -> int | None:
     """The log interval: the most common step difference of the training records (None for one record)."""
-    gaps = [b["step"] - a["step"] for a, b in zip(train, train[1:]) if b["step"] > a["step"]]
+    gaps = Counter(b["step"] - a["step"] for a, b in zip(train, train[1:]) if b["step"] > a["step"])
     if not gaps:
         return None
-    return max(set(gaps), key=lambda g: (gaps.count(g), -g))
+    return max(gaps, key=lambda g: (gaps[g], -g))
 
 
 def _read_config(run: Run) -> None:
     path = run.path / CONFIG_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         run.notes.append(f"no {CONFIG_FILE} in {run.path}: config, tokens seen, memory estimate and data summary "
                          "are left out")
         return
-    run.config_text = path.read_text(encoding="utf-8")
-    try:
-        run.config = load_config(path)
-    except (ShardwiseError, ValueError) as exc:
-        run.notes.append(f"{CONFIG_FILE} does not load ({exc}): tokens seen, memory estimate and data summary "
-                         "are left out")
+    try:  # a file from elsewhere: bounded, UTF-8, YAML without aliases
+        run.config_text = decode_text(read_bytes(path, ShardwiseError, limit=MAX_CONFIG), path, ShardwiseError)
+        raw = parse_yaml(run.config_text, path, ShardwiseError)
+        if not isinstance(raw, dict):
+            raise ShardwiseError(f"{path}: holds a YAML {type(raw).__name__}, not a mapping of sections")
+        run.config = load_config(raw=raw)
+    except (ShardwiseError, ValueError, TypeError, RecursionError) as exc:
+        run.notes.append(f"{CONFIG_FILE} does not load ({' '.join(str(exc).split())[:2000]}): tokens seen, memory "
+                         "estimate and data summary are left out")
 
 
 def _tokens(run: Run) -> None:
@@ -239,7 +258,7 @@ def _devices_from_records(records: list[dict[str, Any]]) -> int | None:
     """World size = tokens/s over tokens/s per device (both in every training record)."""
     for r in records:
         total, per = r.get("tokens_per_s"), r.get("tokens_per_s_per_device")
-        if _finite(total) and _finite(per) and per > 0:
+        if _finite(total) and _finite(per) and per > 0 and 0 <= total / per <= MAX_DEVICES:
             return max(1, round(total / per))
     return None
 
@@ -279,12 +298,13 @@ def _manifest(run: Run) -> None:
         return
     path = directory / MANIFEST_FILE
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        manifest = read_json(path, ShardwiseError)
+    except ShardwiseError as exc:
         run.notes.append(f"data summary: {path} does not read as JSON ({exc}); run `shardwise prepare` again")
         return
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("counts", {}), dict):
-        run.notes.append(f"data summary: {path} is not a prepared-data manifest (a mapping with `counts`)")
+    counts = manifest.get("counts", {}) if isinstance(manifest, dict) else None
+    if not isinstance(counts, dict) or not all(_number(v) or v is None for v in counts.values()):
+        run.notes.append(f"data summary: {path} is not a prepared-data manifest (a mapping with numeric `counts`)")
         return
     run.manifest_path, run.manifest = path, manifest
 
@@ -314,14 +334,15 @@ def _cached_dir(run: Run) -> Path | None:
 
 def _manifest_matches(path: Path, want: list[tuple[str, int]], fingerprint: str, data: Any) -> bool:
     try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        m = read_json_object(path, ShardwiseError)
+    except ShardwiseError:
         return False
-    if not isinstance(m, dict):
+    entries, options, tokenizer = m.get("inputs", []), m.get("options", {}), m.get("tokenizer", {})
+    if not isinstance(entries, list) or not all(isinstance(i, dict) for i in entries) \
+            or not isinstance(options, dict) or not isinstance(tokenizer, dict):
         return False
-    inputs = sorted((str(i.get("path")), i.get("bytes")) for i in m.get("inputs", []))
-    options = m.get("options", {})
-    return (inputs == want and m.get("tokenizer", {}).get("fingerprint") == fingerprint
+    inputs = sorted(((str(i.get("path")), i.get("bytes")) for i in entries), key=str)
+    return (inputs == sorted(want, key=str) and tokenizer.get("fingerprint") == fingerprint
             and options.get("min_chars") == data.min_chars and options.get("max_length") == data.max_length
             and options.get("text_field") == data.text_field)
 
@@ -349,11 +370,11 @@ def _finetuning(run: Run) -> None:
 
 def _profile(run: Run) -> None:
     path = run.path / PROFILE_SUMMARY
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return
     try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        summary = read_json(path, ShardwiseError)
+    except ShardwiseError as exc:
         run.notes.append(f"{PROFILE_SUMMARY} does not read ({exc}): the profile section is left out")
         return
     problem = _profile_problem(summary)

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import resource
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,13 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 
+from ..errors import ConfigError, ShardwiseError
 from ..files import write_text_atomic
 from ..hardware import Peak
 from ..loss import IGNORE_INDEX
 from ..parallel.collectives import max_over
 from ..units import GIB
+from ..untrusted import MAX_DEPTH, MAX_INT_DIGITS, MiB, fail, parse_json, read_bytes
 from .trackers import FAILED, FINISHED, Tracker, TrackerError, check_installed, close_all, open_trackers
 
 log = logging.getLogger(__name__)
@@ -216,15 +219,24 @@ def peak_memory_gb(device: torch.device) -> float:
 # --- metrics.jsonl ------------------------------------------------------------------------------------------
 
 
-def _parse_lines(data: bytes) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
-    """(line, record) of every whole JSON-object line, and how many lines were not one."""
+MAX_METRICS_READ = 64 * MiB  # what a reader takes of a metrics.jsonl: its last 64 MiB (some 150,000 records)
+MAX_METRICS_KEPT = 1 << 30  # what a resumed run rewrites: a larger file is left as it is
+
+
+def _parse_lines(data: bytes, source: str | os.PathLike = METRICS_FILE) -> tuple[list[tuple[bytes, dict[str, Any]]],
+                                                                                int]:
+    """(line, record) of every whole JSON-object line, and how many lines were not one (not UTF-8, not
+    JSON, nested too deep, an integer of more than 40 digits: `untrusted.parse_json`)."""
     records, bad = [], 0
     for line in data.splitlines():
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except ValueError:
+            if line.count(b"[") + line.count(b"{") > MAX_DEPTH:  # could nest too deep: the exact (slower) scan
+                record = parse_json(line, source, ShardwiseError, allow_nonfinite=True)
+            else:  # nests at most MAX_DEPTH deep: parse_json's other bounds, without its scan of every character
+                record = json.loads(line, parse_int=_bounded_int)
+        except (ShardwiseError, ValueError, RecursionError):  # not UTF-8 or not JSON (both ValueErrors)
             bad += 1
             continue
         if isinstance(record, dict):
@@ -234,21 +246,77 @@ def _parse_lines(data: bytes) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
     return records, bad
 
 
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits):,} digits")
+    return int(digits)
+
+
+@dataclass
+class MetricsRead:
+    """What a reader got of a metrics.jsonl: its records, the lines that were none, and how many bytes
+    at its start were left unread (a file larger than `MAX_METRICS_READ` is read from its tail)."""
+
+    records: list[dict[str, Any]]
+    bad_lines: int = 0
+    skipped_bytes: int = 0
+
+
+def _metrics_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path / METRICS_FILE if path.is_dir() else path
+
+
+def read_metrics_file(path: str | Path, limit: int = MAX_METRICS_READ) -> MetricsRead:
+    """The records of a metrics.jsonl (or of RUN_DIR/metrics.jsonl) from elsewhere: a regular file only
+    (a FIFO or a link to /dev/zero would be read forever), at most its last `limit` bytes (from the
+    first whole line there), each line a JSON object within `untrusted`'s bounds; a line that is not
+    one (the torn last line of a killed run, or damage) is counted, not raised. ShardwiseError naming
+    the file when it cannot be read at all."""
+    path = _metrics_path(path)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        fail(ShardwiseError, path, f"cannot be read ({e.strerror or e})")
+    if not stat.S_ISREG(st.st_mode):
+        fail(ShardwiseError, path, "is not a regular file (a device, a FIFO or a directory)",
+             "give the run directory whose metrics.jsonl the run wrote")
+    skipped = max(0, st.st_size - limit)
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                fail(ShardwiseError, path, "is not a regular file")
+            f.seek(skipped)
+            data = f.read(limit)
+    except OSError as e:
+        fail(ShardwiseError, path, f"cannot be read ({e.strerror or e})")
+    if skipped:
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""
+    records, bad = _parse_lines(data, path)
+    return MetricsRead([record for _, record in records], bad, skipped)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl (or of RUN_DIR/metrics.jsonl), skipping a line that is not a
-    whole JSON object (the torn last line of a killed run)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    return [record for _, record in _parse_lines(path.read_bytes())[0]]
+    whole JSON object (the torn last line of a killed run); `read_metrics_file` says what was left out."""
+    return read_metrics_file(path).records
 
 
 def keep_records_through(path: Path, step: int) -> None:
     """Rewrite metrics.jsonl (atomically) with only its whole records of steps <= `step`: a run
-    resumed from the checkpoint of `step` logs the later steps again, and the file stays one curve."""
-    if not path.exists():
+    resumed from the checkpoint of `step` logs the later steps again, and the file stays one curve.
+    A file that is not a regular one is refused (ConfigError naming it); one larger than
+    `MAX_METRICS_KEPT` is left as it is, with a warning (its records are kept, not read into memory)."""
+    if not path.exists() and not path.is_symlink():
         return
-    records, bad = _parse_lines(path.read_bytes())
+    if path.is_file() and path.stat().st_size > MAX_METRICS_KEPT:
+        log.warning("%s is larger than %d bytes: left as it is (the records after step %d stay before the resumed "
+                    "run's)", path, MAX_METRICS_KEPT, step)
+        return
+    data = read_bytes(path, ConfigError, limit=MAX_METRICS_KEPT,
+                      advice="move it out of the run directory so that the resumed run starts a new one")
+    records, bad = _parse_lines(data, path)
     kept = [line for line, r in records if isinstance(r.get("step"), int) and r["step"] <= step]
     dropped = len(records) - len(kept)
     if not dropped and not bad:
@@ -256,6 +324,22 @@ def keep_records_through(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(line.decode("utf-8") + "\n" for line in kept))
     log.info("%s: kept the %d records through step %d, dropped %d after it%s", path, len(kept), step, dropped,
              f" and {bad} torn line(s)" if bad else "")
+
+
+def open_for_append(path: Path) -> int:
+    """A descriptor appending to the regular file `path` (created if absent), never through a symbolic
+    link (the run directory's files are the run's own) and never a FIFO or device (which would block or
+    swallow the records); a ConfigError naming the path otherwise."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise ConfigError(f"cannot append to {path}: {e.strerror or e}; it must be a regular file of the run "
+                          "directory (not a symbolic link): move it away and start again") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{path} is not a regular file (a FIFO or a device?); move it away and start again")
+    os.set_blocking(fd, True)
+    return fd
 
 
 class MetricsWriter:
@@ -297,7 +381,7 @@ class MetricsWriter:
             return
         if resume_step is not None:
             keep_records_through(self.path, resume_step)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_for_append(self.path)
         if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # optional extra: shardwise[tensorboard]

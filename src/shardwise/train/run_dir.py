@@ -4,7 +4,9 @@ resuming or overwriting), and the machine has the memory the run needs (on the C
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ..config import RunConfig
@@ -21,30 +23,96 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml", "toke
              "mlruns", "profile", "report")
 
 
+# What a run writes into, as directories: never through a symbolic link (it would write, and remove old
+# checkpoints, in the directory the link points to). tokenizer/ is written only when absent, else only read.
+WRITTEN_DIRS = ("checkpoints", "tensorboard", "wandb", "mlruns", "profile")
+# What a run writes into, as files (appends to metrics.jsonl; config.yaml and trackers.json replaced whole).
+WRITTEN_FILES = ("metrics.jsonl", "config.yaml", "trackers.json")
+
+
+def _describe(run_dir: Path, names: list[str]) -> str:
+    """The paths `--overwrite` deletes, for the user: each entry, links said as links."""
+    out = []
+    for name in names:
+        path = run_dir / name
+        if path.is_symlink():
+            out.append(f"{path} (a symbolic link: only the link)")
+        elif path.is_dir():
+            inside = sorted(p.name for p in path.iterdir())
+            shown = ", ".join(inside[:5]) + (f", ... ({len(inside)} entries)" if len(inside) > 5 else "")
+            out.append(f"{path}/ (with {shown or 'nothing'})")
+        else:
+            out.append(str(path))
+    return "; ".join(out)
+
+
 def check_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> list[str]:
     """Refuse to write into a directory that holds another run, unless resuming or overwriting; return
     what of a previous run `--overwrite` would replace."""
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    existing = [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
     if not existing or resume is not None:
         return []
     if not overwrite:
         raise ConfigError(
             f"{run_dir} already holds a run ({', '.join(existing)}); continue it with --resume auto "
-            "(Python: trainer.train(resume='auto')), replace it with --overwrite (Python: "
-            "TrainingArguments(overwrite_output_dir=True)), or choose another train.output_dir"
+            "(Python: trainer.train(resume='auto')), choose another train.output_dir, or delete that run with "
+            f"--overwrite (Python: TrainingArguments(overwrite_output_dir=True)), which deletes "
+            f"{_describe(run_dir, existing)}"
         )
     return existing
 
 
 def prepare_run_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
-    """Make the run directory, replacing a previous run's files when overwriting (see `check_run_dir`)."""
+    """Make the run directory, replacing a previous run's files when overwriting (see `check_run_dir`);
+    then make sure nothing the run writes there is a symbolic link (`unlink_written_paths`)."""
     existing = check_run_dir(run_dir, resume, overwrite)
     if existing:
+        removed = _describe(run_dir, existing)
         for name in existing:
             path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        log.warning("--overwrite: removed the previous run's %s from %s", ", ".join(existing), run_dir)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()  # a file, or a link: only the link goes, never what it points to
+        log.warning("--overwrite: deleted the previous run in %s: %s", run_dir, removed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    unlink_written_paths(run_dir)
+
+
+def unlink_written_paths(run_dir: Path) -> None:
+    """Nothing the run writes is written through a symbolic link into a file or directory of the user's:
+    a linked file (config.yaml, metrics.jsonl, trackers.json) is replaced, in one rename, by a copy of what
+    it points to (the run goes on from there; the user's file is left as it is), a dangling one removed;
+    a linked directory the run writes into (checkpoints/, ...) is refused."""
+    for name in WRITTEN_DIRS:
+        path = run_dir / name
+        if path.is_symlink():
+            raise ConfigError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): a run writes into {name}/"
+                f"{' and removes old checkpoints from it' if name == 'checkpoints' else ''}, which would change "
+                "the directory the link points to. To keep it on another disk, set train.output_dir to a directory "
+                f"there; else replace the link by a directory of its own (e.g. mv {path} {path}.link, then copy "
+                "what it points to in its place)")
+    for name in WRITTEN_FILES:
+        path = run_dir / name
+        if not path.is_symlink():
+            continue
+        target = os.readlink(path)
+        if path.is_file():
+            fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{name}.", suffix=".tmp")
+            os.close(fd)
+            try:
+                shutil.copyfile(path, tmp)
+                os.replace(tmp, path)  # replaces the link itself, not the file it points to
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            log.warning("%s was a symbolic link to %s; the run writes to it, so it is now a copy of that file "
+                        "(the file the link pointed to is left unchanged)", path, target)
+        else:
+            path.unlink()
+            log.warning("%s was a symbolic link to %s, which does not exist (or is no file); the link was removed "
+                        "and the run writes a file of its own there", path, target)
 
 
 def available_host_memory() -> int | None:

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -33,12 +34,15 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import ConfigError, ShardwiseError
 from ..files import write_text_atomic
+from ..untrusted import read_json_object
 
 log = logging.getLogger(__name__)
 
 MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 EXTRAS = {"wandb": "pip install 'shardwise[wandb]'", "mlflow": "pip install 'shardwise[mlflow]'"}
 IDS_FILE = "trackers.json"
+MAX_IDS_FILE = 1 << 16
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 PARAM_CHARS = 500  # MLflow's smallest limit on a parameter's value (older servers); longer values are cut
 PARAMS_PER_BATCH = 100  # MLflow's limit on the parameters of one log_batch call
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"  # how a run ended (MLflow's RunStatus names)
@@ -80,14 +84,18 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 def read_ids(run_dir: Path) -> dict[str, str]:
     """The tracker run ids kept in RUN_DIR/trackers.json ({} when there are none)."""
     path = run_dir / IDS_FILE
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
     try:
-        ids = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        log.warning("%s is not JSON; the trackers start new runs", path)
+        ids = read_json_object(path, ConfigError, limit=MAX_IDS_FILE)
+    except ConfigError as e:  # damaged: a new run is no loss (metrics.jsonl holds every record)
+        log.warning("%s; the trackers start new runs", e)
         return {}
-    return ids if isinstance(ids, dict) else {}
+    # Only the ids shardwise writes (W&B: 8 letters and digits; MLflow: 32 hex digits) go to a tracker.
+    kept = {k: v for k, v in ids.items() if k in MODULES and isinstance(v, str) and _RUN_ID.fullmatch(v)}
+    if len(kept) != len(ids):
+        log.warning("%s holds entries that are not a tracker's run id; they are ignored", path)
+    return kept
 
 
 def keep_id(run_dir: Path, tracker: str, run_id: str) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,7 @@ from ..config.schema import CPU_COMPILE_PAYS_AFTER_S
 from ..data.build import run_data
 from ..data.loader import StatefulLoader, batches_to_device
 from ..errors import TrainingError
+from ..files import write_text_atomic
 from ..hardware import device_peak
 from ..loss import count_target_tokens, token_loss_sum
 from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
@@ -259,7 +261,8 @@ class Trainer:
         checkpointer = Checkpointer(run_dir, parts, optimizer, masters=masters, scaler=scaler, loader=loader,
                                     tied_copy=TIED_COPY in excluded, layout=layout, device=ctx.device, rank=ctx.rank,
                                     keep=cfg.train.keep_checkpoints, seed=cfg.train.seed, lora=cfg.lora,
-                                    model_cfg=cfg.model, base=cfg.model.init_from, async_save=cfg.train.async_save)
+                                    model_cfg=cfg.model, base=cfg.model.init_from, async_save=cfg.train.async_save,
+                                    verify=cfg.train.verify_checkpoints)
         checkpointer.rank_streams = {f"tensor_parallel.{i}": r for i, r in enumerate(map(rank_rng, parts))
                                      if r is not None}
         state = TrainState(ctx=ctx, dims=dims, meshes=meshes, plan=plan, parts=parts, pipeline=self.pipeline,
@@ -276,7 +279,8 @@ class Trainer:
         if state.start == 0 and pretrained and not quantized:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
         if ctx.is_main:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")  # the config in force
+            # The config in force, in one rename: never written through a link to a file of the user's.
+            write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
         log.info("training %s on %s: %d steps of %d tokens, precision %s %s, recompute %s%s",
                  cfg.model.preset or cfg.model.model_type, ctx.device, total_steps,
                  tokens_per_step(cfg, ctx.world_size), cfg.optimize.mixed_precision, plan.level,
@@ -505,7 +509,7 @@ class Trainer:
     def _save_tokenizer(self, run_dir: Path) -> None:
         """The run's tokenizer beside its checkpoints (kept when resuming)."""
         tok_dir = run_dir / "tokenizer"
-        if self.tokenizer is not None and not tok_dir.exists():
+        if self.tokenizer is not None and not os.path.lexists(tok_dir):  # a link (even dangling) is not written
             self.tokenizer.save(str(tok_dir))
 
     def _model_parts(self, device: torch.device, plan: PrecisionPlan, dims: Any, meshes: Any,
