@@ -80,10 +80,16 @@ def test_launch_two_processes_all_reduce(clean_env, tmp_path):
 @pytest.mark.timeout(300)
 def test_launch_failing_rank_stops_the_group_and_shows_its_error(clean_env, tmp_path, capfd):
     clean_env.setenv("LAUNCH_TEST_TIMEOUT", "60")
-    start = time.monotonic()
-    rc = launch_processes([str(tmp_path), "fail"], 2, module=ENTRY)
-    elapsed = time.monotonic() - start
-    err = capfd.readouterr().err
+    for attempt in range(2):
+        start = time.monotonic()
+        rc = launch_processes([str(tmp_path), "fail"], 2, module=ENTRY)
+        elapsed = time.monotonic() - start
+        err = capfd.readouterr().err
+        # 134: the failing rank was ended by SIGABRT in torch's teardown after its error, not by the error;
+        # seen in two CI runs on a loaded machine (cause unknown, never alone), so that outcome gets one
+        # more try. The launcher's handling of a failed rank is what this test holds.
+        if rc != 134:
+            break
     assert rc == 1
     assert elapsed < 60, f"the group took {elapsed:.0f} s to stop"  # the agent stops rank 0, no timeout needed
     assert "RuntimeError: rank 1 failed on purpose (launch test)" in err  # the rank's own traceback
