@@ -95,7 +95,8 @@ def parse_json(text: str | bytes, source: str | os.PathLike, error: ErrorType, *
     `allow_nonfinite` (shardwise writes them in metrics for a diverged loss, nowhere else)."""
     if isinstance(text, bytes):
         text = decode_text(text, source, error, advice)
-    depth = nesting_depth(text)
+    # The exact scan only where it can find too deep a nest: fewer brackets than MAX_DEPTH cannot.
+    depth = nesting_depth(text) if text.count("[") + text.count("{") > MAX_DEPTH else 0
     if depth > MAX_DEPTH:
         fail(error, source, f"nests {depth} levels deep, more than the {MAX_DEPTH} allowed", advice)
     try:

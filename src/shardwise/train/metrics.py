@@ -34,7 +34,7 @@ from ..hardware import Peak
 from ..loss import IGNORE_INDEX
 from ..parallel.collectives import max_over
 from ..units import GIB
-from ..untrusted import MAX_DEPTH, MAX_INT_DIGITS, MiB, fail, parse_json, read_bytes
+from ..untrusted import MiB, fail, parse_json, read_bytes
 from .trackers import FAILED, FINISHED, Tracker, TrackerError, check_installed, close_all, open_trackers
 
 log = logging.getLogger(__name__)
@@ -232,11 +232,8 @@ def _parse_lines(data: bytes, source: str | os.PathLike = METRICS_FILE) -> tuple
         if not line.strip():
             continue
         try:
-            if line.count(b"[") + line.count(b"{") > MAX_DEPTH:  # could nest too deep: the exact (slower) scan
-                record = parse_json(line, source, ShardwiseError, allow_nonfinite=True)
-            else:  # nests at most MAX_DEPTH deep: parse_json's other bounds, without its scan of every character
-                record = json.loads(line, parse_int=_bounded_int)
-        except (ShardwiseError, ValueError, RecursionError):  # not UTF-8 or not JSON (both ValueErrors)
+            record = parse_json(line, source, ShardwiseError, allow_nonfinite=True)
+        except ShardwiseError:
             bad += 1
             continue
         if isinstance(record, dict):
@@ -244,12 +241,6 @@ def _parse_lines(data: bytes, source: str | os.PathLike = METRICS_FILE) -> tuple
         else:
             bad += 1
     return records, bad
-
-
-def _bounded_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(digits):,} digits")
-    return int(digits)
 
 
 @dataclass
