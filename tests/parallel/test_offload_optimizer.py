@@ -1,6 +1,6 @@
-"""optimize.offload_optimizer under data parallelism (issue 13, item 5): on 2 ranks with ZeRO 2/3 each
-rank keeps the host masters and state of its own shards; losses, clipping and the weights must be one
-process's, and a checkpoint must resume in one process without offload."""
+"""optimize.offload_optimizer (cpu, and stream: issue 25) under data parallelism (issue 13, item 5): on 2
+ranks with ZeRO 2/3 each rank keeps the host masters and state of its own shards; losses, clipping and the
+weights must be one process's, and a checkpoint must resume in one process without offload."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from shardwise.data.packing import PackedDataset
 from shardwise.memory.offload import HostMasters
+from shardwise.memory.streamed_optimizer import StreamedAdam
 from shardwise.parallel.dtensors import local_tensor
 from shardwise.resolve import resolve_config as validate
 from shardwise.train.trainer import Trainer
@@ -37,23 +38,30 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: full_tensor(p).detach().float().clone() for n, p in trainer.model.named_parameters()}
 
 
-def _ranked(rank: int, world: int, root: Path, zero: int) -> dict[str, Any]:
-    trainer = Trainer(_config(root, world, zero, offload_optimizer=True), train_dataset=PackedDataset(make_tokens(),
+def _ranked(rank: int, world: int, root: Path, zero: int, mode: str) -> dict[str, Any]:
+    trainer = Trainer(_config(root, world, zero, offload_optimizer=mode), train_dataset=PackedDataset(make_tokens(),
                                                                                                       SEQ))
     result = trainer.train(overwrite=True)
-    masters = trainer.state.masters
-    assert isinstance(masters, HostMasters)
-    assert all(local_tensor(m).device.type == "cpu" for m in masters.masters)
-    return {"losses": result.losses, "params": _params(trainer),
-            "local_numel": sum(local_tensor(m).numel() for m in masters.masters)}
+    if mode == "cpu":
+        masters = trainer.state.masters
+        assert isinstance(masters, HostMasters)
+        assert all(local_tensor(m).device.type == "cpu" for m in masters.masters)
+        local_numel = sum(local_tensor(m).numel() for m in masters.masters)
+    else:  # stream, fp32 weights: no masters; the moments of this rank's shards in host memory
+        optimizer = trainer.state.optimizer
+        assert isinstance(optimizer, StreamedAdam)
+        moments = [local_tensor(st["exp_avg"]) for st in optimizer.state.values()]
+        assert all(m.device.type == "cpu" for m in moments)
+        local_numel = sum(m.numel() for m in moments)
+    return {"losses": result.losses, "params": _params(trainer), "local_numel": local_numel}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [2, 3])
-def test_offloaded_optimizer_on_2_ranks_trains_like_one_process(tmp_path, zero):
+@pytest.mark.parametrize("zero, mode", [(2, "cpu"), (3, "cpu"), (3, "stream")])
+def test_offloaded_optimizer_on_2_ranks_trains_like_one_process(tmp_path, zero, mode):
     ref = Trainer(_config(tmp_path / "one", 1), train_dataset=PackedDataset(make_tokens(), SEQ))
     expected = ref.train(overwrite=True)
-    ranks = run_distributed(_ranked, 2, tmp_path / "dp", zero, timeout=240)
+    ranks = run_distributed(_ranked, 2, tmp_path / "dp", zero, mode, timeout=240)
     total = sum(p.numel() for p in ref.model.parameters())
     assert sum(r["local_numel"] for r in ranks) == total  # each rank offloads its own shards only
     for r in ranks:

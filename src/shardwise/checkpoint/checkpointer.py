@@ -243,7 +243,11 @@ class Checkpointer:
 
     def tensors(self, per_part: list[dict[str, torch.Tensor]] | None = None) -> dict[str, dict[str, torch.Tensor]]:
         """Flat name -> tensor groups for DCP; sharded parameters and optimizer state stay DTensors, so
-        every rank saves and loads its own shards."""
+        every rank saves and loads its own shards. State kept in host memory by copies still in flight
+        (optimize.offload_optimizer: stream) is waited for first."""
+        settle = getattr(self.optimizer, "settle", None)
+        if settle is not None:
+            settle()
         model = {}
         for part in per_part if per_part is not None else model_state(self.parts):
             model.update(part)

@@ -151,10 +151,12 @@ class OptimizeConfig(_Section):
     gradient_accumulation_steps: Optional[int] = Field(
         None, ge=1, description="micro-batches per optimizer step (derived from global_batch_size if unset)"
     )
-    offload_optimizer: bool = Field(
-        False, description="ZeRO-Offload: fp32 masters and optimizer state in host memory, gradients streamed to "
-        "it during backward, the step on the CPU, 16-bit weights copied back; parameters and activations stay "
-        "on the device (one device, or ZeRO 2/3)"
+    offload_optimizer: Union[bool, Literal["cpu", "stream"]] = Field(
+        False, description="optimizer state (and fp32 masters) in host memory. stream: each parameter's state is "
+        "copied to the device on a side stream, updated there by the fused AdamW kernel and copied back (with "
+        "train.optimizer_in_backward, hidden behind the backward); gradients and weights stay on the device. "
+        "cpu (or true): ZeRO-Offload, gradients streamed to the host during backward and the whole update on the "
+        "CPU. One device, or data parallelism with ZeRO 2/3"
     )
     offload_params: bool = Field(
         False, description="FSDP2's CPU offload (ZeRO 2/3; on one GPU/NPU FSDP2 alone, at ZeRO-3): sharded "
@@ -188,6 +190,19 @@ class OptimizeConfig(_Section):
                 "(fp32 is O0)"
             )
         return self
+
+    @field_validator("offload_optimizer", mode="before")
+    @classmethod
+    def _offload_optimizer_kind(cls, v: Any) -> Any:
+        if v is True or v == "true":
+            return "cpu"
+        if v is None or v == "false" or v == "none":
+            return False
+        return v
+
+    def streams_optimizer(self) -> bool:
+        """optimize.offload_optimizer stream: state in host memory, the update on the device."""
+        return self.offload_optimizer == "stream"
 
     @field_validator("recompute", mode="before")
     @classmethod

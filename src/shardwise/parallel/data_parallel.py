@@ -661,21 +661,30 @@ def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
 
 
 def _offload_optimizer_problem(cfg: Any, dims: ParallelDims) -> Optional[str]:
-    """Why optimize.offload_optimizer cannot run in this layout (None: it can, or it is off). With
-    offload_params on as well, FSDP2's CPU offload already steps the optimizer on the host."""
+    """Why optimize.offload_optimizer (cpu or stream) cannot run in this layout (None: it can, or it is off).
+    With offload_params on as well, FSDP2's CPU offload already steps the optimizer on the host."""
     o, t = cfg.optimize, cfg.train
     if not o.offload_optimizer or o.offload_params:
         return None
+    stream = o.offload_optimizer == "stream"
     if dims.tp > 1 or dims.pp > 1:
-        return ("each gradient goes to its host master from a post-accumulate-grad hook, which tensor "
-                "parallelism's partial gradients and a pipeline's hand-written weight gradients bypass; use data "
-                "parallelism with parallel.zero_stage 2 or 3, or optimize.offload_params (FSDP2's CPU offload)")
+        how = ("the streamed update reads each gradient as a local tensor, which tensor parallelism's partial "
+               "gradients and a pipeline's stages are not tested with" if stream else
+               "each gradient goes to its host master from a post-accumulate-grad hook, which tensor "
+               "parallelism's partial gradients and a pipeline's hand-written weight gradients bypass")
+        return (f"{how}; use data parallelism with parallel.zero_stage 2 or 3, or optimize.offload_params "
+                "(FSDP2's CPU offload)")
     if dims.dp_cp > 1 and cfg.parallel.zero_stage < 2:
         return (f"parallel.zero_stage {cfg.parallel.zero_stage} keeps full gradients and the whole optimizer on "
                 "every rank, so each rank would hold every master and all the state in host memory (one copy per "
                 "device of the machine); use parallel.zero_stage 2 or 3, whose ranks offload their own shards")
-    if t.optimizer_in_backward:
-        return "the update runs on the host after the backward; set train.optimizer_in_backward: false"
+    if t.optimizer_in_backward and not stream:
+        return ("the update runs on the host after the backward; set train.optimizer_in_backward: false, or "
+                "optimize.offload_optimizer: stream (the update on the device, as each gradient is ready)")
     if t.optimizer == "adamw_8bit":
-        return "torchao's 8-bit AdamW is not stepped on the host; use train.optimizer adamw"
+        return ("torchao's 8-bit AdamW keeps its state on the device; use train.optimizer adamw (with "
+                "train.optimizer_state_dtype bf16 the streamed state is half the bytes), or on CUDA "
+                "train.optimizer paged_adamw_8bit (bitsandbytes' paged 8-bit state) without offload_optimizer")
+    if stream and t.optimizer not in ("adamw", "adam"):
+        return f"the streamed update is Adam's fused kernel; train.optimizer {t.optimizer} is not streamed: use adamw"
     return None

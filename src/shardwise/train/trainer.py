@@ -41,6 +41,7 @@ from ..memory.auto_recompute import describe_plan, resolve_auto_recompute
 from ..memory.estimate import run_flops
 from ..memory.offload import ActivationOffload, HostMasters, master_dtype_for
 from ..memory.precision import LossScaler, MasterWeights, PrecisionPlan, loss_scaler_for, precision_plan
+from ..memory.streamed_optimizer import StreamedAdam, StreamMasters
 from ..parallel.collectives import all_reduce, max_over, rank0_first, rank0_then_others, replicas_problem
 from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
@@ -62,7 +63,15 @@ from .host_allocator import keep_freed_host_memory, keeps_host_memory
 from .loop import TrainingLoop, TrainResult
 from .metrics import StepTokens, count_real_tokens
 from .oom import device_memory_bytes
-from .optim import LRSchedule, OptimizerInBackward, build_optimizer, check_optimizer, state_dtype_of, step_unless
+from .optim import (
+    LRSchedule,
+    OptimizerInBackward,
+    build_optimizer,
+    check_optimizer,
+    decay_groups,
+    state_dtype_of,
+    step_unless,
+)
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
 from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
@@ -82,7 +91,7 @@ class TrainState:
     plan: PrecisionPlan
     parts: list[nn.Module]
     pipeline: Any  # parallel.pipeline.Pipeline, or None
-    masters: MasterWeights | HostMasters | None  # HostMasters: optimize.offload_optimizer
+    masters: MasterWeights | HostMasters | StreamMasters | None  # the last two: optimize.offload_optimizer
     optimizer: torch.optim.Optimizer
     scaler: LossScaler | None
     loader: StatefulLoader
@@ -229,23 +238,34 @@ class Trainer:
         names = canonical_param_names(parts)  # as checkpoints name them: no wrapper prefixes
         trainable = [(names[id(p)], p) for p in parameters(parts) if p.requires_grad]
         masters = self._masters(trainable, plan, dims, ctx.device)
-        opt_named = list(masters.named_masters()) if masters else trainable
         t = cfg.train
-        # offload_optimizer, and FSDP2's CPU offload (offload_params): the optimizer steps host tensors
-        on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp)
-        step_on = "cpu" if on_host else ctx.device.type
-        optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
-                                                         (t.beta1, t.beta2), t.eps,
-                                                         kernel=t.optimizer_kernel(step_on),
-                                                         state_dtype=state_dtype_of(t.optimizer_state_dtype),
-                                                         in_backward=t.optimizer_in_backward), parts)
+        streamed = cfg.optimize.streams_optimizer() and not cfg.optimize.offload_params
+        # What the optimizer steps: the fp32 masters at O2, else the trainable parameters. The streamed
+        # optimizer steps the device parameters (their gradients stay there) and keeps the masters itself.
+        opt_named = list(masters.named_masters()) if masters and not streamed else trainable
+        if streamed:
+            decay = t.weight_decay if t.optimizer == "adamw" else 0.0  # as build_optimizer: adam has none
+            optimizer = StreamedAdam(decay_groups(trainable, decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                     weight_decay=decay, decoupled=t.optimizer == "adamw", device=ctx.device,
+                                     state_dtype=state_dtype_of(t.optimizer_state_dtype), masters=masters)
+        else:
+            # offload_optimizer cpu, and FSDP2's CPU offload (offload_params): the optimizer steps host tensors
+            on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp)
+            step_on = "cpu" if on_host else ctx.device.type
+            optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
+                                                             (t.beta1, t.beta2), t.eps,
+                                                             kernel=t.optimizer_kernel(step_on),
+                                                             state_dtype=state_dtype_of(t.optimizer_state_dtype),
+                                                             in_backward=t.optimizer_in_backward), parts)
         # The optimizer in backward steps each weight (its fp32 master at O2) from a hook that runs after the
-        # masters' own, which has moved the gradient into the master by then.
+        # masters' own, which has moved the gradient into the master by then; the streamed optimizer steps the
+        # device parameter, rounding its master into it itself.
+        steps_masters = masters is not None and not streamed
         in_backward = None if not cfg.train.optimizer_in_backward else OptimizerInBackward(
-            optimizer, [p for _, p in trainable], target=masters.master_of if masters else (lambda p: p),
-            after=(lambda p: p.copy_(masters.master_of(p))) if masters else None)
-        holder = {} if masters is None else {"grad_holder": masters.master_of,
-                                             "on_weight_grads": masters.grads_to_masters}
+            optimizer, [p for _, p in trainable], target=masters.master_of if steps_masters else (lambda p: p),
+            after=(lambda p: p.copy_(masters.master_of(p))) if steps_masters else None)
+        holder = {} if not steps_masters else {"grad_holder": masters.master_of,
+                                               "on_weight_grads": masters.grads_to_masters}
         self.pipeline = build_pipeline(parts, cfg, dims, meshes, ctx.device, token_loss_sum, **holder)
         scaler = loss_scaler_for(plan, cfg.optimize.loss_scale, cfg.optimize.initial_loss_scale, ctx.device)
         loader = StatefulLoader.for_run(self.train_dataset, cfg, meshes["dp"].get_local_rank() if meshes else 0,
@@ -325,7 +345,7 @@ class Trainer:
         self._settle_previous()  # its figures are ready by now; a step that must stop the run stops it here
         step_unless(s.optimizer, skip)
         s.optimizer.zero_grad(set_to_none=True)
-        if s.masters is not None:
+        if s.masters is not None and not isinstance(s.masters, StreamMasters):  # streamed: rounded in the update
             s.masters.masters_to_model()
         after_optimizer_step(s.parts)  # float8 all-gather: the next step's weight scales (unchanged if skipped)
         overflowed = finite_loss & skip  # fp16: gradients overflowed, the loss did not
@@ -540,14 +560,17 @@ class Trainer:
         return parts
 
     def _offloads_optimizer(self) -> bool:
-        """optimize.offload_optimizer's own engine (with offload_params FSDP2's CPU offload steps on the host)."""
+        """optimize.offload_optimizer's own engines, cpu and stream, which keep the masters in host memory
+        (with offload_params FSDP2's CPU offload steps on the host instead)."""
         o = self.config.optimize
-        return o.offload_optimizer and not o.offload_params
+        return bool(o.offload_optimizer) and not o.offload_params
 
     def _masters(self, trainable: list[tuple[str, nn.Parameter]], plan: PrecisionPlan, dims: Any,
                  device: torch.device) -> MasterWeights | HostMasters | None:
         """What the optimizer steps instead of the model's parameters: host masters (offload_optimizer),
         fp32 masters on the device (O2, unless FSDP2's fp32 shards are the masters), or nothing."""
+        if self._offloads_optimizer() and self.config.optimize.streams_optimizer():
+            return StreamMasters(trainable, device) if plan.master_weights else None
         if self._offloads_optimizer():
             return HostMasters(trainable, master_dtype_for(plan.param_dtype, plan.master_weights), device)
         if plan.master_weights and not fsdp_holds_masters(dims):
