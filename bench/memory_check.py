@@ -69,6 +69,7 @@ HSDP = {"data_parallel": 4, "data_parallel_replicate": 2}
 ONCE = {"reduce_gradients": "once_per_step"}
 PP2 = {"pipeline_parallel": 2, "micro_batch_num": 4}
 OFFLOAD = {"offload_optimizer": True}
+STREAM = {"offload_optimizer": "stream"}
 
 # name -> (processes, config sections). Every run: 2 optimizer steps, then a checkpoint.
 CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -210,6 +211,17 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "DP2 ZeRO-3 offload optimizer": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3}, optimize=OFFLOAD)),
     "DP2 ZeRO-3 offload optimizer bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
                                                      optimize={**BF16, **OFFLOAD})),
+    "demo stream optimizer fp32": (1, _run(DEMO, optimize=STREAM)),
+    "demo stream optimizer bf16 O2": (1, _run(DEMO, optimize={**BF16, **STREAM})),
+    "demo stream optimizer bf16 state": (1, _run(DEMO, optimize=STREAM, train=_train(4, optimizer_state_dtype="bf16"))),
+    "demo stream optimizer in backward bf16 O2": (1, _run(DEMO, optimize={**BF16, **STREAM},
+                                                          train=_train(4, **IN_BACKWARD))),
+    "demo stream optimizer 8-bit": (1, _run(DEMO, optimize=STREAM, train=_train(4, optimizer="adamw_8bit"))),
+    "demo stream optimizer 8-bit in backward bf16 O3": (1, _run(
+        DEMO, optimize={**BF16, **STREAM, "precision_level": "O3"},
+        train=_train(4, optimizer="adamw_8bit", **IN_BACKWARD))),
+    "DP2 ZeRO-3 stream optimizer bf16 O2": (2, _run(SMALL_VOCAB, parallel={**DP2, "zero_stage": 3},
+                                                     optimize={**BF16, **STREAM})),
     "small-vocab offload activations": (1, _run(SMALL_VOCAB, 8, optimize={"offload_activations": True})),
     "small-vocab offload activations recompute full": (1, _run(SMALL_VOCAB, 8, optimize={
         "offload_activations": True, "recompute": "full"})),

@@ -1,18 +1,23 @@
 #!/usr/bin/env python
-"""Issue 13's memory targets, from the estimator (estimates, not measurements) on the planner's catalogue.
+"""Memory beside speed against the peers' published figures, and the memory targets of issues 13 and 25,
+from the estimator and the step-time model on the planner's catalogue (estimates, not measurements).
 
     python bench/memory_targets.py [--json]
 
-Each target is a workload (model, sequence, micro-batch, layout, device) and a limit. For each, the
-estimator's per-device peak is printed for a few lever settings (`--set`-style overrides: the
-defaults of the run, then combinations of the memory levers), with the smallest that the current
-code accepts; a setting whose keys the code does not know yet is reported as missing. Two targets
-are the planner's: pinned to a published layout, does `shardwise plan` fit it without CPU offload
-(torchtitan's Llama-3.1-70B) or without full recompute (Meta's Llama 3 405B)?
+First the peer table (issue 25): for each published torchtune and Unsloth figure, the peer's memory and
+tokens/s beside ours on the same card (device GiB, host GiB, predicted step time and tokens/s): the
+peer's exact setting reproduced as a row, then the fastest layout `shardwise plan` finds within the peer's
+memory, and its step against the same workload's step with unlimited memory. Then the lever sweep of
+issue 13 (each target's per-device peak for a few lever settings) and the planner's own targets.
 
-Published references (their memory is measured on their hardware, ours is estimated):
-- torchtune, Llama-3-8B, seq 2048, batch 2: full fine-tune 18.9 GiB on one RTX 4090, LoRA 16.2 GiB,
-  QLoRA 7.4 GiB (torchtune README, "Memory and training speed").
+Published references (their figures are measured on their hardware, ours are estimated on the RTX4090
+catalogue entry until a GPU measures them with bench/gpu_checks.sh):
+- torchtune README, "Memory and training speed" (Llama 3.1 8B, batch 2, packed to 2048 tokens, torch.compile,
+  one RTX 4090): full fine-tune 18.9 GiB at 1,650 tokens/s (recipes/configs/llama3_1/8B_full_single_device:
+  bf16 weights, bitsandbytes' PagedAdamW8bit, optimizer in backward, activation checkpointing, chunked
+  loss), LoRA 16.2 GiB at 3,083 tokens/s, QLoRA 7.4 GiB at 2,413 tokens/s.
+- Unsloth README (Llama 3.1 8B Instruct, 4-bit QLoRA on every linear, rank 32, batch 1): on a 24 GB card
+  78,475 tokens of context (memory only; no tokens/s published).
 - torchtitan, Llama-3.1-70B on 256 H100 (FSDP 32 x TP 8), local batch 16, seq 8192, full activation
   checkpointing: 71.9 GiB (benchmarks/llama3_h100_202412_torchtitan.md, table 4; 96 GB H100s).
 - Meta, Llama 3 405B: TP 8, CP 1, PP 16, DP 64 at sequence 8192 (The Llama 3 Herd of Models, table 4).
@@ -26,7 +31,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -40,6 +45,7 @@ from shardwise.hardware import get_hardware  # noqa: E402
 from shardwise.memory.estimate import estimate_memory  # noqa: E402
 from shardwise.plan.search import PlanRequest, plan  # noqa: E402
 from shardwise.resolve import resolve_config  # noqa: E402
+from shardwise.step_time import predict_step  # noqa: E402
 from shardwise.units import GIB  # noqa: E402
 
 # Llama 3 405B (The Llama 3 Herd of Models, table 3); there is no preset for it.
@@ -186,14 +192,146 @@ def planner_rows() -> list[dict[str, Any]]:
     return rows
 
 
+# --- the peer table (issue 25) ---------------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    """A published peer figure and the workload it measured, as a shardwise run config."""
+
+    name: str
+    published: str  # the peer's memory and speed, as published
+    raw: dict[str, Any]  # the workload
+    peer_setting: list[str]  # --set overrides that reproduce the peer's settings
+    limit_gib: float  # the peer's memory: the planner's budget for our best layout
+    # --set overrides of what the planner is given besides shardwise's defaults (label -> overrides)
+    planned: dict[str, list[str]] = field(default_factory=dict)
+
+
+RTX4090 = "RTX4090"
+# torchtune's "dtype: bf16" is pure bf16 (weights, gradients, optimizer state: our O3); its full fine-tune adds
+# bitsandbytes' PagedAdamW8bit stepped in backward, activation checkpointing and a chunked loss, no clipping.
+PURE_BF16 = ["optimize.precision_level=O3", "optimize.recompute=full", "optimize.chunked_loss=true"]
+IN_BACKWARD_8BIT = ["train.optimizer_in_backward=true", "train.max_grad_norm=null"]
+TORCHTUNE_FULL = PURE_BF16 + IN_BACKWARD_8BIT + ["train.optimizer=paged_adamw_8bit"]
+# The same, with torchao's 8-bit AdamW, whose state the planner can stream (offload_optimizer: stream).
+STREAMED_8BIT = ["optimize.precision_level=O3"] + IN_BACKWARD_8BIT + ["train.optimizer=adamw_8bit"]
+PEERS = [
+    Peer("Llama-3.1-8B full fine-tune, 1 x RTX 4090", "torchtune 18.9 GiB, 1,650 tokens/s",
+         _run(LLAMA3_8B, 2048, 2, train={"global_batch_size": 2}), TORCHTUNE_FULL, 18.9,
+         {"planner, pure bf16, 8-bit AdamW in backward (torchao's, streamable)": STREAMED_8BIT}),
+    Peer("Llama-3.1-8B LoRA r=16, 1 x RTX 4090", "torchtune 16.2 GiB, 3,083 tokens/s",
+         _run(LLAMA3_8B, 2048, 2, lora=LORA, train={"global_batch_size": 2}), PURE_BF16, 16.2,
+         {"planner, pure bf16": ["optimize.precision_level=O3"]}),
+    Peer("Llama-3.1-8B QLoRA r=16 (NF4 base), 1 x RTX 4090", "torchtune 7.4 GiB, 2,413 tokens/s",
+         _run(LLAMA3_8B, 2048, 2, lora={**LORA, "target_modules": "all-linear", "quantize_base": "nf4"},
+              train={"global_batch_size": 2}), PURE_BF16, 7.4,
+         {"planner, pure bf16": ["optimize.precision_level=O3"]}),
+]
+UNSLOTH_CONTEXT = 78475  # tokens of context Unsloth fits on a 24 GB card (QLoRA r=32 all-linear, batch 1)
+
+
+def _ours(cfg: Any, hw: Any) -> dict[str, Any]:
+    """Our estimate of a run on one device of `hw`: device and host GiB, step seconds, tokens/s."""
+    est = estimate_memory(cfg, 1, hw.kind)
+    step = predict_step(cfg, 1, hw)
+    return {"device_gib": round(est.peak / GIB, 2), "tensor_gib": round(est.detail["tensor_peak"] / GIB, 2),
+            "host_gib": round(est.host / GIB, 2), "step_s": round(step.total, 3),
+            "tokens_per_s": round(step.tokens_per_s)}
+
+
+def _planned(cfg: Any, hw: Any, limit_gib: float) -> tuple[Optional[Any], str]:
+    """The fastest layout `shardwise plan` finds with `limit_gib` of usable device memory (the memory margin
+    and the runtime's reserve on top, as `plan` takes them), and its description."""
+    margin = 0.10
+    sized = dataclasses.replace(hw, memory_gib=(limit_gib + hw.reserved_gib) / (1 - margin))
+    result = plan(PlanRequest(cfg=cfg, devices=1, hardware=sized, pins={}, memory_margin=margin, offload=True, top=1),
+                  advise=False)
+    return (result.best, result.best.layout.describe()) if result.best is not None else (None, "nothing fits")
+
+
+def peer_rows() -> list[dict[str, Any]]:
+    """Each peer figure: the peer's setting reproduced, our planner's best within the peer's memory (with
+    the peer's optimizer and precision settings, and with our defaults), and the unlimited-memory step."""
+    hw = get_hardware(RTX4090)
+    rows = []
+    for peer in PEERS:
+        default = resolve_config(peer.raw)
+        setting = resolve_config(apply_overrides(peer.raw, peer.peer_setting))
+        unlimited = predict_step(default, 1, hw).total
+        row = {"workload": peer.name, "peer": peer.published, "limit_gib": peer.limit_gib,
+               "unlimited_step_s": round(unlimited, 3), "rows": []}
+        row["rows"].append({"what": "the peer's setting", **_ours(setting, hw)})
+        options = {label: resolve_config(apply_overrides(peer.raw, sets)) for label, sets in peer.planned.items()}
+        for label, cfg in {**options, "planner, shardwise's defaults": default}.items():
+            best, how = _planned(cfg, hw, peer.limit_gib)
+            if best is None:
+                row["rows"].append({"what": label, "layout": how})
+                continue
+            ours = {"device_gib": round(best.memory.peak / GIB, 2),
+                    "tensor_gib": round(best.memory.detail["tensor_peak"] / GIB, 2),
+                    "host_gib": round(best.memory.host / GIB, 2), "step_s": round(best.step.total, 3),
+                    "tokens_per_s": round(best.step.tokens_per_s)}
+            row["rows"].append({"what": label, "layout": how, **ours,
+                                "vs_unlimited": round(best.step.total / unlimited, 2)})
+        rows.append(row)
+    rows.append(_unsloth_row(hw))
+    return rows
+
+
+def _unsloth_row(hw: Any) -> dict[str, Any]:
+    """Unsloth's long-context QLoRA figure: the longest sequence (a multiple of 1,024) whose estimate fits the
+    same 24 GB card at batch 1 with full recompute and offloaded activations, and its predicted speed."""
+    def cfg_for(seq: int) -> Any:
+        raw = _run({**LLAMA3_8B, "max_position_embeddings": max(seq, 8192)}, seq, 1,
+                   lora={"r": 32, "alpha": 32, "target_modules": "all-linear", "quantize_base": "nf4"},
+                   train={"global_batch_size": 1},
+                   optimize={"recompute": "full", "offload_activations": True, "loss_chunk_tokens": 1024})
+        return resolve_config(raw)
+
+    usable = (hw.memory_gib - hw.reserved_gib) * GIB
+    low, high = 1024, 512 * 1024
+    while high - low > 1024:  # the estimate grows with the sequence
+        mid = (low + high) // 2 // 1024 * 1024
+        low, high = (mid, high) if estimate_memory(cfg_for(mid), 1, hw.kind).peak <= usable else (low, mid)
+    cfg = cfg_for(low)
+    return {"workload": "Llama-3.1-8B QLoRA r=32 all-linear, batch 1, the longest context on 1 x 24 GB",
+            "peer": f"Unsloth {UNSLOTH_CONTEXT:,} tokens (24 GB; no tokens/s published)", "limit_gib": hw.memory_gib,
+            "rows": [{"what": f"longest context that fits: {low:,} tokens (recompute full, activations offloaded)",
+                      **_ours(cfg, hw)}]}
+
+
+def print_peers(rows: list[dict[str, Any]]) -> None:
+    print("Peers, memory beside speed (ours: estimates on the RTX4090 catalogue entry; theirs: published, measured)")
+    print()
+    print("Device GiB: the estimate with the CUDA allocator's 10% allowance (what `plan` fits), and the tensors alone")
+    print("(comparable with a peak of allocated memory).")
+    print()
+    print("| workload | peer (published) | ours | device GiB | tensors GiB | host GiB | step s | tokens/s "
+          "| x unlimited |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        for i, ours in enumerate(r["rows"]):
+            what = ours["what"] + (f": {ours['layout']}" if ours.get("layout") else "")
+            print(f"| {r['workload'] if i == 0 else ''} | {r['peer'] if i == 0 else ''} | {what} | "
+                  f"{ours.get('device_gib', '-')} | {ours.get('tensor_gib', '-')} | {ours.get('host_gib', '-')} | "
+                  f"{ours.get('step_s', '-')} | {ours.get('tokens_per_s', '-')} | {ours.get('vs_unlimited', '-')} |")
+    for r in rows:
+        if "unlimited_step_s" in r:
+            print(f"\n{r['workload']}: the same workload with unlimited memory (shardwise's defaults) takes "
+                  f"{r['unlimited_step_s']} s a step", end="")
+    print("\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = ap.parse_args()
-    single, planned = single_device_rows(), planner_rows()
+    peers, single, planned = peer_rows(), single_device_rows(), planner_rows()
     if args.json:
-        print(json.dumps({"estimates": single, "planner": planned}, indent=1))
+        print(json.dumps({"peers": peers, "estimates": single, "planner": planned}, indent=1))
         return 0
+    print_peers(peers)
     print("| target | device | limit GiB | best setting | estimate GiB | meets | published |")
     print("| --- | --- | ---: | --- | ---: | --- | --- |")
     for r in single:

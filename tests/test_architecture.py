@@ -38,7 +38,7 @@ LAYERS = {
 }
 # Imported inside functions on purpose: extras a user may not have installed, or device libraries.
 OPTIONAL = ("pyarrow", "sentencepiece", "torch.utils.tensorboard", "torch_npu", "transformers", "peft", "torchao",
-            "matplotlib", "wandb", "mlflow")
+            "matplotlib", "wandb", "mlflow", "bitsandbytes")
 
 
 def _modules() -> dict[str, Path]:

@@ -75,6 +75,7 @@ from .parallel.data_parallel import ONE_PROCESS_ZERO_STAGE
 from .parallel.float8 import converts, float8_all_gather, float8_on
 from .parallel.pipeline import schedule_style, stage_layer_counts
 from .parallel.recompute import BLOCK_MATMULS, down_output_needed, selective_saved_matmuls
+from .units import GIB
 
 SELECTIVE_COST = 0.1  # selective recompute: share of a layer's forward time redone in element-wise ops
 ZERO_BUBBLE_FACTOR = 3.0  # zero-bubble schedules leave about 1/3 of 1F1B's bubble
@@ -353,15 +354,31 @@ def p2p_time(nbytes: float, link: tuple[float, float]) -> float:
 
 
 def _bytes(cfg: RunConfig) -> dict[str, int]:
-    """Bytes per element: activations, parameters as gathered, gradients as reduced, optimizer step."""
+    """Bytes per element: activations, parameters as gathered, gradients as reduced, the optimizer step
+    (read and write the weights it steps and both moments, read the gradient twice: the update and the
+    clipping norm; at O2 also the master's copy into the 16-bit weight), one moment as stored."""
     level = cfg.optimize.level()
     half = cfg.optimize.mixed_precision != "fp32"
+    weights = 2 if level == "O3" else 4  # what the update steps: fp32 masters at O2
+    moment = _moment_bytes(cfg)
     return {
         "activation": 2 if half else 4,
         "param": 2 if level in ("O2", "O3") else 4,
         "grad": 2 if level == "O3" else 4,  # FSDP2 reduces O2's gradients in fp32
-        "adam": ADAM_BYTES // (2 if level == "O3" else 1) + (MASTER_BYTES if level == "O2" else 0),
+        "adam": 2 * weights + 2 * weights + 4 * moment + (MASTER_BYTES if level == "O2" else 0),
+        "moment": moment,
     }
+
+
+def _moment_bytes(cfg: RunConfig) -> int:
+    """Bytes of one element of one Adam moment as stored: 1 for the 8-bit optimizers (their block scales
+    are under 2% more), 2 with bf16 state or at O3, else 4."""
+    t = cfg.train
+    if t.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        return 1
+    if t.optimizer == "paged_adamw" or t.optimizer_state_dtype == "fp32":
+        return 4
+    return 2 if t.optimizer_state_dtype == "bf16" or cfg.optimize.level() == "O3" else 4
 
 
 def predict_step(cfg: RunConfig, devices: int, hw: Hardware, nodes: int | None = None,
@@ -506,7 +523,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         # Gradient shards go to the host, updated parameters come back, and the host runs AdamW.
         step.offload = shard * (b["grad"] + b["param"]) / host
         step.optimizer = shard * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9)
-    elif o.offload_optimizer:
+    elif o.offload_optimizer == "cpu":
         # Gradients (16-bit at O2) stream to the host during each backward; the weights come back once.
         grads_out = ga * shard * b["param"] / host
         backward = (t["compute"] + t["recompute"]) * 2 / 3  # a micro-batch's backward: 2/3 of its compute
@@ -514,6 +531,16 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         step.optimizer = shard * (ADAM_BYTES + MASTER_BYTES) / (HOST_ADAM_GBPS * 1e9)
     else:
         step.optimizer = shard * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
+        if o.offload_optimizer == "stream":
+            # Each parameter's moments (and O2 master) come in and go back over the host link on a side
+            # stream. In backward they hide behind the rest of the backward; after it, only behind the
+            # other parameters' updates.
+            master = 4 if cfg.optimize.level() == "O2" else 0
+            traffic = 2 * shard * (2 * b["moment"] + master) / host
+            behind = (t["compute"] + t["recompute"]) * 2 / 3 if cfg.train.optimizer_in_backward else step.optimizer
+            step.offload = max(0.0, traffic - hw.comm_overlap * behind)
+        elif cfg.train.optimizer in ("paged_adamw_8bit", "paged_adamw") and hw.kind != "cpu":
+            step.offload = _paged_traffic(cfg, devices, hw) / host
     if o.offload_activations:  # out in the forward, back in the backward, each micro-batch
         step.offload += 2 * ga * _offloaded_activation_bytes(cfg, devices, hw) / host
     step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual_stages": v, "gradient_accumulation": ga,
@@ -525,6 +552,15 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                    "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
                    + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
     return step
+
+
+def _paged_traffic(cfg: RunConfig, devices: int, hw: Hardware) -> float:
+    """Bytes bitsandbytes' paged state moves per step: the part of it that the device cannot keep beside
+    the run's peak (usable memory less the estimate's peak) is paged out and back in once per step, and the
+    update waits for its pages (not hidden: a pessimistic estimate until a GPU measures it)."""
+    estimate = estimate_memory(cfg, devices, hw.kind)
+    room = hw.memory_gib * GIB - hw.reserved_gib * GIB - estimate.peak
+    return 2 * max(0.0, estimate.host_phases.get("optimizer", 0) - max(0.0, room))
 
 
 def _offloaded_activation_bytes(cfg: RunConfig, devices: int, hw: Hardware) -> int:

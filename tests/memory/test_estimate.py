@@ -55,6 +55,8 @@ SINGLE = {
     "recompute full": {"optimize": {"recompute": "full"}},
     "recompute selective": {"optimize": {"recompute": "selective"}},
     "accumulation 2": {"optimize": {"gradient_accumulation_steps": 2}},
+    "streamed optimizer bf16 O2, in backward": {"optimize": {"mixed_precision": "bf16", "offload_optimizer": "stream"},
+                                                "train": {"optimizer_in_backward": True, "max_grad_norm": None}},
     "LoRA": {"lora": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
     "frozen layer + embeddings": {"freeze": {"layers": 1, "embeddings": True}},
 }

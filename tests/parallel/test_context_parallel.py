@@ -205,11 +205,20 @@ def _raw(parallel: dict, **sections: Any) -> dict:
     (dict(context_parallel=2, tensor_parallel=2), {"data": {"seq_length": 18}}, "multiple of 4"),
     (dict(context_parallel=2, zero_stage=1), {"train": {"optimizer_in_backward": True, "max_grad_norm": None}},
      "zero_stage 0, 2 or 3"),
+    # The cp ranks share one random stream: their chunks of a sequence would get the same dropout masks.
+    (dict(context_parallel=2), {"model": {"dropout": 0.1}}, "set model.dropout: 0, or context_parallel: 1"),
+    (dict(context_parallel=2), {"lora": {"r": 4, "dropout": 0.05}}, "set lora.dropout: 0, or context_parallel: 1"),
+    (dict(context_parallel=2), {"lora": {"r": 4, "quantize_base": "nf4"}}, "lora.quantize_base: none"),
 ])
 def test_unsupported_settings_are_refused_before_any_process(parallel: dict, sections: dict, words: str) -> None:
     with pytest.raises((ConfigError, ValueError), match="context_parallel") as info:
         validate(_raw(parallel, **sections))
     assert words in str(info.value)
+
+
+def test_lora_without_dropout_or_a_quantised_base_is_accepted() -> None:
+    cfg = validate(_raw(dict(context_parallel=2), lora={"r": 4}))
+    assert cfg.lora.quantize_base == "none" and cfg.parallel.context_parallel == 2
 
 
 def test_layout_counts_context_parallel_ranks() -> None:

@@ -11,6 +11,8 @@ Many variants run inside one launch per rank count (a launch costs seconds here)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
@@ -344,6 +346,31 @@ def test_single_process_helpers_are_plain_torch():
     assert torch.allclose(got, want)
     clipped = clip_grad_norm(params, None)  # max_norm None: measured only
     assert abs(float(clipped) - min(0.1, float(want))) < 1e-5
+
+
+def _parameters(values: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros_like(v)) for v in values]
+    for p, v in zip(params, values):
+        p.grad = v.clone()
+    return params
+
+
+def test_the_norm_is_summed_in_float64_so_layouts_agree():
+    """The squares and their sums are float64: the same gradients as 96 whole tensors or cut into 1,536
+    pieces (as shards cut them) give the float64 norm rounded to fp32 once; fp32 sums (torch's norm,
+    per tensor then over tensors) drift by several fp32 steps, differently for each layout."""
+    gen = torch.Generator().manual_seed(0)
+    whole = [torch.randn(40_000, generator=gen) * 10.0 ** (i % 5 - 2) for i in range(96)]
+    pieces = [piece for g in whole for piece in g.split(2_500)]
+    reference = math.sqrt(math.fsum(float(g.double().square().sum()) for g in whole))
+    want = torch.tensor(reference, dtype=torch.float32)
+    got_whole, got_pieces = clip_grad_norm(_parameters(whole), None), clip_grad_norm(_parameters(pieces), None)
+    assert got_whole.dtype == torch.float32
+    assert torch.equal(got_whole, want) and torch.equal(got_pieces, want)
+    # the inf-norm and a 3-norm likewise
+    assert float(clip_grad_norm(_parameters(pieces), None, math.inf)) == max(float(g.abs().max()) for g in whole)
+    cubes = math.fsum(float(g.double().abs().pow(3).sum()) for g in whole)
+    assert torch.equal(clip_grad_norm(_parameters(pieces), None, 3.0), torch.tensor(cubes ** (1 / 3)).float())
 
 
 def _fail_on_rank_one(rank: int, world: int) -> int:

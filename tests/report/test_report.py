@@ -88,7 +88,8 @@ def g(x: float) -> str:
 
 def record(step: int, loss: float, **extra) -> dict:
     """A training record with every field the trainer writes (values chosen per step, easy to check)."""
-    r = {"step": step, "loss": loss, "lr": 1e-3 * step / 40, "grad_norm": 1.0 + step / 100, "loss_scale": 65536.0,
+    r = {"step": step, "loss": loss, "lr": 1e-3 * step / 40, "grad_norm": 1.0 + step / 100,
+         "loss_scale": 65536.0 if step < 30 else 32768.0,  # fp16's: lowered once
          "tokens_per_s": 1000.0 + step, "target_tokens_per_s": 990.0, "tokens_per_s_per_device": 1000.0 + step,
          "mfu": 0.3 + step / 1000, "peak_in_doubt": False, "peak_memory_gb": 1.0 + (step % 30) / 7,
          "skipped_steps": 0}
@@ -300,7 +301,17 @@ def test_the_report_of_a_real_run(tmp_path: Path, capsys) -> None:
     assert row["max peak memory (GiB)"] == g(max(r["peak_memory_gb"] for r in train))
     manifest = json.loads(next((tmp_path / "cache").glob("shards-*/manifest.json")).read_text())
     assert page.pairs("data-0")["tokens"] == f"{manifest['counts']['tokens']:,}"  # found in the cache
-    assert set(page.images) == {f"plot-{p}" for p in STEP_PLOTS | {"memory"}}
+    # fp32: the loss scale is 1 throughout, not drawn (and so, by chance, may be a peak RSS reached early)
+    assert {r["loss_scale"] for r in train} == {1.0}
+    constant = {p for p, key in (("loss_scale", "loss_scale"), ("peak_memory", "peak_memory_gb"), ("lr", "lr"))
+                if len({r[key] for r in train}) == 1}
+    assert "loss_scale" in constant
+    assert set(page.images) == {f"plot-{p}" for p in (STEP_PLOTS - constant) | {"memory"}}
+    # On the CPU the estimate is set beside the process's peak RSS with the runtime's own resident memory
+    runtime = {r["runtime_rss_gb"] for r in train}
+    assert len(runtime) == 1 and 0 < min(runtime) <= min(r["peak_memory_gb"] for r in train)
+    memory = page.pairs("memory-0")
+    assert memory["runtime (process RSS at start)"] == g(min(runtime))
 
 
 # --- odd inputs ---------------------------------------------------------------------------------------------------
@@ -410,6 +421,52 @@ def test_what_peak_memory_measured_is_said(tmp_path: Path, legends: dict[str, li
     assert plots.peak_memory_label([gpu]) == "GiB: peak allocated, largest rank"
     page, _ = report_page([cpu], tmp_path / "out")
     assert page.table("summary")[0]["peak memory measured as"] == "process peak RSS (cpu)"
+
+
+MEMORY_CHART = "Memory per device: estimate (stacked) and measured peak"
+
+
+def test_a_cpu_run_sets_estimate_and_runtime_beside_its_resident_set(tmp_path: Path,
+                                                                     legends: dict[str, list[str]]) -> None:
+    """A CPU's measured peak is its process's resident set: the chart and the table add the runtime's own
+    resident memory (the records' runtime_rss_gb) to the estimate of tensors. A CPU run whose records do
+    not say it (older ones) shows no measured bar beside the estimate, and the page says why."""
+    cpu = make_run(tmp_path, "cpu", [dict(r, device="cpu", runtime_rss_gb=0.375) if "loss" in r else r
+                                     for r in RECORDS])
+    run = read_run(cpu)
+    assert run.runtime_rss_gb() == 0.375 and plots.comparable_peak(run) == run.max_peak_memory_gb()
+    page, path = report_page([cpu], tmp_path / "out")
+    memory = page.pairs("memory-0")
+    assert memory["runtime (process RSS at start)"] == g(0.375)
+    assert memory["estimated peak + runtime"] == g(run.memory.peak / GIB + 0.375)
+    assert {"runtime (process RSS at start)", "measured peak"} <= set(legends[MEMORY_CHART])
+    assert "which the table and the memory chart add to the estimate" in path.read_text(encoding="utf-8")
+
+    older = make_run(tmp_path, "older", [dict(r, device="cpu") if "loss" in r else r for r in RECORDS])
+    run = read_run(older)
+    assert run.runtime_rss_gb() is None and plots.comparable_peak(run) is None
+    page, path = report_page([older], tmp_path / "out_older")
+    assert "runtime (process RSS at start)" not in page.pairs("memory-0")
+    assert "measured peak" not in legends[MEMORY_CHART] and "parameters" in legends[MEMORY_CHART]
+    assert "leaves the measured peak out" in path.read_text(encoding="utf-8")
+    # an accelerator's peak is allocated device memory, set beside the estimate as it is; a runtime_rss_gb
+    # in its records (none is written there) is not added
+    gpu = read_run(make_run(tmp_path, "gpu", [dict(r, device="cuda", runtime_rss_gb=0.375) if "loss" in r else r
+                                              for r in RECORDS], run={"device": "auto"}))
+    assert gpu.runtime_rss_gb() is None and plots.comparable_peak(gpu) == gpu.max_peak_memory_gb()
+
+
+def test_series_constant_for_a_run_are_not_drawn(tmp_path: Path, legends: dict[str, list[str]]) -> None:
+    """The loss scale of a bf16 run is 1 throughout: its plot is left out, and the page names the value. Beside
+    an fp16 run whose scale moved, the plot is drawn for the fp16 run alone."""
+    bf16 = make_run(tmp_path, "bf16", [dict(r, loss_scale=1.0) if "loss" in r else r for r in RECORDS])
+    page, path = report_page([bf16], tmp_path / "out")
+    assert "plot-loss_scale" not in page.images and "plot-lr" in page.images
+    assert "Not drawn, one value for the whole run: loss scale 1 (bf16)." in path.read_text(encoding="utf-8")
+    fp16 = make_run(tmp_path, "fp16", RECORDS)
+    page, _ = report_page([bf16, fp16], tmp_path / "out_both")
+    assert "plot-loss_scale" in page.images
+    assert legends["Loss scale"] == ["fp16", "skipped steps"]
 
 
 def test_nothing_in_a_run_directory_becomes_markup(tmp_path: Path) -> None:

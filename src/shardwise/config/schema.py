@@ -25,6 +25,8 @@ FINETUNE_LR_LORA = 2e-4
 # The optimizer's chunked update (train.optimizer_impl chunked) steps at most this many elements at a
 # time (64 MiB of fp32): its temporaries are one chunk's, not a parameter group's.
 OPTIMIZER_CHUNK_ELEMENTS = 2**24
+# Optimizers whose update a library steps with its own kernel: train.optimizer -> the library.
+LIBRARY_OPTIMIZERS = {"adamw_8bit": "torchao", "paged_adamw_8bit": "bitsandbytes", "paged_adamw": "bitsandbytes"}
 FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")  # where optimizer_impl auto picks torch's fused AdamW
 COMPILED_BY_DEFAULT = ("cuda", "npu")  # where run.compile auto compiles the blocks (see RunConfig.compiles)
 # run.compile auto on a CPU: compile when the run is predicted to train this long. Measured on the 2-core
@@ -266,8 +268,10 @@ class TrainConfig(_Section):
     global_batch_size: Optional[int] = Field(
         None, ge=1, description="samples per optimizer step over all devices"
     )
-    optimizer: Literal["adamw", "adam", "sgd", "adamw_8bit"] = Field(
-        "adamw", description="optimizer; adamw_8bit: torchao's block-wise 8-bit AdamW (pip install shardwise[lowbit])"
+    optimizer: Literal["adamw", "adam", "sgd", "adamw_8bit", "paged_adamw_8bit", "paged_adamw"] = Field(
+        "adamw", description="optimizer; adamw_8bit: torchao's block-wise 8-bit AdamW (pip install shardwise[lowbit]); "
+        "paged_adamw_8bit / paged_adamw: bitsandbytes' paged AdamW, 8-bit or fp32 state in CUDA unified memory that "
+        "pages to host memory when the GPU is short (CUDA, pip install bitsandbytes; one device or ZeRO-0)"
     )
     optimizer_impl: Literal["auto", "fused", "foreach", "chunked"] = Field(
         "auto", description="the update's kernel: fused (no temporaries), foreach (a temporary the size of a "
@@ -275,8 +279,8 @@ class TrainConfig(_Section):
         "elsewhere (SGD: foreach)"
     )
     optimizer_state_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="dtype of the optimizer's moments; bf16 halves them (the update runs in fp32); auto: "
-        "fp32, or the 16-bit weights' dtype at precision O3"
+        "auto", description="dtype of the optimizer's moments; bf16 halves them (the update runs in fp32, the "
+        "moments rounded back stochastically); auto: fp32, or the 16-bit weights' dtype at precision O3"
     )
     optimizer_in_backward: bool = Field(
         False, description="update each parameter as soon as its gradient is final and free it (no full set of "
@@ -367,12 +371,14 @@ class TrainConfig(_Section):
             raise ValueError("give train.max_steps or train.epochs")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr {self.min_lr} is above train.lr {self.lr}; lower min_lr")
-        if self.optimizer == "adamw_8bit" and self.optimizer_impl != "auto":
-            raise ValueError(f"train.optimizer_impl {self.optimizer_impl} with adamw_8bit: torchao steps its 8-bit "
-                             "AdamW with its own compiled kernel; leave optimizer_impl at auto")
-        if self.optimizer == "adamw_8bit" and self.optimizer_state_dtype != "auto":
-            raise ValueError(f"train.optimizer_state_dtype {self.optimizer_state_dtype} with adamw_8bit: its moments "
-                             "are 8-bit; leave optimizer_state_dtype at auto, or use adamw for fp32 / bf16 moments")
+        if self.optimizer in LIBRARY_OPTIMIZERS and self.optimizer_impl != "auto":
+            raise ValueError(f"train.optimizer_impl {self.optimizer_impl} with {self.optimizer}: "
+                             f"{LIBRARY_OPTIMIZERS[self.optimizer]} steps it with its own kernel; leave optimizer_impl "
+                             "at auto")
+        if self.optimizer in LIBRARY_OPTIMIZERS and self.optimizer_state_dtype != "auto":
+            raise ValueError(f"train.optimizer_state_dtype {self.optimizer_state_dtype} with {self.optimizer}: its "
+                             "moments are its own; leave optimizer_state_dtype at auto, or use adamw for fp32 / bf16 "
+                             "moments")
         if self.optimizer == "sgd" and self.optimizer_impl == "fused":
             raise ValueError("train.optimizer_impl fused with sgd: SGD's foreach update makes no temporaries (and "
                              "torch's fused SGD has no DTensor support); use auto or foreach")
@@ -391,14 +397,14 @@ class TrainConfig(_Section):
 
     def optimizer_kernel(self, device_type: str) -> str:
         """What steps the optimizer on a device of kind `device_type`: "fused", "foreach", "chunked"
-        (optimizer_impl, with auto resolved) or "torchao" (adamw_8bit).
+        (optimizer_impl, with auto resolved), "torchao" (adamw_8bit) or "bitsandbytes" (the paged ones).
 
         auto is fused where torch has the fused Adam kernel (CUDA, CPU): no temporaries, and on this
         project's CPU ~6x faster than foreach, equal to it within ~5e-9 per tensor in fp32; elsewhere
         the chunked foreach update (temporaries of one chunk); SGD's foreach makes none, so foreach.
         """
-        if self.optimizer == "adamw_8bit":
-            return "torchao"
+        if self.optimizer in LIBRARY_OPTIMIZERS:
+            return LIBRARY_OPTIMIZERS[self.optimizer]
         if self.optimizer_impl != "auto":
             return self.optimizer_impl
         if self.optimizer == "sgd":

@@ -62,7 +62,7 @@ from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
 from ..parallel.context import check_context_parallel
-from ..parallel.data_parallel import one_process_fsdp_settings, zero1_buckets, zero1_split
+from ..parallel.data_parallel import NORM_PIECE, one_process_fsdp_settings, zero1_buckets, zero1_split
 from ..parallel.float8 import converts, float8_all_gather, float8_on
 from ..parallel.pipeline import check_pipeline, schedule_class, schedule_style, stage_indices, stage_rank
 from ..parallel.recompute import down_output_needed, selective_saved_matmuls
@@ -71,6 +71,9 @@ from ..peft.quantize import dequantized_transient, quantized_bytes
 from ..units import gib
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
+PAGED = ("paged_adamw_8bit", "paged_adamw")  # bitsandbytes' paged optimizers (train.paged_optimizer)
+# torchao's 8-bit AdamW on CUDA/NPU, compiled: fp32 temporaries of the tensor updated (estimated; see _update_temp)
+TORCHAO_COMPILED_TEMPORARIES = 2
 # Caching-allocator reserve above the tensor bytes on CUDA/NPU (block rounding, fragmentation): a
 # documented allowance, as a fraction of the tensor peak. 0 on CPU, where tensors are counted exactly.
 ALLOCATOR_OVERHEAD = 0.10
@@ -126,7 +129,9 @@ class MemoryEstimate:
                          f"{gib(d.get('context_parallel_exchange_bytes', 0), 3)}")
         if self.host:
             by = ", ".join(f"{p} {gib(self.host_phases[p], 3)}" for p in PHASES if p in self.host_phases)
-            lines.append(f"  in host memory (CPU offload): {gib(self.host, 3)}" + (f" (by phase: {by})" if by else ""))
+            staged = d.get("async_save_host_bytes", 0)
+            what = "CPU offload" + (f" and the async save's copy, {gib(staged, 3)}" if staged else "")
+            lines.append(f"  in host memory ({what}): {gib(self.host, 3)}" + (f" (by phase: {by})" if by else ""))
             if d.get("device") == "cpu":
                 lines.append("  (a CPU run: host memory is the device's, so the figures above include it)")
         return "\n".join(lines)
@@ -243,8 +248,10 @@ def _precision(cfg: Any, lay: _Layout) -> _Precision:
         return _Precision(level, 4, 4, 4, 4, False)
     if level == "O3":
         return _Precision(level, 2, 2, 2, 2, False, frozen=2)
-    if (lay.dp > 1 or lay.one_process_fsdp) and not _offloads_optimizer(cfg):  # O2 under FSDP2: its fp32 parameters
+    if (lay.dp > 1 or lay.one_process_fsdp) and not _host_masters(cfg):  # O2 under FSDP2: its fp32 parameters
         return _Precision(level, 4, 2, 4, 4, False, frozen=2)  # are the masters of what trains
+    if _streams_optimizer(cfg):  # the streamed update reads the 16-bit gradients where they are
+        return _Precision(level, 2, 2, 2, 4, True, frozen=2)
     # O2 in one process (or TP/PP only): 16-bit weights, gradients accumulated in the fp32 masters.
     return _Precision(level, 2, 2, 4, 4, True, frozen=2)
 
@@ -256,10 +263,13 @@ def _param_bytes(params: Iterable[Any], elems: dict[str, int], prec: _Precision)
                elems[p.name] * (prec.param if p.trainable else prec.frozen) for p in params)
 
 
-def _dequantized_transient(held: list[_Param], prec: _Precision, backward: bool = False) -> int:
+def _dequantized_transient(held: list[_Param], prec: _Precision, backward: bool = False, tokens: int = 0,
+                           device: str = "cuda") -> int:
     """QLoRA: the largest dequantisation of one quantised base weight in forward (its 16-bit copy and
-    temporaries) or backward (one row block's); one weight at a time."""
-    return max((dequantized_transient(p.quant, p.shape, prec.frozen, backward) for p in held if p.quant), default=0)
+    temporaries) or backward (with the fp32 sums of the input gradient over a micro-batch's `tokens` rows,
+    at most `peft.quantize.GRAD_ROWS` at a time; on a CPU the matmuls' widened operands); one weight at a time."""
+    return max((dequantized_transient(p.quant, p.shape, prec.frozen, backward, tokens=tokens, widens=device == "cpu")
+                for p in held if p.quant), default=0)
 
 
 # --- parameters --------------------------------------------------------------------------------------
@@ -624,26 +634,42 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         state_elems = sum(stored[p.name] for p in trainable)
     else:
         state_elems = sum(full_elems)
-    states = {"adamw": 2, "adam": 2, "sgd": 1, "adamw_8bit": 2}[cfg.train.optimizer]
-    counters = 0 if cfg.train.optimizer == "sgd" else 4 * len(trainable)  # ZeRO-1: a step per part
+    name = cfg.train.optimizer
+    states = 1 if name == "sgd" else 2
+    counters = 0 if name == "sgd" else 4 * len(trainable)  # ZeRO-1: a step per part
     optimizer_bytes = states * state_elems * _state_bytes(cfg, prec) + counters  # Adam: a scalar step per tensor
-    if cfg.train.optimizer == "adamw_8bit":
+    if name in ("adamw_8bit", "paged_adamw_8bit"):
         opt_elems = [stored[p.name] if sharded else _numel(local[p.name]) for p in trainable]
-        optimizer_bytes = states * sum(_8bit_state_bytes(n, 4 if prec.masters else prec.param) for n in opt_elems) \
-            + counters
+        one = _8bit_state_bytes if name == "adamw_8bit" else _paged_8bit_state_bytes
+        optimizer_bytes = states * sum(one(n, 4 if prec.masters else prec.param) for n in opt_elems) + counters
+    elif name == "paged_adamw":
+        optimizer_bytes = states * state_elems * 4 + counters
     master_bytes = sum(full_elems) * 4 if prec.masters else 0
     grad_bytes = sum(stored[p.name] for p in trainable) * prec.grad
+    # What a checkpoint saves of this rank (train.async_save stages a host copy of it): the parameters as
+    # held, the optimizer state, the fp32 masters of O2.
+    saved_bytes = _param_bytes(held, stored, prec) + optimizer_bytes + (state_elems * 4 if prec.masters else 0)
     # optimize.offload_optimizer (memory.offload.HostMasters): this rank's masters, their pinned buffers in
     # the weights' dtype, the masters' gradients and the state are host memory. On an accelerator they
     # leave the device figure; on the CPU (one memory) it keeps them and `host_phases` says which they are.
     host_opt = _offloads_optimizer(cfg)
+    stream = _streams_optimizer(cfg)
     dev_view = device != "cpu"
     if host_opt:
         master_bytes = state_elems * ((4 if prec.masters else prec.param) + prec.param)
-    host_static = master_bytes + optimizer_bytes if host_opt else 0
+    if stream:  # the masters of this rank's shards, pinned (they cross the bus with the state)
+        master_bytes = state_elems * 4 if prec.masters else 0
+    host_static = master_bytes + optimizer_bytes if host_opt or stream else 0
     host_grads = grad_bytes if host_opt else 0
     if host_opt and dev_view:
         master_bytes = optimizer_bytes = grad_bytes = 0
+    if stream and dev_view:  # masters and state in host memory; the gradients stay on the device
+        master_bytes = optimizer_bytes = 0
+    # bitsandbytes' paged state: CUDA unified memory outside torch's allocator, paged out to host memory
+    # when the device is short of room: counted in host memory (step_time charges the paging).
+    paged = name in PAGED and dev_view
+    if paged:
+        host_static, optimizer_bytes = optimizer_bytes, 0
     host = 0
     offload = lay.offload and device != "cpu"  # on a CPU run host memory is the device's memory
     if lay.offload:
@@ -697,7 +723,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
     exchange = _exchange_bytes(m, sh)
     dequant = _dequantized_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's
-    dequant_back = _dequantized_transient(held, prec, backward=True)
+    dequant_back = _dequantized_transient(held, prec, backward=True, tokens=sh.b * sh.t, device=device)
     cast, cast_back = _float8_transient(sh, held, local, gathered=f8_gather, compiled=cfg.compiles(device)) \
         if float8_on(cfg) else (0, 0)
     if prec.level == "O1":
@@ -719,6 +745,8 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             st.grads = sum(_numel(local[p.name]) for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
     in_backward = cfg.train.optimizer_in_backward
     updates = _in_backward_updates(cfg, lay, prec, trainable, stored, local, device) if in_backward else None
+    if stream and in_backward:  # each update holds its gradient and the state streamed around it
+        updates = _streamed_updates(cfg, lay, prec, trainable, stored, local, device, in_backward=True)
     if host_opt and dev_view:  # each gradient leaves the device once it is final: one tensor at a time
         in_backward, updates = True, _gradients_in_transit(lay, prec, trainable, stored, local)
     if in_backward:  # each gradient is used and freed as it arrives (`updates`: the one being applied)
@@ -783,18 +811,28 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         pass  # the updates are counted in the walk (`updates`); no set of gradients is left to reduce
     elif lay.dp > 1 and lay.pp == 1 and not offload:
         backward = max(backward, static + _root_reduction(lay, prec, trainable, stored, local))
-    optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored, local,
-                                       offload or (host_opt and dev_view), "cpu" if host_opt else device)
+    if stream and not in_backward:  # the gradients, and the state streamed through one tensor at a time
+        window = _streamed_updates(cfg, lay, prec, trainable, stored, local, device, in_backward=False)
+        sizes = [stored[p.name] if lay.zero >= 2 else _numel(local[p.name]) for p in trainable]
+        optimizer_phase = static + grad_bytes + max(max(window.values(), default=0), _norm_temp(sizes))
+    else:
+        optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored,
+                                           local, offload or (host_opt and dev_view), "cpu" if host_opt else device)
     checkpoint = static
 
     # --- the estimate
     phases = {"forward": forward, "backward": backward, "optimizer": optimizer_phase, "checkpoint": checkpoint}
+    if cfg.train.async_save and not dev_view:  # a CPU run: the async save's host copy is in the one memory
+        phases = {k: v + saved_bytes for k, v in phases.items()}
     tensor_peak = max(phases.values())
     frac = ALLOCATOR_OVERHEAD if device in ("cuda", "npu") else 0.0
     phases = {k: int(v * (1 + frac)) for k, v in phases.items()}
     host_phases = {"forward": host_static + act_host,
                    "backward": host_static + host_grads + act_host, "optimizer": host_static + host_grads,
                    "checkpoint": host_static}
+    staged = saved_bytes if cfg.train.async_save else 0
+    if staged:  # from the first save on, one host copy of everything saved, kept for the run
+        host_phases = {k: v + staged for k, v in host_phases.items()}
     if lay.offload:  # FSDP2's CPU offload: shards and state all along, gradients from backward to the step
         fsdp_grads = sum(stored[p.name] for p in trainable) * prec.grad
         host_phases = {k: v + host - (fsdp_grads if k in ("forward", "checkpoint") else 0)
@@ -806,7 +844,10 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     flight = _in_flight(lay, pp_rank, stage_ids)
     block_acts = sum((sum(saved[i] for i in stages[s].layers)) * flight[s] for s in stages)
     activations = block_acts if peak_phase in ("forward", "backward") else 0
-    grads_at_peak = grad_bytes if peak_phase in ("backward", "optimizer") else 0
+    # The gradients that exist at the peak: none with the optimizer in backward (the one being applied is a
+    # transient, among the buffers), none after the step; in a forward only those of earlier micro-batches.
+    accumulating = peak_phase == "forward" and lay.accumulation > 1 and not host_opt
+    grads_at_peak = 0 if in_backward else grad_bytes if peak_phase in ("backward", "optimizer") or accumulating else 0
     buffers = max(0, tensor_peak - (param_bytes + grads_at_peak + optimizer_bytes + master_bytes + activations))
     one = next(iter(layers), None)
     if lay.pp > 1:
@@ -842,8 +883,9 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         "tensor_peak": tensor_peak,
         "device_phases": device_phases,  # without what is in host memory (on an accelerator: `phases`)
         "host_offload": {"optimizer": host_static + host_grads, "activations": act_host},
+        "async_save_host_bytes": staged,  # train.async_save: the staged copy of what a checkpoint saves
     }
-    return MemoryEstimate(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes + master_bytes,
+    return MemoryEstimate(params=param_bytes, grads=grads_at_peak, optimizer=optimizer_bytes + master_bytes,
                           activations=activations, buffers=buffers, overhead=int(tensor_peak * frac),
                           peak=max(phases.values()), phases=phases, detail=detail, host=host,
                           host_phases=host_phases)
@@ -1311,6 +1353,14 @@ def _state_bytes(cfg: Any, prec: _Precision) -> int:
     return 2 if cfg.train.optimizer_state_dtype == "bf16" else prec.state
 
 
+def _paged_8bit_state_bytes(n: int, fallback: int) -> int:
+    """One bitsandbytes 8-bit moment of a tensor of n elements: a byte per element, an fp32 absmax per block
+    of 256 and its 256-entry fp32 code map; under 4096 elements (its min_8bit_size) an fp32 moment."""
+    if n >= 4096:
+        return n + -(-n // 256) * 4 + 256 * 4
+    return n * 4
+
+
 def _8bit_state_bytes(n: int, fallback: int) -> int:
     """One torchao 8-bit moment of a tensor of n (local) elements: a byte per element, an fp32 scale
     per block of 256 and its 256-entry fp32 code map; under 4096 elements, or not a whole number of
@@ -1327,24 +1377,36 @@ def _update_temp(cfg: Any, prec: _Precision, groups: list[list[int]], device: st
     foreach: AdamW's square root of the second moment for a whole group; chunked (and every kernel
     with 16-bit moments, which `build_optimizer` steps chunk by chunk): that for one chunk of at most
     OPTIMIZER_CHUNK_ELEMENTS, plus the chunk's moments read into fp32 when they are 16-bit; fused: no
-    temporary of its own (measured), only those fp32 moments; torchao's 8-bit AdamW: its eager
-    per-tensor update (what the exact CPU count sees; the compiled kernel of a real run keeps fewer)
-    holds six fp32 temporaries of the tensor it updates, the largest one at the peak.
+    temporary of its own (measured), only those fp32 moments; torchao's 8-bit AdamW, per device kind:
+    on a CPU its eager per-tensor update (what the exact CPU count sees, measured) holds six fp32
+    temporaries of the tensor it updates, the largest one at the peak; on CUDA/NPU its torch.compile'd
+    update fuses the element-wise work but materialises the two fp32 moments it requantises block by
+    block (TORCHAO_COMPILED_TEMPORARIES: an estimate until bench/gpu_checks.sh measures it on a GPU);
+    bitsandbytes' paged optimizers: none (one fused kernel, in place).
     """
     kernel = cfg.train.optimizer_kernel(device)
     work = prec.param if prec.level == "O3" else 4  # the dtype the update computes in (the stepped weights')
     if kernel == "torchao":
-        return 6 * max((n for g in groups for n in g), default=0) * 4
+        largest = max((n for g in groups for n in g), default=0)
+        return (6 if device == "cpu" else TORCHAO_COMPILED_TEMPORARIES) * largest * 4
+    if kernel == "bitsandbytes":
+        return 0  # one fused CUDA kernel updates weights and 8-bit (or fp32) moments in place
     state16 = cfg.train.optimizer_state_dtype == "bf16" and prec.level != "O3"
     if kernel == "foreach" and not state16:
         largest = max((sum(g) for g in groups), default=0)
     else:
         largest = max((_largest_chunk(g, OPTIMIZER_CHUNK_ELEMENTS) for g in groups), default=0)
-    moments = {"adamw": 2, "adam": 2, "sgd": 1}[cfg.train.optimizer]
+    moments = 1 if cfg.train.optimizer == "sgd" else 2
     upcast = moments * largest * work if state16 else 0
     if cfg.train.optimizer == "sgd" or kernel == "fused":
         return upcast
     return largest * (work if state16 else prec.state) + upcast
+
+
+def _norm_temp(sizes: Iterable[int]) -> int:
+    """The gradient norm's temporary (`parallel.data_parallel.clip_grad_norm`): one float64 copy of a piece
+    of at most NORM_PIECE elements of a gradient, the largest one."""
+    return min(max(sizes, default=0), NORM_PIECE) * 8
 
 
 def _largest_chunk(sizes: list[int], limit: int) -> int:
@@ -1369,9 +1431,26 @@ def _in_backward_updates(cfg: Any, lay: _Layout, prec: _Precision, trainable: li
     for p in trainable:
         where = p.layer if p.layer is not None else p.where
         n = size[p.name]
-        one = n * (prec.grad + (prec.compute if prec.masters else 0)) + _update_temp(cfg, prec, [[n]], device)
+        one = n * (prec.grad + (prec.compute if prec.masters else 0)) + _update_temp(cfg, prec, [[n]], device) \
+            + _undo_copies(cfg, prec, n, device)
         out[where] = max(out.get(where, 0), one + (tied if where != "head" else 0))
     return out
+
+
+def _undo_copies(cfg: Any, prec: _Precision, n: int, device: str) -> int:
+    """The optimizer in backward with a kernel that cannot skip on the device (foreach, chunked, torchao's
+    8-bit AdamW): copies of the tensor it updates and of its state, taken before the update so that a
+    non-finite flag can put them back (`train.optim.OptimizerInBackward`); fused kernels skip by themselves."""
+    kernel = cfg.train.optimizer_kernel(device)
+    if kernel not in ("foreach", "chunked", "torchao"):
+        return 0
+    work = prec.param if prec.level == "O3" else 4  # the dtype of the weights the update steps
+    if kernel == "torchao":
+        moment = n + 4 * (n // 256) + 1024 if n >= 4096 and n % 256 == 0 else 4 * n
+        return n * work + 2 * moment + 4
+    t = cfg.train
+    moments = 2 if t.optimizer in ("adamw", "adam") else (1 if t.beta1 else 0)
+    return n * (work + moments * _state_bytes(cfg, prec)) + (0 if t.optimizer == "sgd" else 4)
 
 
 def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad_bytes: int, state_elems: int,
@@ -1388,7 +1467,7 @@ def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad
         size = {p.name: math.prod(_zero1_part(p, local[p.name], lay)) for p in trainable}
     groups = [[size[p.name] for p in trainable if len(p.shape) >= 2],  # the weight-decay group
               [size[p.name] for p in trainable if len(p.shape) < 2]]
-    total = static + grad_bytes + _update_temp(cfg, prec, groups, device)
+    total = static + grad_bytes + max(_update_temp(cfg, prec, groups, device), _norm_temp(size.values()))
     if lay.zero == 1:
         # The all-gather of the updated parts, one bucket at a time: this rank's part of it and every
         # rank's as received.
@@ -1398,9 +1477,63 @@ def _optimizer_phase(cfg: Any, lay: _Layout, prec: _Precision, static: int, grad
 
 
 def _offloads_optimizer(cfg: Any) -> bool:
-    """optimize.offload_optimizer's own engine (`memory.offload.HostMasters`); with offload_params on as well,
-    FSDP2's CPU offload steps the optimizer on the host instead."""
-    return cfg.optimize.offload_optimizer and not cfg.optimize.offload_params
+    """optimize.offload_optimizer cpu (`memory.offload.HostMasters`); with offload_params on as well, FSDP2's
+    CPU offload steps the optimizer on the host instead."""
+    return cfg.optimize.offload_optimizer == "cpu" and not cfg.optimize.offload_params
+
+
+def _streams_optimizer(cfg: Any) -> bool:
+    """optimize.offload_optimizer stream (`memory.streamed_optimizer.StreamedAdam`)."""
+    return cfg.optimize.offload_optimizer == "stream" and not cfg.optimize.offload_params
+
+
+def _host_masters(cfg: Any) -> bool:
+    """Whether the fp32 masters of O2 live in host memory (either offload_optimizer engine), so that FSDP2
+    keeps 16-bit shards under data parallelism."""
+    return _offloads_optimizer(cfg) or _streams_optimizer(cfg)
+
+
+def _streamed_updates(cfg: Any, lay: _Layout, prec: _Precision, trainable: list[_Param], stored: dict[str, int],
+                      local: dict[str, tuple[int, ...]], device: str, in_backward: bool) -> dict[Any, int]:
+    """optimize.offload_optimizer stream, per block (and "head", "embedding"): the most the update of one of
+    its tensors holds on the device beyond the weights: its state copied in (moments, step, fp32 master at
+    O2), the next tensor's (fetched ahead), on an accelerator the one before's (its copy back may still be in
+    flight), its fp32 work copies (the 16-bit gradient at O2, 16-bit moments widened); with the optimizer in
+    backward also its gradient. The order is the optimizer's (matrices, then vectors, each in the model's
+    order) for a step after the backward; in backward the reverse of it on the first step and the order the
+    gradients arrive in (about the reverse of the model's) after it."""
+    size = {p.name: min(stored[p.name] if lay.zero >= 2 else _numel(local[p.name]), OPTIMIZER_CHUNK_ELEMENTS)
+            for p in trainable}  # the state streams in units of at most this many elements
+    state_bytes = _state_bytes(cfg, prec)
+    work = 4 if prec.masters or prec.param == 4 else prec.param  # the dtype the update runs in
+    torchao = cfg.train.optimizer == "adamw_8bit"
+    weights = 4 if prec.masters else prec.param
+
+    def copied(n: int) -> int:  # what one unit of a tensor's state takes on the device
+        moments = 2 * _8bit_state_bytes(n, state_bytes) - (2 * 256 * 4 if n >= 4096 and n % 256 == 0 else 0) \
+            if torchao else 2 * n * state_bytes  # (the code maps are on the device once, not per unit)
+        return moments + 4 + (4 * n if prec.masters else 0)
+
+    def widened(n: int) -> int:  # the fp32 copies the update makes of 16-bit gradient and moments
+        if torchao:  # its fp32 work copies, and what a non-finite step would put back (weights, moments)
+            # eager on a CPU: six fp32 temporaries at its peak, a seventh widening 16-bit weights (measured)
+            temps = ((6 + (weights == 2)) if device == "cpu" else TORCHAO_COMPILED_TEMPORARIES) * n * 4
+            return temps + n * weights + copied(n) - 4 - (4 * n if prec.masters else 0)
+        return (n * work if prec.grad != work else 0) + (2 * n * work if state_bytes != work else 0)
+
+    optimizer_order = [p for p in trainable if len(p.shape) >= 2] + [p for p in trainable if len(p.shape) < 2]
+    orders = [optimizer_order[::-1], trainable[::-1]] if in_backward else [optimizer_order]
+    out: dict[Any, int] = {}
+    for order in orders:
+        for k, p in enumerate(order):
+            n = size[p.name]
+            around = order[k + 1:k + 2] + (order[k - 1:k] if device != "cpu" and k > 0 else [])
+            held = copied(n) + sum(copied(size[q.name]) for q in around) + widened(n)
+            if in_backward:
+                held += n * prec.grad
+            where = p.layer if p.layer is not None else p.where
+            out[where] = max(out.get(where, 0), held)
+    return out
 
 
 def _gradients_in_transit(lay: _Layout, prec: _Precision, trainable: list[_Param], stored: dict[str, int],

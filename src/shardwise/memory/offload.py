@@ -22,11 +22,15 @@ too would take that much memory from the operating system for nothing.
 `ActivationOffload` (optimize.offload_activations) is a saved-tensors hook pair: every tensor autograd
 saves in the forward (except parameters, which stay where they are) is copied to host memory (pinned
 where there is an accelerator) and copied back when the backward needs it. A storage saved through
-several tensors (one input of three projections, views of one tensor) is copied once.
+several tensors (one input of three projections, views of one tensor) is copied once. The outputs a
+selective-recompute block keeps, which torch's checkpoint caches past the hooks, go through the same
+pair (`parallel.recompute.selective_outputs_through`): out when the block's forward ends, back when
+its recompute starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterator
 
@@ -35,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..parallel.dtensors import local_tensor
+from ..parallel.recompute import selective_outputs_through
 
 
 def can_pin(device: torch.device) -> bool:
@@ -149,18 +154,25 @@ class HostMasters:
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Within it, what autograd saves for backward goes to host memory and comes back when used
-    (optimize.offload_activations); parameters stay. Enter it around a micro-batch's forward."""
+    """Within it, what autograd saves for backward, and what selective-recompute blocks keep, goes to host
+    memory and comes back when used (optimize.offload_activations); parameters stay. Enter it around a
+    micro-batch's forward."""
 
     def __init__(self, device: torch.device) -> None:
         self.pin = can_pin(device)
         # id of a saved tensor's base (itself, or what it is a view of) -> (that base, weakly; its storage's copy)
         self._copies: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._selective = contextlib.ExitStack()
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> None:
+        self._selective.enter_context(selective_outputs_through(self._pack, self._unpack))
+        super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
         self._copies = {}  # the saved tensors keep their copies; the next forward starts afresh
         super().__exit__(*args)
+        self._selective.close()
 
     def _pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t

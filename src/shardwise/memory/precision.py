@@ -206,3 +206,34 @@ def loss_scaler_for(plan: PrecisionPlan, loss_scale: str | float, initial_scale:
         return None
     dynamic = loss_scale == "dynamic"
     return LossScaler(initial_scale if dynamic else float(loss_scale), dynamic=dynamic, device=device)
+
+
+def round_into(stored: torch.Tensor, work: torch.Tensor) -> None:
+    """Write fp32 `work` into bf16 `stored` with stochastic rounding; `work` is spent (its bits are changed).
+
+    Round to nearest keeps a bf16 moment where it is whenever one step changes it by less than half the
+    spacing of bf16 values there (0.2% to 0.4% of it): the second moment at beta2 = 0.999 moves by 0.1%
+    of itself a step, so once the gradients shrink it stops decaying and the updates stay too small.
+    Here each element goes to the bf16 value above or below with the probabilities that make its
+    expected value `work`'s, so the moments follow fp32's on average (`tests/train/test_bf16_moments.py`).
+    A value bf16 holds exactly stays exact (a skipped update leaves the moments as they were).
+
+    How: 16 random bits an element are drawn into `stored`'s own storage (about to be overwritten);
+    added to `work`'s bit pattern below bf16's cut-off, they carry into the bf16 part with the
+    probability of the bits cut off, which are then cleared, so the copy into bf16 is exact. No
+    temporary on an accelerator; on the CPU torch widens the 16-bit draw to 32 bits inside the addition
+    (4 bytes an element of the tensor being rounded, for that one op). The bits come from the device's
+    default generator, which `train.seed` seeds and checkpoints save: a run is repeatable and a resumed
+    run continues exactly. Dropout draws from it too, so its masks after the first step are not those of
+    a run with fp32 moments. Tensor-parallel ranks holding unequal shards (an uneven vocabulary) draw
+    unequal amounts, so their shared streams part: with sequence parallelism (the default) no dropout
+    reads the shared stream; without it, and with dropout, replicated activations would get each rank's
+    own mask.
+    """
+    s, w = local_tensor(stored), local_tensor(work)
+    if s.dtype != torch.bfloat16 or w.dtype != torch.float32:
+        s.copy_(w)
+        return
+    noise = s.view(torch.int16).random_(-(2**15), 2**15)
+    w.view(torch.int32).add_(noise).add_(2**15).bitwise_and_(-(2**16))
+    s.copy_(w)

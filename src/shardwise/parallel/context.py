@@ -32,7 +32,8 @@ Refused (`check_context_parallel`, before any process starts): pipeline parallel
 loss (optimize.chunked_loss: false: the logits would be one chunk's), a sequence (or the dynamic
 instruction batches' width multiple) not divisible by N, a chunk that sequence parallelism cannot split
 over the tensor-parallel ranks, query heads per tensor-parallel rank not divisible by N, ZeRO-1 with
-the optimizer in backward or the 8-bit AdamW, and a quantised LoRA base.
+the optimizer in backward or the 8-bit AdamW, a quantised LoRA base, and dropout (model.dropout or
+lora.dropout above 0): the cp ranks share one random stream, so their chunks would get the same masks.
 """
 
 from __future__ import annotations
@@ -92,10 +93,19 @@ def check_context_parallel(cfg: Any) -> None:
             f"parallel.context_parallel {n} with zero_stage 1 and {what}: ZeRO-1 shards the optimizer over the "
             "data x context-parallel ranks, which that does not run with; use zero_stage 0, 2 or 3")
     lora = getattr(cfg, "lora", None)
-    if lora is not None and getattr(lora, "quantize_base", None):
+    if lora is not None and getattr(lora, "quantize_base", "none") not in (None, "none"):
         raise ConfigError(
-            f"parallel.context_parallel {n} with lora.quantize_base: the quantised base's layout checks are written "
-            "for data parallelism; use context_parallel: 1, or a 16-bit base (lora.quantize_base: null)")
+            f"parallel.context_parallel {n} with lora.quantize_base {lora.quantize_base}: the quantised base's layout "
+            "checks are written for data parallelism; use context_parallel: 1, or a 16-bit base "
+            "(lora.quantize_base: none)")
+    dropouts = [f"{key} {value:g}" for key, value in (("model.dropout", cfg.model.dropout),
+                                                      ("lora.dropout", getattr(lora, "dropout", 0.0))) if value]
+    if dropouts:
+        raise ConfigError(
+            f"parallel.context_parallel {n} with {' and '.join(dropouts)}: the context-parallel ranks draw dropout "
+            "masks from the same random stream, so the chunks of a sequence (and the ranks' shares of the attention "
+            "heads) would get the same masks; set " + " and ".join(d.split()[0] + ": 0" for d in dropouts)
+            + ", or context_parallel: 1")
 
 
 def _all_to_all(x: torch.Tensor, group: Any, size: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:

@@ -80,7 +80,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ..errors import ConfigError
 from .collectives import all_gather, all_reduce
@@ -567,14 +567,17 @@ def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], norm_type: float = 2.0, *,
                    reduce_group: Any = None, foreach: Optional[bool] = None,
                    exclude: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """The global gradient norm as a plain tensor; gradients are scaled to `max_norm` when it is set.
+    """The global gradient norm as a plain fp32 tensor; gradients are scaled to `max_norm` when it is set.
 
-    Works for every stage: DTensor gradients (FSDP shards, replicate, tensor parallel) are reduced
-    over their meshes by `full_tensor()`; gradients on different meshes or mixed with plain tensors
-    (which foreach kernels reject together) are grouped and combined. `reduce_group`: a process group
-    over which ranks hold *different* parameters whose norms must be combined too (pipeline stages).
-    `exclude`: parameters left out of the norm but still clipped (a pipeline's second copy of a tied
-    embedding matrix, whose gradient the first copy already counts). `max_norm` None or 0 only measures.
+    Works for every stage: DTensor gradients (FSDP shards, replicate, tensor parallel) are summed over
+    the mesh dimensions that shard them; gradients on different meshes or mixed with plain tensors are
+    grouped and combined. The powers (squares) of the elements and every sum of them, collectives
+    included, are float64, so that layouts that split the same gradients differently (whole tensors,
+    shards, stages) agree to float64's rounding, not fp32's; the norm is rounded to fp32 once, at the
+    end. `reduce_group`: a process group over which ranks hold *different* parameters whose norms must
+    be combined too (pipeline stages). `exclude`: parameters left out of the norm but still clipped (a
+    pipeline's second copy of a tied embedding matrix, whose gradient the first copy already counts).
+    `max_norm` None or 0 only measures.
     """
 
     skip = {id(t) for t in exclude}
@@ -585,29 +588,71 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
             continue
         key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
         groups.setdefault(key, []).append(p)
-    norms = []
+    inf = math.isinf(norm_type)
+    sums = []
     for group in groups.values():
         counted = [p.grad for p in group if id(p) not in skip]
-        if not counted:
-            continue
-        n = torch.nn.utils.get_total_norm(counted, norm_type, foreach=foreach)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if not norms:  # a rank with nothing to count still joins the reduction, on its gradients' device
+        if counted:
+            sums.append(_group_power_sum(counted, norm_type))
+    if not sums:  # a rank with nothing to count still joins the reduction, on its gradients' device
         grads = [local_tensor(p.grad) for group in groups.values() for p in group]
-        total = torch.zeros((), device=grads[0].device if grads else None)
-    elif math.isinf(norm_type):
-        total = torch.stack([n.float() for n in norms]).max()
+        total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     else:
-        total = torch.stack([n.float() ** norm_type for n in norms]).sum()
+        sums = [t.to(sums[0].device) for t in sums]
+        total = torch.stack(sums).max() if inf else torch.stack(sums).sum()
     if reduce_group is not None:
-        total = all_reduce(total, reduce_group, dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
-    if not math.isinf(norm_type):
+        total = all_reduce(total, reduce_group, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    if not inf:
         total = total ** (1.0 / norm_type)
+    total = total.float()
     if max_norm:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(local_tensor(group[0].grad).device),
                                                  foreach=foreach)
     return total
+
+
+NORM_PIECE = 1 << 22  # elements of a gradient widened to float64 at a time for its norm (32 MiB)
+
+
+def _local_power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """sum |g|^p over the elements of plain tensors `grads` (max |g| for the inf-norm), a float64
+    scalar. An fp32 or 16-bit element's square is exact in float64, and so is each sum to float64's
+    rounding, whatever the order. Each gradient is widened NORM_PIECE elements at a time, so that no
+    float64 copy of a whole large gradient exists."""
+    parts = []
+    for g in grads:
+        for piece in g.reshape(-1).split(NORM_PIECE):
+            if piece.numel() == 0:
+                continue
+            if math.isinf(norm_type):
+                parts.append(piece.abs().max().double())
+                continue
+            wide = piece.double()
+            parts.append(torch.dot(wide, wide) if norm_type == 2 else wide.abs_().pow_(norm_type).sum())
+            del wide
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    return torch.stack(parts).max() if math.isinf(norm_type) else torch.stack(parts).sum()
+
+
+def _group_power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """`_local_power_sum` of gradients that share one mesh and placements (or are plain), summed (for
+    the inf-norm: the maximum) in float64 over the mesh dimensions that shard them (Shard, and FSDP's
+    _StridedShard under tensor parallelism); a replicated dimension holds the same values on every
+    rank and counts once. A partial gradient (an unreduced sum) is reduced first, as any norm of it
+    would need."""
+    first = grads[0]
+    if not isinstance(first, DTensor):
+        return _local_power_sum(grads, norm_type)
+    if any(p.is_partial() for p in first.placements):
+        grads = [g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p for p in g.placements])
+                 for g in grads]
+        first = grads[0]
+    local = _local_power_sum([g.to_local() for g in grads], norm_type)
+    combine = Partial("max" if math.isinf(norm_type) else "sum")
+    placements = [Replicate() if p.is_replicate() else combine for p in first.placements]  # Shard, _StridedShard
+    return DTensor.from_local(local, first.device_mesh, placements, run_check=False).full_tensor()
 
 
 #: The ZeRO stage of optimize.offload_params on one process: each block's parameters are copied to the
@@ -681,10 +726,10 @@ def _offload_optimizer_problem(cfg: Any, dims: ParallelDims) -> Optional[str]:
     if t.optimizer_in_backward and not stream:
         return ("the update runs on the host after the backward; set train.optimizer_in_backward: false, or "
                 "optimize.offload_optimizer: stream (the update on the device, as each gradient is ready)")
-    if t.optimizer == "adamw_8bit":
-        return ("torchao's 8-bit AdamW keeps its state on the device; use train.optimizer adamw (with "
-                "train.optimizer_state_dtype bf16 the streamed state is half the bytes), or on CUDA "
-                "train.optimizer paged_adamw_8bit (bitsandbytes' paged 8-bit state) without offload_optimizer")
-    if stream and t.optimizer not in ("adamw", "adam"):
-        return f"the streamed update is Adam's fused kernel; train.optimizer {t.optimizer} is not streamed: use adamw"
+    if t.optimizer == "adamw_8bit" and not stream:
+        return ("torchao's 8-bit AdamW is not stepped on the host; use optimize.offload_optimizer: stream (its 8-bit "
+                "state in host memory, the update on the device), or train.optimizer adamw")
+    if stream and t.optimizer not in ("adamw", "adam", "adamw_8bit"):
+        return (f"the streamed update is Adam's (fused, or torchao's 8-bit); train.optimizer {t.optimizer} is not "
+                "streamed: use adamw or adamw_8bit")
     return None

@@ -14,15 +14,23 @@ selective block keeps the outputs of; the estimator and the step-time model read
 `apply_recompute(model, modes)` takes one mode per block of `model.layers` (a pipeline chunk's blocks in
 order): `optimize.recompute` gives them through `OptimizeConfig.layer_recompute`, with
 `recompute: auto` a per-layer plan chosen by the memory estimator before the model is built.
+
+Torch's selective checkpoint keeps the outputs its policy saves in a cache of its own, which
+saved-tensor hooks never see: under activation offload (`memory.offload.ActivationOffload`) they would
+stay on the device. Within `selective_outputs_through(pack, unpack)` (which that offload enters) each
+selective block's kept outputs go through `pack` when its forward ends and come back through `unpack`
+when its recompute starts, so they move as the tensors autograd saves do.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MODES = ("none", "selective", "full")
@@ -109,6 +117,82 @@ def keeps_down_output(block: nn.Module) -> bool:
     return down_output_needed(dropout, lora_down)
 
 
+Pack = Callable[[torch.Tensor], Any]  # a tensor -> what stands for it while it is away (the tensor itself: it stays)
+Unpack = Callable[[Any], torch.Tensor]
+
+# The (pack, unpack) pairs selective blocks send their kept outputs through, the innermost last.
+_output_moves: list[tuple[Pack, Unpack]] = []
+
+
+@contextlib.contextmanager
+def selective_outputs_through(pack: Pack, unpack: Unpack) -> Iterator[None]:
+    """Within it, the outputs a selective block keeps go through `pack` when the block's forward ends (a
+    pack that returns the tensor itself leaves it where it is) and come back through `unpack` when its
+    recompute starts: the saved-tensor hooks' pair of steps, for what torch's cache keeps from them."""
+    _output_moves.append((pack, unpack))
+    try:
+        yield
+    finally:
+        _output_moves.pop()
+
+
+def _cached_tensors(storage: dict) -> list[torch.Tensor]:
+    """The tensors in torch's selective-checkpoint cache of one block call: {op: {call number: outputs}}
+    (a list of outputs per op in earlier torch releases), each output tensor wrapped with its version as `val`."""
+    found: dict[int, torch.Tensor] = {}
+    for calls in storage.values():
+        for entry in calls.values() if isinstance(calls, dict) else calls:
+            for leaf in pytree.tree_leaves(entry):
+                val = getattr(leaf, "val", None)
+                if isinstance(val, torch.Tensor):
+                    found[id(val)] = val
+    return list(found.values())
+
+
+class _MovedOutputs:
+    """One selective block call's kept outputs, sent through (pack, unpack) between its forward and its
+    recompute. A cached tensor keeps its identity (the cache checks its version counter, which `.data`
+    assignments leave alone): while it is away it holds no memory, and its data comes back whole when
+    the recompute starts (the recompute reads all of them, as a recomputed block reads its input)."""
+
+    def __init__(self, caching: Any, cached: Any, pack: Pack, unpack: Unpack) -> None:
+        self.caching, self.cached = caching, cached
+        self.pack, self.unpack = pack, unpack
+        self.away: list[tuple[torch.Tensor, Any]] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """The block's forward under torch's caching mode; then what the cache kept goes through `pack`."""
+        with self.caching:
+            yield
+        for t in _cached_tensors(self.caching.storage):
+            packed = self.pack(t)
+            if packed is not t:
+                self.away.append((t, packed))
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """The kept outputs back through `unpack`, then the recompute under torch's cached mode."""
+        for t, packed in self.away:
+            t.data = self.unpack(packed)
+        self.away = []
+        with self.cached:
+            yield
+
+
+def _selective_contexts(lora_shapes: set[tuple[int, ...]], keep_down: bool) -> tuple[Any, Any]:
+    """The checkpoint's context_fn for one call of a selective block: torch's caching and cached modes
+    with `every_other_matmul`, their kept outputs moved as `selective_outputs_through` says. Not while
+    torch.compile traces the block: then what the policy keeps are saved tensors of the compiled graph,
+    which the saved-tensor hooks see."""
+    caching, cached = create_selective_checkpoint_contexts(every_other_matmul(lora_shapes, keep_down))
+    if not _output_moves or torch.compiler.is_compiling():
+        return caching, cached
+    moved = _MovedOutputs(caching, cached, *_output_moves[-1])
+    return moved.forward(), moved.recompute()
+
+
 def canonical_name(name: str) -> str:
     """A parameter name without the wrappers' prefixes, so checkpoints do not depend on recompute."""
     return name.replace("_checkpoint_wrapped_module.", "")
@@ -140,9 +224,8 @@ def apply_recompute(model: nn.Module, modes: str | Sequence[str], every: int = 1
             continue
         if mode == "selective":
             shapes, keep = _lora_shapes(block), keeps_down_output(block)
-            model.layers[name] = checkpoint_wrapper(
-                block, preserve_rng_state=True,
-                context_fn=lambda s=shapes, k=keep: create_selective_checkpoint_contexts(every_other_matmul(s, k)))
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True,
+                                                    context_fn=lambda s=shapes, k=keep: _selective_contexts(s, k))
         else:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
         wrapped.append(name)

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, check_weight_dtype, open_safetensors, save_safetensors
-from shardwise.peft.quantize import is_quantized, linear
+from shardwise.peft.quantize import is_quantized, lora_linear
 from shardwise.untrusted import (
     bool_field,
     bounded_fullmatch,
@@ -128,8 +129,13 @@ class LoRALinear(nn.Linear):
         self.train(base.training)  # new modules start in training mode; follow the model's (eval: no dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base linear (its weight plain or quantised, `quantize_base`) plus the scaled low-rank update."""
-        return linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        """The base linear (its weight plain or quantised, `quantize_base`) plus the scaled low-rank update.
+        On a quantised base the whole layer is one autograd function (`peft.quantize.lora_linear`), whose
+        input gradient is summed in fp32 and rounded once."""
+        if is_quantized(self.weight):
+            p = self.lora_dropout.p if self.training and isinstance(self.lora_dropout, nn.Dropout) else 0.0
+            return lora_linear(x, self.weight, self.bias, self.lora_A.weight, self.lora_B.weight, self.scaling, p)
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
         """Shapes, rank and scaling for print(model)."""

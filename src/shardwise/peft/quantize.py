@@ -7,7 +7,8 @@ again with one factor per 256 of them); `int8` as torchao's Int8Tensor (symmetri
 int8 zero point per output row). Both keep the dtype the weight had (16 bits at O2/O3, fp32 at O0),
 so dequantising gives a weight of that dtype. The forward computes x @ dequant(W)^T + b and keeps
 only the quantised weight for backward, which dequantises it again: one weight's dequantised copy
-exists at a time.
+exists at a time. A LoRA layer on such a base is one autograd function (`lora_linear`), so that its
+input gradient, through the base and through the adapter, is summed in fp32 and rounded once.
 
 A quantised base is left out of the model's state dict (and so of checkpoints): the base is never
 saved quantised; a run rebuilds it from `model.init_from` (or the seed) on every start, so a resumed
@@ -97,6 +98,7 @@ def quantize_tensor(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 DEQUANT_CHUNKS = 16  # at most: a weight is dequantised this many row blocks at a time
+GRAD_ROWS = 1024  # token rows of the input gradient summed in fp32 at a time (QLoRA's backward)
 
 
 def dequant_chunks(kind: str, shape: tuple[int, ...]) -> int:
@@ -163,58 +165,115 @@ def quantized_bytes(kind: str, shape: tuple[int, ...], element_size: int) -> int
     raise ValueError(f"unknown quantisation {kind!r}")
 
 
-def dequantized_transient(kind: str, shape: tuple[int, ...], element_size: int, backward: bool = False) -> int:
+def dequantized_transient(kind: str, shape: tuple[int, ...], element_size: int, backward: bool = False,
+                          tokens: int = GRAD_ROWS, widens: bool = False) -> int:
     """Bytes alive at once, beyond the quantised weight, while one weight is dequantised for its matmul.
     Forward: the dequantised weight (n x element size), which lives until the matmul is done, and the
-    temporaries of dequantising one row block (`dequant_chunks`). Backward: one row block's
-    dequantisation only (the input gradient is summed block by block). Counted from torchao's code and
-    held against measurement (tests/peft/test_qlora.py)."""
+    temporaries of dequantising one row block (`dequant_chunks`). Backward: the same, then the
+    dequantised weight with the fp32 sums of the LoRA layer's input gradient for min(`tokens`, GRAD_ROWS)
+    token rows (the part through W and the adapter's, `_input_grad`). `widens`: a CPU, whose 16-bit
+    matmuls cannot write fp32 (`_mm_fp32`), so the fp32 copies of the weight and of the output gradient's
+    rows come on top. Counted from torchao's code and held against measurement (tests/peft/test_qlora.py,
+    bench/memory_check.py)."""
     n = math.prod(shape)
     chunks = dequant_chunks(kind, shape)
     c = n // chunks  # elements of one row block
-    out = n * element_size if chunks > 1 and not backward else 0  # the whole result, filled block by block
+    out = n * element_size if chunks > 1 else 0  # the whole result, filled block by block
     if kind == "nf4":
         # get_original_weight of a block: the high and low codes as int64 indices (4c bytes each), their
         # table values (c/2 each), scaled by the block scales (c/2 each, the scales c/64), stacked (c).
-        return out + 8 * c + 3 * c * element_size + (c // NF4_BLOCK) * element_size
-    # int8: torchao's dequantize_affine casts a block's codes and scales them in fp32, then to the dtype.
-    rows = shape[0] // chunks
-    return out + (8 * c + 4 * rows if element_size == 4 else 4 * c + c * element_size)
+        whole = out + 8 * c + 3 * c * element_size + (c // NF4_BLOCK) * element_size
+    else:  # int8: torchao's dequantize_affine casts a block's codes and scales them in fp32, then to the dtype.
+        rows = shape[0] // chunks
+        whole = out + (8 * c + 4 * rows if element_size == 4 else 4 * c + c * element_size)
+    if not backward:
+        return whole
+    rows = min(tokens, GRAD_ROWS)
+    widened = n * 4 + rows * shape[0] * 4 if widens and element_size != 4 else 0
+    return max(whole, n * element_size + 2 * rows * shape[1] * 4 + widened)
 
 
-class _QuantizedLinear(torch.autograd.Function):
-    """x @ dequant(W)^T with a frozen quantised W: only W itself is kept for backward (as torchtune's and
-    torchao's linear_nf4 do), so no 16-bit copy of the base outlives its matmul. Backward sums the input
-    gradient over W's row blocks, dequantising one block at a time."""
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32, whatever the 16-bit dtype of a and b: the products summed in fp32 and the result
+    not rounded to 16 bits. CUDA's matmul writes fp32 itself (out_dtype); elsewhere the operands are
+    widened first."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _QuantizedLoRALinear(torch.autograd.Function):
+    """A LoRA layer on a frozen quantised W: x @ dequant(W)^T + b + scaling * B(A(dropout(x))). Only W
+    itself is kept for backward (as torchtune's and torchao's linear_nf4 do), so no 16-bit copy of the
+    base outlives its matmul. The layer is one function so that backward sums the input gradient's two
+    parts, through W and through the adapter, in fp32 and rounds them to x's dtype once (autograd would
+    round each part to 16 bits and add them in 16 bits). The adapter's ops and saved tensors are those
+    nn.Linear and nn.Dropout would have: the dropped-out input, the dropout mask and A's output. Under
+    autocast (precision level O1) the matmuls run in its dtype, the inputs cast here as autocast would
+    cast them, so that backward knows the dtype they ran in."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(weight)
-        return F.linear(x, dequantize(weight, x.dtype))
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # noqa: D102
+                lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dropout: float) -> torch.Tensor:
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        with torch.autocast(kind, enabled=False):
+            cast = x.to(dtype)
+            out = F.linear(cast, dequantize(weight, dtype), None if bias is None else bias.to(dtype))
+            dropped, mask = torch.native_dropout(x, dropout, True) if dropout > 0 else (x, None)
+            dropped, lora_a, lora_b = (cast if mask is None else dropped.to(dtype)), lora_a.to(dtype), lora_b.to(dtype)
+            hidden = F.linear(dropped, lora_a)
+            out = out + F.linear(hidden, lora_b) * scaling
+        ctx.scaling, ctx.dropout, ctx.has_bias, ctx.x_dtype = scaling, dropout, bias is not None, x.dtype
+        ctx.save_for_backward(weight, lora_a, lora_b, dropped, mask, hidden)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
-        (weight,) = ctx.saved_tensors
-        blocks = _row_blocks(_inner(weight))
-        if len(blocks) == 1:
-            return grad @ dequantize(weight, grad.dtype), None
-        rows = blocks[0].shape[0]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        weight, lora_a, lora_b, dropped, mask, hidden = ctx.saved_tensors
         flat = grad.reshape(-1, grad.shape[-1])
-        grad_x = torch.empty(flat.shape[0], weight.shape[1], dtype=grad.dtype, device=grad.device)
-        for i, block in enumerate(blocks):  # dL/dx = sum over row blocks of dL/dy[:, rows] @ W[rows]
-            w = _dequantize_whole(block).to(grad.dtype)
-            g = flat[:, i * rows:(i + 1) * rows]
-            if i == 0:
-                torch.mm(g, w, out=grad_x)
-            else:
-                grad_x.addmm_(g, w)
-            del w
-        return grad_x.view(*grad.shape[:-1], weight.shape[1]), None
+        grads: list[Any] = [None] * 7
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grads[2] = flat.sum(0)
+        scaled = flat * ctx.scaling  # as autograd would: dL/d(hidden) = scaling * dL/dy @ B, then A's and B's
+        d_hidden = scaled @ lora_b
+        if ctx.needs_input_grad[3]:
+            grads[3] = d_hidden.t() @ dropped.reshape(-1, dropped.shape[-1])
+        if ctx.needs_input_grad[4]:
+            grads[4] = scaled.t() @ hidden.reshape(-1, hidden.shape[-1])
+        del scaled
+        if ctx.needs_input_grad[0]:
+            keep = None if mask is None else (mask.reshape(-1, mask.shape[-1]), 1.0 / (1.0 - ctx.dropout))
+            grads[0] = _input_grad(flat, weight, d_hidden, lora_a, keep, ctx.x_dtype).view(
+                *grad.shape[:-1], weight.shape[1])
+        return tuple(grads)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain or a quantised (frozen) weight."""
-    if not is_quantized(weight):
-        return F.linear(x, weight, bias)
-    out = _QuantizedLinear.apply(x, weight)  # the Parameter itself: saved for backward as a weight, not an activation
-    return out if bias is None else out + bias
+def _input_grad(flat: torch.Tensor, weight: torch.Tensor, d_hidden: torch.Tensor, lora_a: torch.Tensor,
+                keep: tuple[torch.Tensor, float] | None, dtype: torch.dtype) -> torch.Tensor:
+    """dL/dx = dL/dy @ dequant(W) + (dL/d(hidden) @ A) * mask / (1 - p), summed in fp32 and rounded to x's
+    `dtype` once, GRAD_ROWS token rows at a time so that the fp32 sums stay small. `keep`: the dropout mask
+    and its scale, or None without dropout. The weight is dequantised whole, as in forward."""
+    w = dequantize(weight, flat.dtype)
+    grad_x = torch.empty(flat.shape[0], weight.shape[1], dtype=dtype, device=flat.device)
+    for start in range(0, flat.shape[0], GRAD_ROWS):
+        rows = slice(start, start + GRAD_ROWS)
+        total = _mm_fp32(flat[rows], w)
+        part = _mm_fp32(d_hidden[rows], lora_a)
+        if keep is not None:  # nn.Dropout's backward: the kept values scaled by 1 / (1 - p)
+            part.mul_(keep[0][rows]).mul_(keep[1])
+        total += part
+        del part
+        grad_x[rows] = total
+        del total
+    return grad_x
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float, dropout: float) -> torch.Tensor:
+    """A LoRA layer on a quantised base weight (the Parameter itself: saved for backward as a weight, not
+    an activation): x @ dequant(W)^T + bias + scaling * (dropout(x) @ A^T) @ B^T, `dropout` the
+    probability in force (0 in eval mode). Its input gradient is summed in fp32 and rounded once."""
+    return _QuantizedLoRALinear.apply(x, weight, bias, lora_a, lora_b, scaling, dropout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from ..config import ParallelConfig, RunConfig, validate
 from ..errors import ConfigError
@@ -57,7 +57,7 @@ class Layout:
     accumulation: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    offload: bool = False
+    offload: Union[bool, str] = False  # optimize.offload_optimizer: False, "cpu" or "stream"
     reduce_gradients: str = "auto"  # parallel.reduce_gradients; searched for ZeRO 2/3 with accumulation
     offload_activations: bool = False  # tried with offload_optimizer where no pipeline runs
     loss_chunk: Optional[int] = None  # optimize.loss_chunk_tokens when the planner lowered it to fit (else as set)
@@ -70,7 +70,8 @@ class Layout:
 
     def describe(self) -> str:
         """All settings in one line."""
-        offload = ("+offload" if self.offload else "") + (" and activations" if self.offload_activations else "")
+        offload = {"cpu": "+offload", "stream": "+streamed optimizer state"}.get(self.offload, "") + (
+            " and activations" if self.offload_activations else "")
         zero = f"ZeRO-{self.zero}" + offload
         if self.offload_params:  # optimize.offload_params on one device
             zero = "FSDP2 CPU offload of parameters, gradients and optimizer" + (
@@ -276,15 +277,17 @@ def check_float8_request(req: PlanRequest) -> None:
 def context_parallel_degrees(req: PlanRequest, tp: int, pp: int, wanted: bool) -> list[int]:
     """The context-parallel degrees to try with `tp` x `pp`: 1, and (when `wanted` or pinned) every degree
     that divides the devices left, the sequence and the query heads per tensor-parallel rank, without a
-    pipeline and with the chunked loss (`parallel.context.check_context_parallel`'s conditions)."""
+    pipeline, with the chunked loss and without dropout (`parallel.context.check_context_parallel`'s
+    conditions)."""
     cfg, pins = req.cfg, req.pins
     if not (wanted or "cp" in pins):
         return [1]
     seq, heads = cfg.data.seq_length, cfg.model.num_heads // tp
     sp = cfg.parallel.sequence_parallel and tp > 1
+    dropout = bool(cfg.model.dropout or (cfg.lora is not None and cfg.lora.dropout))  # refused under CP
     ok = [c for c in divisors(req.devices // (tp * pp))
           if c == 1 or (pp == 1 and cfg.optimize.chunked_loss and seq % c == 0 and heads % c == 0
-                        and not (sp and (seq // c) % tp))]
+                        and not (sp and (seq // c) % tp) and not dropout)]
     return _allowed(pins, "cp", ok)
 
 
@@ -335,15 +338,18 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                     for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
                         can_offload = req.offload and req.hardware.kind != "cpu" and (
-                            zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1))
-                        offloads = (False, True) if can_offload else (False,)
+                            zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1)) and \
+                            cfg.train.optimizer not in PAGED_OPTIMIZERS  # their state pages to the host itself
+                        offloads = (False, *optimizer_offloads(cfg, tp, pp)) if can_offload else (False,)
                         # ZeRO 2/3 accumulating without a pipeline: reduce-scatter every micro-batch
                         # (sharded gradients) or once per step (full-size ones, fewer collectives).
                         reductions = (("every_micro_batch", "once_per_step") if zero >= 2 and pp == 1 and ga > 1
                                       else ("auto",))
-                        # With the optimizer offloaded, the saved activations may go to the host too.
-                        offloads = [(o, acts) for o in offloads for acts in ((False, True) if o and pp == 1
-                                                                             else (False,))]
+                        # The saved activations may go to the host too (not under a pipeline), with the
+                        # optimizer offloaded or not.
+                        offloads = [(o, acts) for o in offloads for acts in ((False, True) if pp == 1 and
+                                                                             req.offload and req.hardware.kind
+                                                                             != "cpu" else (False,))]
                         # On one device, offload_params too: FSDP2's CPU offload alone (the parameters as
                         # well, each block copied in for its forward and backward; LoRA's base leaves).
                         if can_offload and dp * tp * pp * cp == 1:
@@ -353,10 +359,27 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                                     "recompute", []))):
                                 for reduce in reductions:
                                     layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v,
-                                                    offload is True, reduce, acts, offload_params=offload == "params",
-                                                    cp=cp)
+                                                    offload if offload in ("cpu", "stream") else False, reduce,
+                                                    acts, offload_params=offload == "params", cp=cp)
                                     out.append((layout, layout_config(cfg, layout)))
     return out
+
+
+def optimizer_offloads(cfg: RunConfig, tp: int, pp: int) -> tuple[str, ...]:
+    """The optimize.offload_optimizer engines the run's optimizer settings allow: cpu (ZeRO-Offload: the
+    update on the host, not in backward, not torchao's or bitsandbytes' optimizers) and stream (the state
+    in host memory, the update on the device: Adam, AdamW, torchao's 8-bit AdamW; without tensor or
+    pipeline parallelism)."""
+    t = cfg.train
+    out = []
+    if not t.optimizer_in_backward and t.optimizer in ("adamw", "adam", "sgd"):
+        out.append("cpu")
+    if t.optimizer in ("adamw", "adam", "adamw_8bit") and tp == 1 and pp == 1:
+        out.append("stream")
+    return tuple(out)
+
+
+PAGED_OPTIMIZERS = ("paged_adamw_8bit", "paged_adamw")  # bitsandbytes': no offload lever beside them
 
 
 # A layout that does not fit with the configured loss chunk is tried once more with chunks of this many tokens:
@@ -496,15 +519,21 @@ def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
     else:  # at least selective's: the input, q, v, the attention output and the gate (or the MLP's input)
         widths = m.hidden_size + (2 * m.num_heads + m.num_kv_heads) * m.head_dim + m.intermediate_size
         per_layer = tokens * widths * elem / tp
+    if layout.offload_activations:  # what the blocks save is in host memory
+        per_layer = 0
+    # A quantised LoRA base (QLoRA) stores its frozen weights in half a byte (NF4) or one (int8).
+    quantized = cfg.lora.quantize_base if cfg.lora is not None else "none"
+    frozen_elem = {"nf4": 0.5, "int8": 1.0}.get(quantized, elem)
     bound = 0.0
     for rank, load in enumerate(step.detail["loads"]):
         params, trainable = load.params / tp, load.trainable / tp
+        stored = trainable * elem + (params - trainable) * frozen_elem
         if layout.offload_params:  # FSDP2's CPU offload on one device: every shard in host memory
             need = 0.0
         elif layout.offload:
-            need = params * elem * (0 if layout.zero == 3 else 1) / dp
+            need = stored * (0 if layout.zero == 3 else 1) / dp
         else:
-            need = (params * elem / (dp if layout.zero == 3 else 1) + trainable * elem / (dp if layout.zero >= 2 else 1)
+            need = (stored / (dp if layout.zero == 3 else 1) + trainable * elem / (dp if layout.zero >= 2 else 1)
                     + trainable * state / (dp if layout.zero >= 1 else 1))
         # 1F1B keeps pp - rank micro-batches in flight on pipeline rank `rank`; other schedules as many or more.
         in_flight = min(layout.accumulation, pp - rank) if pp > 1 else 1

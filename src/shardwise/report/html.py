@@ -10,7 +10,7 @@ from typing import Any
 
 from ..html_page import embedded_png, escape, page, table
 from ..units import GIB
-from .plots import MEMORY_PARTS, Plot, common_losses
+from .plots import MEMORY_PARTS, Plot, common_losses, constant_series
 from .runs import FineTuning, Run
 
 STYLE = """
@@ -108,6 +108,10 @@ def layout_text(run: Run) -> str:
 def memory_rows(run: Run) -> list[list[str]]:
     rows = [[name, num(getattr(run.memory, attr) / GIB)] for name, attr in MEMORY_PARTS]
     rows.append([f"estimated peak ({run.memory.peak_phase})", num(run.memory.peak / GIB)])
+    runtime = run.runtime_rss_gb()
+    if runtime is not None:  # a CPU: its measured peak is the process's resident set, the runtime's memory too
+        rows.append(["runtime (process RSS at start)", num(runtime)])
+        rows.append(["estimated peak + runtime", num(run.memory.peak / GIB + runtime)])
     rows.append([f"measured peak: {run.peak_memory_kind()}", num(run.max_peak_memory_gb())])
     return rows
 
@@ -144,9 +148,16 @@ def run_section(run: Run, index: int) -> str:
 def memory_section(run: Run, index: int) -> str:
     text = (f"<h3>Memory per device (estimate for {escape(run.memory_device)}, GiB)</h3>"
             + table(("part", "GiB"), memory_rows(run), f"memory-{index}"))
-    if run.peak_memory_is_rss:
+    if run.peak_memory_is_rss and run.runtime_rss_gb() is not None:
+        text += ("<p>On the CPU the measured peak is the process's resident set: the tensors the estimate counts "
+                 "and the runtime's own memory (the Python interpreter and libraries: the process's resident set "
+                 "before training, as the records say), which the table and the memory chart add to the "
+                 "estimate.</p>")
+    elif run.peak_memory_is_rss:
         text += ("<p>On the CPU the measured peak is the process's resident set (the Python interpreter and "
-                 "libraries included); the estimate counts tensors only.</p>")
+                 "libraries included) while the estimate counts tensors only, and this run's records do not say "
+                 "the runtime's own resident memory (runtime_rss_gb): the memory chart leaves the measured peak "
+                 "out rather than set it beside the estimate.</p>")
     return text
 
 
@@ -178,5 +189,9 @@ def render(runs: list[Run], plots: list[Plot]) -> str:
         body.append(f"<h2>Differences against {escape(runs[0].name)}</h2>"
                     + table(DIFFERENCE_HEADER, difference_rows(runs), "differences"))
     body.append('<h2>Plots</h2><div class="plots">' + "".join(img(p) for p in plots) + "</div>")
+    constants = constant_series(runs)
+    if constants:
+        body.append("<p>Not drawn, one value for the whole run: " + escape("; ".join(
+            f"{title.lower()} {num(value)} ({name})" for title, name, value in constants)) + ".</p>")
     body += [run_section(run, i) for i, run in enumerate(runs)]
     return page(f"shardwise report: {names}", STYLE, "\n".join(body))

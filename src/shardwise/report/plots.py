@@ -1,8 +1,11 @@
 """The report's figures, drawn with matplotlib (the `report` extra) on the Agg canvas: PNG bytes, no window.
 
 Every curve of a run has the run's colour; restarts are dashed vertical lines and skipped steps
-crosses, on every plot against the step. matplotlib is imported inside `html_page.figure_class`, so the
-rest of shardwise works without it.
+crosses, on every plot against the step. A field that holds one value for a whole run (the loss scale
+without fp16) is not drawn for it, and a plot with nothing else is left out (`constant_series` names
+them). The memory chart compares like with like: on a CPU, whose measured peak is the process's
+resident set, the estimate's bar carries the runtime's own resident memory too. matplotlib is imported
+inside `html_page.figure_class`, so the rest of shardwise works without it.
 """
 
 from __future__ import annotations
@@ -60,11 +63,25 @@ def peak_memory_label(runs: list[Run]) -> str:
     return "GiB: peak allocated (accelerator) / process RSS (cpu)"
 
 
+def constant(values: list[float]) -> bool:
+    """Whether a run's series holds one value throughout (two records or more): nothing to draw."""
+    return len(values) > 1 and all(v == values[0] for v in values)
+
+
+def constant_series(runs: list[Run]) -> list[tuple[str, str, float]]:
+    """(plot title, run name, value) of every step plot's field that is constant for a run, not drawn."""
+    return [(title, run.name, values[0]) for _, title, key, _ in STEP_PLOTS for run in runs
+            if constant(values := run.series(key)[1])]
+
+
 def all_plots(runs: list[Run]) -> list[Plot]:
     """Every figure of the report, in the order it shows them."""
     figure = figure_class()
     plots = [loss_against_step(figure, runs), loss_against_tokens(figure, runs)]
     for plot_id, title, key, ylabel in STEP_PLOTS:
+        series = [run.series(key)[1] for run in runs]
+        if any(series) and all(constant(values) or not values for values in series):
+            continue  # constant for every run that logged it: the page names it instead
         ylabel = peak_memory_label(runs) if key == "peak_memory_gb" else ylabel
         plots.append(against_step(figure, runs, plot_id, title, key, ylabel))
     if len(runs) > 1:
@@ -123,12 +140,12 @@ def _marks(ax: Any, run: Run, i: int, steps: list[int], values: list[float]) -> 
 
 
 def against_step(figure: Any, runs: list[Run], plot_id: str, title: str, key: str, ylabel: str) -> Plot:
-    """One metrics field against the step, every run overlaid."""
+    """One metrics field against the step, every run overlaid (but those for which it is constant)."""
     fig, ax = _axes(figure, title, "step", ylabel)
     has_data = False
     for i, run in enumerate(runs):
         steps, values = run.series(key)
-        if steps:
+        if steps and not constant(values):
             has_data = True
             ax.plot(steps, values, color=colour(i), label=text(run.name), marker="." if len(steps) < 30 else None)
             _marks(ax, run, i, steps, values)
@@ -198,8 +215,19 @@ def common_losses(base: Run, other: Run) -> list[tuple[int, float, float]]:
     return [(s, a[s], b[s]) for s in sorted(set(a) & set(b))]
 
 
+def comparable_peak(run: Run) -> float | None:
+    """The measured peak the memory chart sets beside the run's estimate: device memory allocated, or on a
+    CPU the process's peak RSS when the records say the runtime's own resident memory (the chart adds it
+    to the estimate); None for a CPU run that does not (tensors against a whole process would mislead)."""
+    peak = run.max_peak_memory_gb()
+    if peak is None or (run.peak_memory_is_rss and run.memory is not None and run.runtime_rss_gb() is None):
+        return None
+    return peak
+
+
 def memory_bars(figure: Any, runs: list[Run]) -> Plot:
-    """Per run: the estimate stacked by part beside the measured peak (max peak_memory_gb), in GiB."""
+    """Per run: the estimate stacked by part (on a CPU with the runtime's resident memory on top) beside the
+    measured peak (max peak_memory_gb), in GiB."""
     fig, ax = _axes(figure, "Memory per device: estimate (stacked) and measured peak", "", "GiB")
     labels, x, legend = [], 0, set()
 
@@ -210,19 +238,23 @@ def memory_bars(figure: Any, runs: list[Run]) -> Plot:
         return name
 
     for run in runs:
+        runtime = run.runtime_rss_gb()
         if run.memory is not None:
             bottom = 0.0
             for j, (name, attr) in enumerate(MEMORY_PARTS):
                 value = getattr(run.memory, attr) / GIB
                 ax.bar(x, value, bottom=bottom, color=f"C{j}", label=once(name), width=0.6)
                 bottom += value
-            labels.append((x, f"{text(run.name)}\nestimate ({run.memory_device})"))
+            if runtime is not None:  # a CPU: what its resident set holds beside the tensors
+                ax.bar(x, runtime, bottom=bottom, color="0.75", label=once("runtime (process RSS at start)"),
+                       width=0.6)
+            labels.append((x, f"{text(run.name)}\nestimate ({run.memory_device})"
+                           + ("\n+ runtime" if runtime is not None else "")))
             x += 1
-        peak = run.max_peak_memory_gb()
+        peak = comparable_peak(run)
         if peak is not None:
             ax.bar(x, peak, color="0.35", hatch="//", label=once("measured peak"), width=0.6)
-            # A CPU's peak is the process's resident set (interpreter and libraries included), not tensors only.
-            labels.append((x, f"{text(run.name)}\nmeasured" + (" (process RSS)" if run.peak_memory_is_rss else "")))
+            labels.append((x, f"{text(run.name)}\nmeasured" + ("\n(process RSS)" if run.peak_memory_is_rss else "")))
             x += 1
         x += 0.5
     ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize="small")

@@ -95,6 +95,12 @@ class Run:
         values = self.series("peak_memory_gb")[1]
         return max(values) if values else None
 
+    def runtime_rss_gb(self) -> float | None:
+        """On a CPU, the runtime's own resident memory (the process's before training: interpreter and
+        libraries) that its peak RSS holds beside the tensors; None when the records do not say it."""
+        values = self.series("runtime_rss_gb")[1]
+        return max(values) if values and self.peak_memory_is_rss else None
+
     def final(self, key: str) -> float | None:
         """The last value of `key` as logged (training or eval records): a NaN or infinite last loss is shown,
         not hidden."""

@@ -183,11 +183,14 @@ class Window:
         value, doubt = mfu.of(per_device)
         loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         memory = max_over(peak_memory_gb(device)) if world_size > 1 else peak_memory_gb(device)
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": loss_scale,
-                "tokens_per_s": tps, "target_tokens_per_s": self.target_tokens / elapsed,
-                "tokens_per_s_per_device": per_device, "mfu": value, "peak_in_doubt": doubt,
-                "peak_memory_gb": memory, "skipped_steps": self.skipped,
-                "device": device.type}  # what peak_memory_gb measured: device memory, or a CPU's resident set
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": loss_scale,
+                  "tokens_per_s": tps, "target_tokens_per_s": self.target_tokens / elapsed,
+                  "tokens_per_s_per_device": per_device, "mfu": value, "peak_in_doubt": doubt,
+                  "peak_memory_gb": memory, "skipped_steps": self.skipped,
+                  "device": device.type}  # what peak_memory_gb measured: device memory, or a CPU's resident set
+        if device.type == "cpu":  # what that resident set holds beside the tensors: the runtime's own memory
+            record["runtime_rss_gb"] = max_over(RUNTIME_RSS_GB) if world_size > 1 else RUNTIME_RSS_GB
+        return record
 
 
 def format_record(r: Mapping[str, Any]) -> str:
@@ -213,7 +216,19 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / GIB
     if device.type == "npu":
         return torch.npu.max_memory_allocated(device) / GIB  # type: ignore[attr-defined]
+    return _peak_rss_gb()
+
+
+def _peak_rss_gb() -> float:
+    """The process's peak resident set size so far, in GiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+
+
+# The runtime's own resident memory: the process's peak resident set when this module was loaded (the
+# interpreter, torch and shardwise's other libraries, before any model, data or optimizer state exists).
+# A CPU's peak_memory_gb, its peak resident set, holds it beside the tensors that the memory estimate
+# counts; the records carry it (`runtime_rss_gb`) so that the report can set estimate + runtime beside it.
+RUNTIME_RSS_GB = _peak_rss_gb()
 
 
 # --- metrics.jsonl ------------------------------------------------------------------------------------------

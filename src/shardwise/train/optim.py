@@ -15,10 +15,14 @@ stepped by the implementation `train.optimizer_impl` resolves to (`TrainConfig.o
   bitwise, with a temporary of one chunk.
 
 `train.optimizer_state_dtype: bf16` keeps the moments in bf16 (2 bytes each instead of 4): the step
-reads a chunk's moments into fp32, runs the fp32 update and rounds them back (`ChunkedAdamW` and
-friends). `train.optimizer: adamw_8bit` is torchao's block-wise 8-bit AdamW (the `lowbit` extra).
+reads a chunk's moments into fp32, runs the fp32 update and rounds them back stochastically
+(`memory.precision.round_into`), so that they keep decaying at beta2 = 0.999 (`ChunkedAdamW` and
+friends). `train.optimizer: adamw_8bit` is torchao's block-wise 8-bit AdamW (the `lowbit` extra);
+`paged_adamw_8bit` / `paged_adamw` are bitsandbytes' paged AdamW (`paged_optimizer.py`, CUDA).
 `OptimizerInBackward` steps each parameter from a post-accumulate-grad hook as soon as its gradient
-is final and frees that gradient, so no full set of gradients ever exists.
+is final and frees that gradient, so no full set of gradients ever exists; a non-finite gradient stops
+the updates through a flag on the device, with every kernel of ours. (`optimize.offload_optimizer:
+stream` steps with `memory.streamed_optimizer.StreamedAdam` instead.)
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from torch.optim.sgd import sgd as sgd_update
 
 from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
+from ..memory.precision import round_into
 from ..parallel.collectives import all_reduce
 from ..parallel.dtensors import local_tensor
+from .paged_optimizer import PAGED_OPTIMIZERS, paged_adamw, paged_problem
 
 CHUNK_ELEMENTS = OPTIMIZER_CHUNK_ELEMENTS  # elements per chunk of the chunked step (64 MiB of fp32)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,8 +78,11 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.Tensor]], name: str,
         raise ConfigError("the model has no trainable parameters; check the freeze / LoRA settings")
     if name == "adamw_8bit":
         return _adamw_8bit(groups, lr, betas, eps)
+    if name in PAGED_OPTIMIZERS:
+        return paged_adamw(groups, name, lr, betas, eps)
     if name not in ("adamw", "adam", "sgd"):
-        raise ConfigError(f"train.optimizer {name!r} is not known; use adamw, adam, sgd or adamw_8bit")
+        raise ConfigError(f"train.optimizer {name!r} is not known; use adamw, adam, sgd, adamw_8bit, "
+                          "paged_adamw_8bit or paged_adamw")
     if kernel not in ("fused", "foreach", "chunked"):
         raise ConfigError(f"optimizer kernel {kernel!r} is not known; use fused, foreach or chunked")
     if name == "adam":
@@ -132,6 +141,12 @@ def check_optimizer(cfg: Any, dims: Any, world_size: int, device: torch.device) 
     count, the data-parallel degree, the 8-bit optimizer's library and devices."""
     t = cfg.train
     dp = dims.dp
+    if t.optimizer in PAGED_OPTIMIZERS:
+        o = cfg.optimize
+        problem = paged_problem(t.optimizer, device.type, dp, cfg.parallel.zero_stage,
+                                bool(o.offload_optimizer or o.offload_params))
+        if problem:
+            raise ConfigError(problem)
     if t.optimizer_in_backward:
         accumulation = cfg.gradient_accumulation(world_size)
         if accumulation > 1:
@@ -197,6 +212,16 @@ def _adamw_8bit(groups: list[dict], lr: float, betas: tuple[float, float], eps: 
             with torch.compiler.set_stance("force_eager"):
                 return super().step(closure)
 
+        def initial_state(self, p: torch.Tensor, group: dict) -> None:
+            """The state torchao's step makes for `p` before its first update (the optimizer in backward
+            copies it before that update, to put it back if the update must not count)."""
+            state = self.state[p]
+            state["step"] = torch.tensor(0.0)  # as torchao keeps it: in host memory
+            state["exp_avg"] = self._new_buffer(p, True)
+            state["exp_avg_sq"] = self._new_buffer(p, False)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+
     return ShardwiseAdamW8bit(groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -261,10 +286,11 @@ class _ChunkedStep:
         return [m.to(p.dtype) for m, p in zip(moments, params)]
 
     def _keep(self, stored: list[torch.Tensor], work: list[torch.Tensor]) -> None:
-        """Round the updated fp32 moments back into their 16-bit storage."""
+        """Round the updated fp32 moments back into their 16-bit storage, stochastically (`round_into`);
+        the fp32 copies are spent."""
         if self.state_dtype is not None:
             for s, w in zip(stored, work):
-                s.copy_(w)
+                round_into(s, w)
 
     def _found_inf(self) -> Optional[torch.Tensor]:
         """The flag `step_unless` sets for a fused step to skip on the device (None otherwise)."""
@@ -278,16 +304,20 @@ class _ChunkedStep:
 
 
 class _ChunkedAdamStep(_ChunkedStep):
+    def initial_state(self, p: torch.Tensor, group: dict) -> None:
+        """`p`'s state before its first update: step 0, zero moments."""
+        state = self.state[p]
+        state["step"] = self._step_tensor(p)
+        state["exp_avg"] = self._moment(p)
+        state["exp_avg_sq"] = self._moment(p)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = self._moment(p)
+
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         amsgrad = group["amsgrad"]
         for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = self._step_tensor(p)
-                state["exp_avg"] = self._moment(p)
-                state["exp_avg_sq"] = self._moment(p)
-                if amsgrad:
-                    state["max_exp_avg_sq"] = self._moment(p)
+            if not self.state[p]:
+                self.initial_state(p, group)
         states = [self.state[p] for p in params]
         keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
         stored = {k: [s[k] for s in states] for k in keys}
@@ -346,6 +376,13 @@ class ChunkedSGD(_ChunkedStep, torch.optim.SGD):
                                  foreach=not fused, fused=fused)
         self._setup(fused, chunk_elements, state_dtype)
 
+    def initial_state(self, p: torch.Tensor, group: dict) -> None:
+        """`p`'s state before its first update, for the optimizer in backward: a zero momentum buffer,
+        which the first update fills with the gradient as torch's first step does (with dampening 0,
+        all `build_optimizer` makes). A plain step makes the buffer at the first update instead."""
+        if group["momentum"] != 0:
+            self.state[p]["momentum_buffer"] = self._moment(p)
+
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         stored = [self.state[p].get("momentum_buffer") for p in params]
         work = [None if b is None else b.to(p.dtype) if self.state_dtype is not None else b
@@ -359,9 +396,9 @@ class ChunkedSGD(_ChunkedStep, torch.optim.SGD):
             return
         for p, s, w in zip(params, stored, work):
             if s is None:  # the first step made the buffer (a copy of the gradient)
-                self.state[p]["momentum_buffer"] = w.to(self.state_dtype) if self.state_dtype is not None else w
-            elif self.state_dtype is not None:
-                s.copy_(w)
+                s = self.state[p]["momentum_buffer"] = w if self.state_dtype is None else self._moment(p)
+            if self.state_dtype is not None:
+                round_into(s, w)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state to the parameter's dtype; a 16-bit momentum goes back."""
@@ -386,14 +423,23 @@ class OptimizerInBackward:
     (copy the master back). The optimizer is the run's own one (its state, checkpoints and learning
     rate as usual); each update runs over that one parameter of its group.
 
-    Non-finite gradients: each gradient is checked before its update; the first non-finite one stops
-    every later update of the step (`finite` is then False). With a fused kernel the check stays on
-    the device (a running flag each update takes as its `found_inf`, read only by `finite`); other
-    kernels read each gradient's finiteness as it arrives (a host sync per tensor). A non-finite loss
-    makes every gradient non-finite, so the first one already stops the step and no weight is touched; a gradient that
-    overflows in the middle of the backward leaves the parameters updated before it updated (those
-    whose gradients came first, nearest the output). The gradient norm of the step is gathered as
-    the gradients go (`finish`).
+    Non-finite gradients, without a host sync: a flag on the device records whether a gradient was not
+    finite, and from the first such gradient no update counts, in this step or a later one, until the
+    host has read the flag (`read_finite`). A fused kernel (`on_device`) takes the flag as its
+    `found_inf` and skips itself. Shardwise's other kernels (foreach, chunked, torchao's 8-bit AdamW:
+    `undoes`) update, then put the parameter and its state back where the flag is set, from copies
+    taken just before (the stepped tensor and its state: one parameter's worth, alive during its
+    update). Step counters such a kernel keeps in host memory (torch's foreach and torchao keep them
+    there on an accelerator) cannot be put back without reading the flag: they are noted, and put back
+    when the host reads it. Any other optimizer (bitsandbytes' paged AdamW) reads the flag on the host
+    before each update: a sync per tensor.
+
+    A non-finite loss makes every gradient non-finite, so the first one already stops the step and no
+    weight is touched; a gradient that overflows in the middle of the backward leaves the parameters
+    updated before it updated (those whose gradients came first, nearest the output). The trainer
+    reads the flag with the step's other figures, one step later or at once at a log, save or
+    evaluation step, and stops the run; the step in between updated nothing. The gradient norm of the
+    step is gathered as the gradients go, its squares in float64 (`finish`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -402,23 +448,46 @@ class OptimizerInBackward:
         self.optimizer, self.target, self.after = optimizer, target, after
         self.group_of = {id(q): g for g in optimizer.param_groups for q in g["params"]}
         self.on_device = bool(getattr(optimizer, "fused", False)) and hasattr(optimizer, "step_param")
-        self._finite = True
-        self._bad: Optional[torch.Tensor] = None  # on the device: whether a gradient of this step was not finite
+        self.undoes = not self.on_device and hasattr(optimizer, "initial_state")
+        self._finite = True  # what the host has read of the flag since `begin`
+        self._bad: Optional[torch.Tensor] = None  # on the device: a gradient since the last read was not finite
+        # Per step (this one and the one before): (step counter in host memory, its value before an update,
+        # the flag as that update saw it), to put back if the flag turns out set.
+        self._host_counts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[]]
         self._squares: dict[tuple, list[torch.Tensor]] = {}
         self._meshes: dict[tuple, Any] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     @property
     def finite(self) -> bool:
-        """Whether every gradient of the step so far was finite (reads the device's flag once, at the end)."""
+        """Whether every gradient since `begin` was finite (`read_finite`: a host sync)."""
+        return self.read_finite()
+
+    @property
+    def not_finite(self) -> Optional[torch.Tensor]:
+        """The device's flag, not read: whether a gradient since the host last read it was not finite
+        (None before the first gradient)."""
+        return self._bad
+
+    def read_finite(self) -> bool:
+        """Whether every gradient since `begin` was finite. Reads the device's flag (a host sync: the trainer
+        does so only to stop the run); when it is set, the step counters in host memory that counted
+        undone updates go back, and from now on updates count again."""
         if self._bad is not None:
-            self._finite, self._bad = not bool(self._bad), None
+            bad, self._bad = self._bad, None
+            if bool(bad):
+                self._finite = False
+                self._put_back_host_counts()
+            self._host_counts = [[]]
         return self._finite
 
     def begin(self) -> None:
-        """Start a step: forget the last step's norm and finiteness."""
-        self._finite, self._bad = True, None
+        """Start a step: forget the last step's norm. The flag stays until the host reads it (the trainer
+        reads a step's figures by the end of the next step), and so do the notes of the last step's host
+        counters; older ones go."""
+        self._finite = True
         self._squares, self._meshes = {}, {}
+        self._host_counts = self._host_counts[-1:] + [[]]
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -429,45 +498,77 @@ class OptimizerInBackward:
         key, mesh = _norm_key(grad)
         if key is None:  # a partial sum (tensor parallelism's replicated norms): reduced, then its norm
             key, mesh = ("reduced", ()), None
-            square = torch.linalg.vector_norm(grad, dtype=torch.float32).full_tensor() ** 2
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32).full_tensor()
         else:  # this rank's part; the parts' squares add up over the mesh dimensions it is split over
-            square = torch.linalg.vector_norm(local_tensor(grad), dtype=torch.float32) ** 2
+            norm = torch.linalg.vector_norm(local_tensor(grad), dtype=torch.float32)
+        square = norm.double() ** 2  # summed in float64, so that every layout's sum agrees (`finish`)
         self._squares.setdefault(key, []).append(square)
         self._meshes[key] = mesh
+        bad = ~torch.isfinite(norm)
+        self._bad = bad if self._bad is None else self._bad | bad
         if self.on_device:
-            self._step_on_device(p, q, square)
+            self._step_skipping(q)
+        elif self.undoes:
+            self._step_then_undo(q)
         else:
-            self._step_after_reading(p, q, square)
+            self._step_after_reading(q)
+        if self.after is not None:
+            self.after(p)
         q.grad = None
 
-    def _step_on_device(self, p: torch.Tensor, q: torch.Tensor, square: torch.Tensor) -> None:
-        """Update `q` unless this or an earlier gradient of the step was not finite, without reading it."""
-        bad = ~torch.isfinite(square)
-        self._bad = bad if self._bad is None else self._bad | bad
+    def _step_skipping(self, q: torch.Tensor) -> None:
+        """Update `q` with a kernel that skips by itself where the flag is set (its `found_inf`)."""
         self.optimizer.found_inf = self._bad.to(torch.float32)
         try:
             self.optimizer.step_param(q, self.group_of[id(q)])
         finally:
             del self.optimizer.found_inf
-        if self.after is not None:
-            self.after(p)
 
-    def _step_after_reading(self, p: torch.Tensor, q: torch.Tensor, square: torch.Tensor) -> None:
-        """Update `q` if every gradient of the step so far was finite (reads this one's finiteness)."""
-        if self._finite and not bool(torch.isfinite(square)):
-            self._finite = False
-        if self._finite:
-            group = self.group_of[id(q)]
-            step_param = getattr(self.optimizer, "step_param", None)
-            if step_param is not None:
-                step_param(q, group)
+    def _step_then_undo(self, q: torch.Tensor) -> None:
+        """Update `q`, then put it and its state back where the flag is set, from copies taken before (the
+        optimizer updates its state tensors in place)."""
+        group = self.group_of[id(q)]
+        state = self.optimizer.state[q]
+        if not state:  # its first update: the state it starts from, to have something to put back
+            self.optimizer.initial_state(q, group)
+        kept = [(t, t.clone()) for t in _value_tensors([q, *state.values()])]
+        self._step(q, group)
+        bad = self._bad
+        for now, before in kept:
+            if _apart_from_flag(now, bad):  # a step counter in host memory: put back if the host reads the flag set
+                self._host_counts[-1].append((now, before, bad))
             else:
-                _step_one(self.optimizer, q, group)
-            if self.after is not None:
-                self.after(p)
+                torch.where(bad, before, now, out=now)
+
+    def _step_after_reading(self, q: torch.Tensor) -> None:
+        """Update `q` unless the flag is set, read on the host (a sync per tensor): for an optimizer that is
+        not shardwise's (bitsandbytes' paged AdamW replaces its step counts in each step)."""
+        if not bool(self._bad):
+            self._step(q, self.group_of[id(q)])
+
+    def _step(self, q: torch.Tensor, group: dict) -> None:
+        """One update of `q` (our optimizers' `step_param`, else the optimizer's step over `q` alone)."""
+        step_param = getattr(self.optimizer, "step_param", None)
+        if step_param is not None:
+            step_param(q, group)
+        else:
+            _step_one(self.optimizer, q, group)
+
+    def _put_back_host_counts(self) -> None:
+        """Give the host counters noted since the last read the value they had before their first update
+        under a set flag (one more read: the flags those updates saw)."""
+        noted = [n for step in self._host_counts for n in step]
+        if not noted:
+            return
+        seen = torch.stack([flag.reshape(()) for _, _, flag in noted]).tolist()
+        for (counter, before, _), was_bad in reversed(list(zip(noted, seen))):  # the earliest undone update last
+            if was_bad:
+                counter.copy_(before)
 
     def finish(self) -> torch.Tensor:
-        """The step's global gradient norm (a collective over the meshes of sharded gradients), on the device."""
+        """The step's global gradient norm (a collective over the meshes of sharded gradients), on the device:
+        the squares summed in float64 (the order of a sum differs between layouts; float64 keeps that out of
+        the figures), its square root given back in float32."""
         total: Optional[torch.Tensor] = None
         for key in sorted(self._squares, key=repr):
             part = torch.stack(self._squares[key]).sum()
@@ -475,13 +576,35 @@ class OptimizerInBackward:
             for d in dims:  # sharded (or partial) over these mesh dimensions: sum over their groups
                 part = all_reduce(part, mesh.get_group(d), dist.ReduceOp.SUM)
             total = part if total is None else total + part.to(total.device)
-        return (total if total is not None else torch.zeros((), dtype=torch.float32)).sqrt()
+        return (total if total is not None else torch.zeros((), dtype=torch.float64)).sqrt().float()
 
     def remove(self) -> None:
         """Remove the hooks."""
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _apart_from_flag(t: torch.Tensor, flag: torch.Tensor) -> bool:
+    """Whether `t` lives where the device's flag is not (a step counter in host memory on an accelerator):
+    putting it back by the flag would need the flag on the host."""
+    return t.device != flag.device
+
+
+def _value_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """The plain tensors that hold the values of `tensors` (others skipped): a DTensor's local part, a
+    tensor subclass's inner tensors (torchao's 8-bit moments: codes, scales and their quantisation map)."""
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if not torch.is_tensor(t):
+            continue
+        t = local_tensor(t)
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            out += _value_tensors(getattr(t, n) for n in names)
+        else:
+            out.append(t.detach())
+    return out
 
 
 def _norm_key(grad: torch.Tensor) -> tuple[Optional[tuple], Any]:

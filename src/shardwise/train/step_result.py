@@ -9,7 +9,8 @@ the next step's forward and backward, or at log steps, where a sync is wanted an
 the log window then covers finished work). On the CPU the figures are there at once.
 
 The token counts of a step are host integers in one process; under data parallelism they are summed
-over the ranks by a collective on the device, and travel with the figures.
+over the ranks by a collective on the device (int64), and travel with the figures, which are float64
+for them: float32 counts every integer only up to 2^24 tokens, a step's count at 16 ranks x 1M tokens.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class StepResult:
 
     `figures` holds [loss, gradient norm, skipped, overflowed, loss scale] (`skipped` and
     `overflowed` as 0/1) and, under data parallelism, the summed [target, real] token counts after
-    them; `tokens` gives the counts instead when they are known on the host. Reading any property
-    waits for the step (a host sync on an accelerator). `settled` is set by the trainer once it has
-    acted on the figures (a stop, a warning), so that it does so once.
+    them, in float64 (exact for counts up to 2^53); `tokens` gives the counts instead when they are
+    known on the host. Reading any property waits for the step (a host sync on an accelerator).
+    `settled` is set by the trainer once it has acted on the figures (a stop, a warning), so that it
+    does so once.
     """
 
     def __init__(self, step: int, figures: torch.Tensor, tokens: Optional[StepTokens] = None) -> None:
@@ -55,7 +57,7 @@ class StepResult:
     @classmethod
     def known(cls, step: int, loss: float, grad_norm: float, skipped: bool, tokens: StepTokens) -> "StepResult":
         """A step whose figures the host has already read."""
-        return cls(step, torch.tensor([loss, grad_norm, float(skipped), 0.0, 1.0]), tokens)
+        return cls(step, torch.tensor([loss, grad_norm, float(skipped), 0.0, 1.0], dtype=torch.float64), tokens)
 
     def values(self) -> list[float]:
         """The figures as floats (waits for the step once)."""

@@ -244,10 +244,12 @@ class Trainer:
         # optimizer steps the device parameters (their gradients stay there) and keeps the masters itself.
         opt_named = list(masters.named_masters()) if masters and not streamed else trainable
         if streamed:
-            decay = t.weight_decay if t.optimizer == "adamw" else 0.0  # as build_optimizer: adam has none
+            decoupled = t.optimizer in ("adamw", "adamw_8bit")
+            decay = t.weight_decay if decoupled else 0.0  # as build_optimizer: adam has none
             optimizer = StreamedAdam(decay_groups(trainable, decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                     weight_decay=decay, decoupled=t.optimizer == "adamw", device=ctx.device,
-                                     state_dtype=state_dtype_of(t.optimizer_state_dtype), masters=masters)
+                                     weight_decay=decay, decoupled=decoupled, device=ctx.device,
+                                     state_dtype=state_dtype_of(t.optimizer_state_dtype), masters=masters,
+                                     eight_bit=t.optimizer == "adamw_8bit")
         else:
             # offload_optimizer cpu, and FSDP2's CPU offload (offload_params): the optimizer steps host tensors
             on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp)
@@ -354,7 +356,9 @@ class Trainer:
         scale = s.scaler.scale_tensor if s.scaler is not None else torch.ones((), device=total.device)
         known = isinstance(tokens, StepTokens)
         figures = [total, grad_norm, skip, overflowed, scale] + ([] if known else list(tokens))
-        self._previous = StepResult(step, torch.stack([f.to(total) for f in figures]), tokens if known else None)
+        # float64: exact for the token counts (float32 is not above 2^24), and one copy to the host
+        stacked = torch.stack([f.to(total.device, torch.float64) for f in figures])
+        self._previous = StepResult(step, stacked, tokens if known else None)
         return self._previous
 
     def _step_tokens(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepTokens | torch.Tensor:
@@ -379,7 +383,7 @@ class Trainer:
     def settle(self, result: StepResult) -> None:
         """Read a step's figures and act on them, once: stop on a batch without targets, and on a skipped
         step lower nothing more (the device has done it) but warn, or stop (fp16 at the smallest loss scale,
-        train.nan_policy: stop)."""
+        train.nan_policy: stop, a non-finite gradient under train.optimizer_in_backward)."""
         if result.settled:
             return
         result.settled = True
@@ -389,35 +393,40 @@ class Trainer:
             self._not_finite(result)
 
     def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens | torch.Tensor) -> StepResult:
-        """The end of a step whose updates ran in backward (train.optimizer_in_backward): its gradient norm,
-        and a stop if a gradient was not finite (the updates stopped at the first such gradient). Its
-        figures are read at once: the per-gradient finiteness checks have synced already."""
-        hooks = self.state.in_backward
-        loss, norm = float(total), float(hooks.finish())
-        after_optimizer_step(self.state.parts)
-        if not isinstance(tokens, StepTokens):
-            target, real = (int(v) for v in tokens.tolist())
-            tokens = StepTokens(real=real, target=target)
-        if tokens.target == 0:
-            raise TrainingError(_no_targets(step))
-        if hooks.finite and math.isfinite(loss) and math.isfinite(norm):
-            result = StepResult.known(step, loss, norm, False, tokens)
-            result.settled = True
-            return result
-        touched = ("no weight was touched (a non-finite loss makes the first gradient non-finite)"
-                   if not math.isfinite(loss) else "the parameters whose gradients came before it (nearest the "
-                   "output) were updated, the others not")
-        raise TrainingError(
-            f"step {step + 1}: loss is {loss} and gradient norm {norm}. With train.optimizer_in_backward each "
-            f"parameter is updated as its gradient arrives and the updates stopped at the first non-finite gradient: "
-            f"{touched}. Training stopped; the last checkpoint is as it was. Lower train.lr or raise warmup, and "
-            "resume from that checkpoint"
-        )
+        """The end of a step whose updates ran in backward (train.optimizer_in_backward): its figures, read
+        later as a plain step's are (`settle` stops the run on a non-finite one). Nothing is read here: from
+        the first non-finite gradient on, the device's flag stopped every update, and it stays set until the
+        host reads it, so a step that runs before the stop is read updates nothing either."""
+        s = self.state
+        grad_norm = s.in_backward.finish()
+        after_optimizer_step(s.parts)  # float8 all-gather: the next step's weight scales
+        flag = s.in_backward.not_finite
+        skip = ~(torch.isfinite(total) & torch.isfinite(grad_norm))
+        if flag is not None:
+            skip = skip | flag.to(total.device)
+        self._settle_previous()  # its figures are ready by now; a step that must stop the run stops it here
+        zero = torch.zeros((), device=total.device)
+        known = isinstance(tokens, StepTokens)
+        figures = [total, grad_norm, skip, zero, zero + 1] + ([] if known else list(tokens))  # not overflowed, scale 1
+        stacked = torch.stack([f.to(total.device, torch.float64) for f in figures])
+        self._previous = StepResult(step, stacked, tokens if known else None)
+        return self._previous
 
     def _not_finite(self, result: StepResult) -> None:
         """A skipped step (the device lowered the fp16 loss scale already): say so, or stop (fp16 at the
-        smallest scale, nan_policy stop), saying why."""
+        smallest scale, nan_policy stop, a non-finite gradient under train.optimizer_in_backward), saying why."""
         scaler, step, loss, norm = self.state.scaler, result.step, result.loss, result.grad_norm
+        if self.state.in_backward is not None:
+            self.state.in_backward.read_finite()  # the run stops: host-side step counters of undone updates go back
+            touched = ("no weight was touched (a non-finite loss makes the first gradient non-finite)"
+                       if not math.isfinite(loss) else "the parameters whose gradients came before it (nearest the "
+                       "output) were updated, the others not")
+            raise TrainingError(
+                f"step {step + 1}: loss is {loss} and gradient norm {norm}. With train.optimizer_in_backward each "
+                f"parameter is updated as its gradient arrives and the updates stopped at the first non-finite "
+                f"gradient: {touched}; no later update was made. Training stopped; the last checkpoint is as it was. "
+                "Lower train.lr or raise warmup, and resume from that checkpoint"
+            )
         if scaler is not None and result.overflowed:
             if result.scale <= scaler.min_scale:
                 raise TrainingError(
