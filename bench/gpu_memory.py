@@ -33,6 +33,8 @@ from shardwise.train.trainer import Trainer  # noqa: E402
 
 BASE = "bench/bench_llama.yaml"
 QWEN = ["model.preset=qwen2_1.5b", "optimize.mixed_precision=bf16", "data.seq_length=4096", "train.micro_batch_size=1"]
+STREAM = ["optimize.offload_optimizer=stream", "optimize.recompute=full"]
+IN_BACKWARD = ["train.optimizer_in_backward=true", "train.max_grad_norm=null"]
 CONFIGS: dict[str, list[str]] = {
     "bench_llama bf16 O2 seq 2048 x 8": ["optimize.mixed_precision=bf16", "data.seq_length=2048",
                                           "model.max_position_embeddings=2048", "train.micro_batch_size=8"],
@@ -40,7 +42,11 @@ CONFIGS: dict[str, list[str]] = {
     "qwen2_1.5b bf16 O2 selective recompute": QWEN + ["optimize.recompute=selective", "train.micro_batch_size=2"],
     "qwen2_1.5b bf16 O3 8-bit AdamW": QWEN + ["optimize.precision_level=O3", "train.optimizer=adamw_8bit",
                                               "optimize.recompute=full"],
-    "qwen2_1.5b offload optimizer": QWEN + ["optimize.offload_optimizer=true", "optimize.recompute=full"],
+    "qwen2_1.5b stream optimizer O2 in backward": QWEN + STREAM + IN_BACKWARD,
+    "qwen2_1.5b stream 8-bit AdamW O3 in backward": QWEN + STREAM + IN_BACKWARD + [
+        "optimize.precision_level=O3", "train.optimizer=adamw_8bit"],
+    "qwen2_1.5b paged 8-bit AdamW O3 in backward": QWEN + IN_BACKWARD + [
+        "optimize.precision_level=O3", "train.optimizer=paged_adamw_8bit", "optimize.recompute=full"],
     "qwen2_1.5b LoRA r16": QWEN + ["lora.r=16", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
                                    "optimize.recompute=full"],
     "qwen2_1.5b QLoRA nf4": QWEN + ["lora.r=16", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
@@ -70,6 +76,8 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
         finally:
             shutdown()  # offload_params on one device forms a one-process group: not into the next row
         allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        host_bytes = getattr(trainer.state.optimizer, "host_bytes", None)
+        host = host_bytes() if host_bytes is not None else None
         del trainer
     gib = 2**30
     return {"name": name, "overrides": overrides, "estimate_gib": round(est.peak / gib, 3),
@@ -77,7 +85,9 @@ def measure(name: str, overrides: list[str], steps: int) -> dict[str, Any]:
             "estimate_phase": est.peak_phase, "max_allocated_gib": round(allocated / gib, 3),
             "max_reserved_gib": round(reserved / gib, 3),
             "allocated_error": round((est.peak - est.overhead) / allocated - 1, 4),
-            "reserved_error": round(est.peak / reserved - 1, 4)}
+            "reserved_error": round(est.peak / reserved - 1, 4),
+            "estimate_host_gib": round(est.host / gib, 3),
+            "optimizer_host_gib": round(host / gib, 3) if host is not None else None}
 
 
 def main(argv: list[str] | None = None) -> int:

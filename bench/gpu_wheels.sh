@@ -6,7 +6,8 @@
 #
 # The packages are those shardwise needs that the lent H200 image lacks (its package list of 2026-11-17 holds
 # torch, numpy, pyyaml, safetensors, tokenizers, tqdm, jinja2, tensorboard and matplotlib, but neither pydantic
-# nor torchao): pydantic with its own dependencies, and torchao for optimize.float8 and adamw_8bit. Each is
+# nor torchao): pydantic with its own dependencies, torchao for optimize.float8 and adamw_8bit, and
+# bitsandbytes for the paged AdamW (a fixed version: the tests do not need it). Each other one is
 # taken at the version this checkout's .venv runs its tests with (torchao 0.18 loads its kernels on torch >= 2.11,
 # the image's torch), built for the image's Python (3.12, x86-64 Linux); PY_VERSION changes that.
 set -euo pipefail
@@ -19,6 +20,7 @@ pins=()
 for name in "${packages[@]}"; do
   pins+=("$name==$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")
 done
+pins+=("bitsandbytes==${BITSANDBYTES_VERSION:-0.50.2}")  # train.optimizer paged_adamw_8bit (not a test dependency)
 mkdir -p "$dir"
 rm -f "$dir"/*.whl  # one version of each: two of one package stop the install there
 platforms=()

@@ -361,11 +361,14 @@ def _bytes(cfg: RunConfig) -> dict[str, int]:
     half = cfg.optimize.mixed_precision != "fp32"
     weights = 2 if level == "O3" else 4  # what the update steps: fp32 masters at O2
     moment = _moment_bytes(cfg)
+    # torchao's 8-bit AdamW materialises both moments in fp32 to requantise them block by block (written and
+    # read back: the estimator's TORCHAO_COMPILED_TEMPORARIES); bitsandbytes' kernel works in registers.
+    widened = 2 * 4 * 2 if cfg.train.optimizer == "adamw_8bit" else 0
     return {
         "activation": 2 if half else 4,
         "param": 2 if level in ("O2", "O3") else 4,
         "grad": 2 if level == "O3" else 4,  # FSDP2 reduces O2's gradients in fp32
-        "adam": 2 * weights + 2 * weights + 4 * moment + (MASTER_BYTES if level == "O2" else 0),
+        "adam": 2 * weights + 2 * weights + 4 * moment + widened + (MASTER_BYTES if level == "O2" else 0),
         "moment": moment,
     }
 

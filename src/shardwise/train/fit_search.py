@@ -111,6 +111,14 @@ def _offload(key: str) -> Options:
     return options
 
 
+def _stream_optimizer(cfg: RunConfig, world: int, kind: str) -> list[list[str]]:
+    """The optimizer state (and O2's masters) in host memory, updated on the device (offload_optimizer
+    stream): Adam, AdamW and the 8-bit AdamW, not on a CPU (where everything already lives in CPU memory)."""
+    if kind == "cpu" or cfg.optimize.offload_optimizer or cfg.train.optimizer not in ("adamw", "adam", "adamw_8bit"):
+        return []
+    return [[setting("optimize.offload_optimizer", "stream")]]
+
+
 def _quantized_base(cfg: RunConfig, world: int, kind: str) -> list[list[str]]:
     """LoRA's frozen base weights stored in 8 or 4 bits (QLoRA)."""
     if cfg.lora is None or getattr(cfg.lora, "quantize_base", "none") != "none":
@@ -169,6 +177,7 @@ LEVERS: tuple[Lever, ...] = (
     Lever("micro-batch", _micro_batch),
     Lever("recompute", _recompute),
     Lever("ZeRO stage", _zero),
+    Lever("stream optimizer state", _stream_optimizer, "optimizer state in host memory, crossing the bus each step"),
     Lever("offload optimizer", _offload("offload_optimizer")),
     Lever("offload parameters", _offload("offload_params")),
     Lever("offload activations", _offload("offload_activations")),
