@@ -183,6 +183,12 @@ CONFIGS: dict[str, tuple[int, dict[str, Any]]] = {
     "bench optimizer foreach": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_impl="foreach"))),
     "bench optimizer chunked": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_impl="chunked"))),
     "bench bf16 moments": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer_state_dtype="bf16"))),
+    # optimize.offload_optimizer: stream (issue 25) on the bench model: host state, the update on the "device".
+    "bench stream optimizer": (1, _run(BENCH, 8, {"seq_length": 512}, optimize=STREAM)),
+    "bench stream optimizer bf16 state": (1, _run(BENCH, 8, {"seq_length": 512}, optimize=STREAM,
+                                                  train=_train(optimizer_state_dtype="bf16"))),
+    "bench stream optimizer in backward": (1, _run(BENCH, 8, {"seq_length": 512}, optimize=STREAM,
+                                                   train=_train(**IN_BACKWARD))),
     "bench 8-bit AdamW": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(optimizer="adamw_8bit"))),
     "bench optimizer in backward": (1, _run(BENCH, 8, {"seq_length": 512}, train=_train(**IN_BACKWARD))),
     # One sample of 512 tokens and full recompute: gradients, not activations, make the peak.

@@ -65,20 +65,28 @@ def test_bf16_second_moments_keep_decaying_with_fp32s(kernel):
     assert float(((m - m_exact).abs() / m_exact).max()) < 0.01
 
 
-def test_stochastic_rounding_is_unbiased_exact_where_it_can_be_and_seeded():
-    values = torch.tensor([1.0 + 2**-9, -3.3e-7, 0.00995, 1e30]).repeat_interleave(100_000)
-    stored = torch.empty(values.shape, dtype=torch.bfloat16)
-    torch.manual_seed(1)
-    round_into(stored, values.clone())
-    for row, want in zip(stored.float().view(4, -1), values.view(4, -1)[:, 0]):
-        assert len(row.unique()) == 2, float(want)  # the bf16 values either side of it, nothing else
-        assert abs(float(row.double().mean() / want) - 1) < 1e-4, float(want)  # on average, the value itself
+def test_stochastic_rounding_is_unbiased_over_steps_exact_where_it_can_be_and_layout_free():
+    """Each step (salt) draws afresh, so an element's roundings average to its value; the draw depends on
+    the element's value and the step only, so a tensor rounded whole or in pieces, in any order, rounds
+    alike (what keeps layouts in parity); values bf16 holds stay put."""
+    values = torch.tensor([1.0 + 2**-9, -3.3e-7, 0.00995, 1e30, 1.0 + 2**-12])
+    rounded = torch.empty(20_000, len(values), dtype=torch.bfloat16)
+    for step in range(len(rounded)):
+        round_into(rounded[step], values.clone(), torch.tensor(float(step)))
+    for column, want in zip(rounded.float().t(), values):
+        assert len(column.unique()) == 2, float(want)  # the bf16 values either side of it, nothing else
+        assert abs(float(column.double().mean() / want) - 1) < 1e-4, float(want)  # on average, the value
     held = values.bfloat16().float()
-    round_into(stored, held.clone())
+    stored = torch.empty(len(values), dtype=torch.bfloat16)
+    round_into(stored, held.clone(), 3)
     assert torch.equal(stored.float(), held)  # values bf16 holds stay put
-    torch.manual_seed(1)
-    again = torch.empty_like(stored)
-    round_into(again, values.clone())
-    torch.manual_seed(1)
-    round_into(stored, values.clone())
-    assert torch.equal(stored, again)  # the same seed rounds the same way
+    many = torch.randn(10_000) * 1e-3
+    whole = torch.empty(10_000, dtype=torch.bfloat16)
+    round_into(whole, many.clone(), 5)
+    pieces = torch.empty_like(whole)
+    for start in reversed(range(0, 10_000, 700)):  # other pieces, another order: a sharded layout
+        round_into(pieces[start:start + 700], many[start:start + 700].clone(), 5)
+    assert torch.equal(whole, pieces)
+    other_step = torch.empty_like(whole)
+    round_into(other_step, many.clone(), 6)
+    assert not torch.equal(whole, other_step)  # the next step draws again

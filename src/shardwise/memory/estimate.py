@@ -69,6 +69,7 @@ from ..parallel.recompute import down_output_needed, selective_saved_matmuls
 from ..parallel.tensor import check_tensor_parallel
 from ..peft.quantize import dequantized_transient, quantized_bytes
 from ..units import gib
+from .precision import ROUND_PIECE
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
 PAGED = ("paged_adamw_8bit", "paged_adamw")  # bitsandbytes' paged optimizers (train.paged_optimizer)
@@ -1398,9 +1399,16 @@ def _update_temp(cfg: Any, prec: _Precision, groups: list[list[int]], device: st
         largest = max((_largest_chunk(g, OPTIMIZER_CHUNK_ELEMENTS) for g in groups), default=0)
     moments = 1 if cfg.train.optimizer == "sgd" else 2
     upcast = moments * largest * work if state16 else 0
+    # After the update, one moment of one tensor at a time:
+    rounding = _rounding_temp(max((n for g in groups for n in g), default=0)) if state16 else 0
     if cfg.train.optimizer == "sgd" or kernel == "fused":
-        return upcast
+        return upcast + rounding
     return largest * (work if state16 else prec.state) + upcast
+
+
+def _rounding_temp(n: int) -> int:
+    """`memory.precision.round_into` rounding n elements into bf16: three int32 temporaries of a piece."""
+    return 3 * min(n, ROUND_PIECE) * 4
 
 
 def _norm_temp(sizes: Iterable[int]) -> int:
@@ -1519,7 +1527,9 @@ def _streamed_updates(cfg: Any, lay: _Layout, prec: _Precision, trainable: list[
             # eager on a CPU: six fp32 temporaries at its peak, a seventh widening 16-bit weights (measured)
             temps = ((6 + (weights == 2)) if device == "cpu" else TORCHAO_COMPILED_TEMPORARIES) * n * 4
             return temps + n * weights + copied(n) - 4 - (4 * n if prec.masters else 0)
-        return (n * work if prec.grad != work else 0) + (2 * n * work if state_bytes != work else 0)
+        # bf16 moments: widened to fp32 for the update, then rounded back with an int32 draw each
+        return (n * work if prec.grad != work else 0) + (2 * n * work + _rounding_temp(n) if state_bytes != work
+                                                          else 0)
 
     optimizer_order = [p for p in trainable if len(p.shape) >= 2] + [p for p in trainable if len(p.shape) < 2]
     orders = [optimizer_order[::-1], trainable[::-1]] if in_backward else [optimizer_order]

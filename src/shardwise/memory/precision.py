@@ -208,7 +208,13 @@ def loss_scaler_for(plan: PrecisionPlan, loss_scale: str | float, initial_scale:
     return LossScaler(initial_scale if dynamic else float(loss_scale), dynamic=dynamic, device=device)
 
 
-def round_into(stored: torch.Tensor, work: torch.Tensor) -> None:
+ROUND_PIECE = 1 << 22  # elements `round_into` draws for at a time (three int32 temporaries: 48 MiB)
+# Odd 32-bit constants of the integer hash that picks each rounding (as signed int32 values).
+_GOLDEN = 0x9E3779B1 - 2**32
+_MIX_1, _MIX_2 = 0x7FEB352D, 0x846CA68B - 2**32
+
+
+def round_into(stored: torch.Tensor, work: torch.Tensor, salt: torch.Tensor | int) -> None:
     """Write fp32 `work` into bf16 `stored` with stochastic rounding; `work` is spent (its bits are changed).
 
     Round to nearest keeps a bf16 moment where it is whenever one step changes it by less than half the
@@ -218,22 +224,29 @@ def round_into(stored: torch.Tensor, work: torch.Tensor) -> None:
     expected value `work`'s, so the moments follow fp32's on average (`tests/train/test_bf16_moments.py`).
     A value bf16 holds exactly stays exact (a skipped update leaves the moments as they were).
 
-    How: 16 random bits an element are drawn into `stored`'s own storage (about to be overwritten);
-    added to `work`'s bit pattern below bf16's cut-off, they carry into the bf16 part with the
-    probability of the bits cut off, which are then cleared, so the copy into bf16 is exact. No
-    temporary on an accelerator; on the CPU torch widens the 16-bit draw to 32 bits inside the addition
-    (4 bytes an element of the tensor being rounded, for that one op). The bits come from the device's
-    default generator, which `train.seed` seeds and checkpoints save: a run is repeatable and a resumed
-    run continues exactly. Dropout draws from it too, so its masks after the first step are not those of
-    a run with fp32 moments. Tensor-parallel ranks holding unequal shards (an uneven vocabulary) draw
-    unequal amounts, so their shared streams part: with sequence parallelism (the default) no dropout
-    reads the shared stream; without it, and with dropout, replicated activations would get each rank's
-    own mask.
+    How: 16 pseudo-random bits an element, added to `work`'s bit pattern below bf16's cut-off, carry
+    into the bf16 part with the probability of the bits cut off, which are then cleared, so the copy
+    into bf16 is exact. The bits are a hash of the element's bf16 part (its upper 16 bits) and `salt`
+    (the update's step count: a different draw every step), not a random generator's: the rounding of
+    an element depends only on its value and the step, so layouts that split a tensor differently round
+    it alike (a gradient that differs in its last bit between layouts moves the cut-off bits by that bit,
+    and flips a rounding with probability 2^-16 per unit of difference), and no random stream (dropout's)
+    is consumed. The draw is made ROUND_PIECE elements at a time: three int32 temporaries of a piece.
     """
     s, w = local_tensor(stored), local_tensor(work)
     if s.dtype != torch.bfloat16 or w.dtype != torch.float32:
         s.copy_(w)
         return
-    noise = s.view(torch.int16).random_(-(2**15), 2**15)
-    w.view(torch.int32).add_(noise).add_(2**15).bitwise_and_(-(2**16))
+    key = salt.to(device=w.device, dtype=torch.int32) * _GOLDEN if torch.is_tensor(salt) else \
+        (int(salt) * _GOLDEN + 2**31) % 2**32 - 2**31
+    for bits in w.view(-1).view(torch.int32).split(ROUND_PIECE):
+        noise = bits >> 16  # the bf16 part (sign-extended): equal values draw equal bits at one step
+        noise ^= key
+        noise ^= (noise >> 16) & 0xFFFF  # a 32-bit integer mix (shifts made logical by the masks)
+        noise *= _MIX_1
+        noise ^= (noise >> 15) & 0x1FFFF
+        noise *= _MIX_2
+        noise ^= (noise >> 16) & 0xFFFF
+        bits.add_(noise.bitwise_and_(0xFFFF)).bitwise_and_(-(2**16))
+        del noise
     s.copy_(w)

@@ -265,8 +265,8 @@ class StreamedAdam(torch.optim.Adam):
                     beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=False)
         if work_m is not m:  # bf16 moments: rounded stochastically, so that they keep decaying
-            round_into(m, work_m)
-            round_into(v, work_v)
+            round_into(m, work_m, counted)
+            round_into(v, work_v, counted)
         return counted
 
     def _update_torchao(self, weights: torch.Tensor, grad: torch.Tensor, dev: dict[str, torch.Tensor],

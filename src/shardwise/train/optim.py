@@ -285,12 +285,12 @@ class _ChunkedStep:
             return moments
         return [m.to(p.dtype) for m, p in zip(moments, params)]
 
-    def _keep(self, stored: list[torch.Tensor], work: list[torch.Tensor]) -> None:
-        """Round the updated fp32 moments back into their 16-bit storage, stochastically (`round_into`);
-        the fp32 copies are spent."""
+    def _keep(self, stored: list[torch.Tensor], work: list[torch.Tensor], steps: list[Any]) -> None:
+        """Round the updated fp32 moments back into their 16-bit storage, stochastically (`round_into`, a
+        different draw at each of the parameters' `steps`); the fp32 copies are spent."""
         if self.state_dtype is not None:
-            for s, w in zip(stored, work):
-                round_into(s, w)
+            for s, w, step in zip(stored, work, steps):
+                round_into(s, w, step)
 
     def _found_inf(self) -> Optional[torch.Tensor]:
         """The flag `step_unless` sets for a fused step to skip on the device (None otherwise)."""
@@ -332,7 +332,7 @@ class _ChunkedAdamStep(_ChunkedStep):
             amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=group["maximize"])
         for k in stored:
-            self._keep(stored[k], work[k])
+            self._keep(stored[k], work[k], [s["step"] for s in states])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state to the parameter's dtype; 16-bit moments go back."""
@@ -375,6 +375,7 @@ class ChunkedSGD(_ChunkedStep, torch.optim.SGD):
         torch.optim.SGD.__init__(self, params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                  foreach=not fused, fused=fused)
         self._setup(fused, chunk_elements, state_dtype)
+        self._roundings: dict[int, int] = {}  # per tensor: bf16 momentum roundings so far (their salt)
 
     def initial_state(self, p: torch.Tensor, group: dict) -> None:
         """`p`'s state before its first update, for the optimizer in backward: a zero momentum buffer,
@@ -397,8 +398,9 @@ class ChunkedSGD(_ChunkedStep, torch.optim.SGD):
         for p, s, w in zip(params, stored, work):
             if s is None:  # the first step made the buffer (a copy of the gradient)
                 s = self.state[p]["momentum_buffer"] = w if self.state_dtype is None else self._moment(p)
-            if self.state_dtype is not None:
-                round_into(s, w)
+            if self.state_dtype is not None:  # SGD keeps no step count: one of the rounding's own, per tensor
+                self._roundings[id(p)] = self._roundings.get(id(p), 0) + 1
+                round_into(s, w, self._roundings[id(p)])
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, which casts every floating state to the parameter's dtype; a 16-bit momentum goes back."""
