@@ -47,7 +47,7 @@ def can_pin(device: torch.device) -> bool:
     return device.type != "cpu" and torch.accelerator.is_available()
 
 
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` as `param` is: a DTensor of the same mesh and placements around it, or `local` itself."""
     if not isinstance(param, DTensor):
         return local
@@ -76,7 +76,7 @@ class HostMasters:
                 local = local_tensor(p).detach()
                 self.buffers.append(torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin))
                 master = local.to(device="cpu", dtype=master_dtype, copy=True)
-                self.masters.append(_like(p, master).requires_grad_(True))
+                self.masters.append(like_param(p, master).requires_grad_(True))
         self._index = {id(p): i for i, p in enumerate(self.model_params)}
         self._in_flight: list[Any] = [None] * len(self.model_params)  # a copy into buffer i not yet added
         self._hooks = [p.register_post_accumulate_grad_hook(self._to_host) for p in self.model_params]
@@ -117,7 +117,7 @@ class HostMasters:
         self._in_flight[i] = None
         m = self.masters[i]
         if m.grad is None:
-            m.grad = _like(m, self.buffers[i].to(local_tensor(m).dtype, copy=True))
+            m.grad = like_param(m, self.buffers[i].to(local_tensor(m).dtype, copy=True))
         else:
             local_tensor(m.grad).add_(self.buffers[i])
 

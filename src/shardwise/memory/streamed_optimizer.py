@@ -32,24 +32,15 @@ from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_update
 
 from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
 from ..parallel.dtensors import local_tensor
-from .offload import can_pin
+from .offload import can_pin, like_param
 from .precision import round_into
 
 BLOCK = 256  # elements per fp32 scale of the 8-bit moments (torchao's AdamW8bit block size)
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as `param` is: a DTensor of the same mesh and placements around it, or `local` itself."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
 
 
 def _host_copy(local: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -107,7 +98,7 @@ class StreamMasters:
         self.model_params = [p for _, p in named_params]
         pin = can_pin(device)
         with torch.no_grad():
-            self.masters = [_like(p, _host_copy(local_tensor(p).detach(), torch.float32, pin))
+            self.masters = [like_param(p, _host_copy(local_tensor(p).detach(), torch.float32, pin))
                             for p in self.model_params]
         self._index = {id(p): i for i, p in enumerate(self.model_params)}
         self.lane: Optional[Lane] = None  # set by StreamedAdam: copies in flight to wait for
@@ -398,7 +389,7 @@ class StreamedAdam(torch.optim.Adam):
                     moment = state8(moment.codes.pin_memory(), moment.scale.pin_memory(), moment.qmap, signed)
             else:
                 moment = torch.zeros(local.shape, dtype=dtype, device="cpu", pin_memory=self.pin)
-            st[k] = _like(p, moment)
+            st[k] = like_param(p, moment)
         st["step"] = torch.zeros((), dtype=torch.float32, device="cpu", pin_memory=self.pin)
 
     def settle(self) -> None:
