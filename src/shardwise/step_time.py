@@ -41,10 +41,15 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   drain pass through them; (pp - 1) micro-batch times for equal stages), divided by the virtual
   stages (interleaving) and by 3 for the zero-bubble schedules, whose weight-gradient work fills
   most of it (the zero-bubble paper's ZB-H1 estimate).
-- optimizer: AdamW streams parameters, gradients and both moments (and fp32 masters) through memory
-  once per step: bytes / memory bandwidth. With CPU offload it runs at host speed (HOST_ADAM_GBPS).
+- optimizer: AdamW streams the weights it steps, gradients and both moments as stored (4, 2 or 1 bytes;
+  torchao's 8-bit update also writes and reads its fp32 moments) through memory once per step: bytes /
+  memory bandwidth (`_bytes`). With the update on the host it runs at host speed (HOST_ADAM_GBPS).
 - offload: what crosses the host link (`host_bandwidth_gbps`) and no compute hides.
-  `offload_optimizer` (memory.offload.HostMasters): each micro-batch's gradients go to the host as
+  `offload_optimizer: stream` (memory.streamed_optimizer): each parameter's moments (and O2 master) come
+  in and go back every step, hidden behind the backward with the optimizer in backward, else behind the
+  other parameters' updates. bitsandbytes' paged optimizers: the part of their state that does not fit
+  beside the run's peak is paged out and back in every step, not hidden (`_paged_traffic`).
+  `offload_optimizer: cpu` (memory.offload.HostMasters): each micro-batch's gradients go to the host as
   backward makes them (hidden behind that backward's compute up to `comm_overlap`), the host steps
   AdamW, then the 16-bit weights come back before the next forward (not hidden: it waits for them).
   `offload_params` (FSDP2's CPU offload): the shards are copied to the device before every all-gather

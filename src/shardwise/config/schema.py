@@ -27,6 +27,7 @@ FINETUNE_LR_LORA = 2e-4
 OPTIMIZER_CHUNK_ELEMENTS = 2**24
 # Optimizers whose update a library steps with its own kernel: train.optimizer -> the library.
 LIBRARY_OPTIMIZERS = {"adamw_8bit": "torchao", "paged_adamw_8bit": "bitsandbytes", "paged_adamw": "bitsandbytes"}
+PAGED_OPTIMIZERS = tuple(name for name, lib in LIBRARY_OPTIMIZERS.items() if lib == "bitsandbytes")
 FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")  # where optimizer_impl auto picks torch's fused AdamW
 COMPILED_BY_DEFAULT = ("cuda", "npu")  # where run.compile auto compiles the blocks (see RunConfig.compiles)
 # run.compile auto on a CPU: compile when the run is predicted to train this long. Measured on the 2-core

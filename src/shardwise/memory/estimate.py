@@ -57,7 +57,7 @@ from typing import Any, Iterable, Optional
 
 from ..builder import build_adapted_model
 from ..config import FreezeConfig, LoraConfig
-from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
+from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS, PAGED_OPTIMIZERS
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..models.flops import TrainingFlops, training_flops
@@ -72,7 +72,6 @@ from ..units import gib
 from .precision import ROUND_PIECE
 
 PHASES = ("forward", "backward", "optimizer", "checkpoint")
-PAGED = ("paged_adamw_8bit", "paged_adamw")  # bitsandbytes' paged optimizers (train.paged_optimizer)
 # torchao's 8-bit AdamW on CUDA/NPU, compiled: fp32 temporaries of the tensor updated (estimated; see _update_temp)
 TORCHAO_COMPILED_TEMPORARIES = 2
 # Caching-allocator reserve above the tensor bytes on CUDA/NPU (block rounding, fragmentation): a
@@ -668,7 +667,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         master_bytes = optimizer_bytes = 0
     # bitsandbytes' paged state: CUDA unified memory outside torch's allocator, paged out to host memory
     # when the device is short of room: counted in host memory (step_time charges the paging).
-    paged = name in PAGED and dev_view
+    paged = name in PAGED_OPTIMIZERS and dev_view
     if paged:
         host_static, optimizer_bytes = optimizer_bytes, 0
     host = 0

@@ -1,6 +1,6 @@
 """CPU offload of the optimizer (ZeRO-Offload) and of the activations saved for backward.
 
-`HostMasters` (optimize.offload_optimizer), as DeepSpeed's ZeRO-Offload: the optimizer's weights
+`HostMasters` (optimize.offload_optimizer: cpu), as DeepSpeed's ZeRO-Offload: the optimizer's weights
 (fp32 masters at precision O2, copies in the weights' own dtype otherwise) and, since the optimizer
 steps them, its state live in host memory; the model's parameters and activations stay on the device.
 During backward a post-accumulate-grad hook copies each gradient, as soon as it is final, into a
@@ -56,7 +56,7 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class HostMasters:
-    """The optimizer's weights in host memory (optimize.offload_optimizer); see the module docstring.
+    """The optimizer's weights in host memory (optimize.offload_optimizer: cpu); see the module docstring.
 
     `named_params`: the trainable parameters (names as checkpoints give them). `master_dtype`: the dtype
     the optimizer steps (fp32, or the 16-bit dtype at O3). Has the interface of

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 from ..config import ParallelConfig, RunConfig, validate
+from ..config.schema import PAGED_OPTIMIZERS
 from ..errors import ConfigError
 from ..hardware import CATALOGUE, Hardware
 from ..memory.auto_recompute import choose_recompute_layers, with_recompute_layers
@@ -339,7 +340,8 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
                         can_offload = req.offload and req.hardware.kind != "cpu" and (
                             zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1)) and \
-                            cfg.train.optimizer not in PAGED_OPTIMIZERS  # their state pages to the host itself
+                            cfg.train.optimizer not in PAGED_OPTIMIZERS  # their state pages to the host itself:
+                        # no offload lever beside bitsandbytes' paged optimizers
                         offloads = (False, *optimizer_offloads(cfg, tp, pp)) if can_offload else (False,)
                         # ZeRO 2/3 accumulating without a pipeline: reduce-scatter every micro-batch
                         # (sharded gradients) or once per step (full-size ones, fewer collectives).
@@ -377,9 +379,6 @@ def optimizer_offloads(cfg: RunConfig, tp: int, pp: int) -> tuple[str, ...]:
     if t.optimizer in ("adamw", "adam", "adamw_8bit") and tp == 1 and pp == 1:
         out.append("stream")
     return tuple(out)
-
-
-PAGED_OPTIMIZERS = ("paged_adamw_8bit", "paged_adamw")  # bitsandbytes': no offload lever beside them
 
 
 # A layout that does not fit with the configured loss chunk is tried once more with chunks of this many tokens:
