@@ -55,9 +55,14 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   `offload_params` (FSDP2's CPU offload): the shards are copied to the device before every all-gather
   (forward and backward; counted with dp_comm, which hides it like the gathers), the sharded gradients
   go back and the updated shards come back with the step. On one accelerator the same, without the
-  collectives: every block's weights cross the host link for its forward and again for its backward.
-  `offload_activations`: the saved tensors go to the host in the forward and come back in the backward,
-  on the compute stream (not hidden).
+  collectives: every block's weights cross the host link for its forward and again for its backward
+  (counted with the host link's other copies, below).
+  `offload_activations` (memory.offload.SavedCopies): the saved tensors go to the host in the forward and
+  come back a block ahead in the backward, on a side stream; on a CPU not hidden.
+  The host link per pass (`_host_link`): what each forward and each backward moves in each direction
+  (weights in under one-device offload_params, activations out or in, the streamed state in and out
+  with the optimizer in backward), the two directions at once, hidden behind that pass's compute up to
+  `comm_overlap` but never below one block's share.
 
 Collectives use ring costs: all-reduce 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latencies, all-gather
 and reduce-scatter half that; a group that spans nodes uses the inter-node link. On a CPU, a device
@@ -492,12 +497,6 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     alone = cfg.optimize.offload_params and world == 1 and hw.kind != "cpu"
     zero = p.zero_stage if ranks > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
     comm = 0.0
-    if alone:
-        # Each block's weights come from the host for its forward and again for its backward, prefetched
-        # under the compute like the all-gathers they stand for.
-        comm = 2 * ga * params_dev * b["param"] / (hw.host_bandwidth_gbps * 1e9 / slowdown)
-        window = (t["compute"] + t["recompute"]) * ga
-        step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
     if ranks > 1:
         grads = trainable_dev * b["grad"]
         params_bytes = params_dev * b["param"]
@@ -539,18 +538,28 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         step.optimizer = shard * (ADAM_BYTES + MASTER_BYTES) / (HOST_ADAM_GBPS * 1e9)
     else:
         step.optimizer = shard * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
-        if o.offload_optimizer == "stream":
+        if o.offload_optimizer == "stream" and not cfg.train.optimizer_in_backward:
             # Each parameter's moments (and O2 master) come in and go back over the host link on a side
-            # stream. In backward they hide behind the rest of the backward; after it, only behind the
-            # other parameters' updates.
-            master = 4 if cfg.optimize.level() == "O2" else 0
-            traffic = 2 * shard * (2 * b["moment"] + master) / host
-            behind = (t["compute"] + t["recompute"]) * 2 / 3 if cfg.train.optimizer_in_backward else step.optimizer
-            step.offload = max(0.0, traffic - hw.comm_overlap * behind)
+            # stream, hidden only behind the other parameters' updates (in backward: below, with the backward).
+            step.offload = max(0.0, _streamed_state_bytes(cfg, shard, b) / host - hw.comm_overlap * step.optimizer)
         elif cfg.train.optimizer in ("paged_adamw_8bit", "paged_adamw") and hw.kind != "cpu":
             step.offload = _paged_traffic(cfg, devices, hw) / host
-    if o.offload_activations:  # out in the forward, back in the backward, each micro-batch
-        step.offload += 2 * ga * _offloaded_activation_bytes(cfg, devices, hw) / host
+    # The host link in each pass of each micro-batch, both ways at once (`_host_link`): on one accelerator
+    # with offload_params, each block's weights come in for its forward and again for its backward; the
+    # saved activations go out in the forward and come back in the backward; with the optimizer in backward
+    # (one micro-batch) the streamed state comes in and goes back during it.
+    acts = _offloaded_activation_bytes(cfg, devices, hw) / host if o.offload_activations else 0.0
+    state = _streamed_state_bytes(cfg, shard, b) / host \
+        if o.offload_optimizer == "stream" and cfg.train.optimizer_in_backward and not o.offload_params else 0.0
+    weights = params_dev * b["param"] / host if alone else 0.0
+    if hw.kind == "cpu":  # the copies run on the cores that compute: nothing hides them
+        step.offload += 2 * ga * acts + state
+    elif acts or state or weights:
+        blocks = max(load.layers, 1)
+        forward_s, backward_s = t["compute"] / 3, t["compute"] * 2 / 3 + t["recompute"]
+        step.offload += ga * _host_link(weights, acts, forward_s, blocks, hw) \
+            + (ga - 1) * _host_link(weights + acts, 0.0, backward_s, blocks, hw) \
+            + _host_link(weights + acts + state / 2, state / 2, backward_s, blocks, hw)
     step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual_stages": v, "gradient_accumulation": ga,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
@@ -560,6 +569,21 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                    "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
                    + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
     return step
+
+
+def _host_link(inward: float, outward: float, compute: float, blocks: int, hw: Hardware) -> float:
+    """Seconds a pass waits for the host link: its copies in each direction (seconds at the link's speed;
+    the directions run at once) hidden behind the pass's compute up to comm_overlap, but at least one
+    block's share (the first block's weights or the last block's activations have nothing to hide behind)."""
+    moved = max(inward, outward)
+    return max(moved / blocks, moved - hw.comm_overlap * compute)
+
+
+def _streamed_state_bytes(cfg: RunConfig, shard: float, b: dict[str, float]) -> float:
+    """Bytes `offload_optimizer: stream` moves per step: each trained element's two moments (and its fp32
+    master at O2) in and back out."""
+    master = 4 if cfg.optimize.level() == "O2" else 0
+    return 2 * shard * (2 * b["moment"] + master)
 
 
 def _paged_traffic(cfg: RunConfig, devices: int, hw: Hardware) -> float:

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.memory.estimate import estimate_memory
-from shardwise.memory.offload import ActivationOffload
+from shardwise.memory.offload import ActivationOffload, SavedCopies
 from shardwise.models import build_model
 from shardwise.parallel.recompute import apply_recompute
 
@@ -118,3 +118,54 @@ def test_offload_moves_what_each_recompute_mode_keeps(tmp_path: Path, recompute:
     assert torch.equal(off["loss"], plain["loss"])
     for name, grad in plain["grads"].items():
         assert torch.equal(off["grads"][name], grad), name
+
+
+class _Watched(ActivationOffload):
+    """Sends its copies back as an accelerator run does (real copies into fresh memory, here on the CPU)
+    and records, at every storage backward takes, the groups whose copies are on the "device" then."""
+
+    def __init__(self, blocks) -> None:  # noqa: ANN001
+        super().__init__(torch.device("cpu"), blocks)
+        self.seen: list[tuple[int, set[int]]] = []  # (group backward is in, groups with copies on the device)
+        self.forwards: list[SavedCopies] = []
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        copies = self._copies
+        copies.back_to_device = True
+        take = copies.take
+
+        def watched(i: int) -> torch.Tensor:
+            raw = take(i)
+            self.seen.append((copies.position, {copies.group_of[j] for j in copies.on_device}))
+            return raw
+
+        copies.take = watched
+        self.forwards.append(copies)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_copies_come_back_a_block_ahead_and_leave_once_taken(tmp_path: Path, recompute: str) -> None:
+    cfg = _config(tmp_path, recompute)
+    plain = _forward_backward(cfg, offload=False)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    apply_recompute(model, cfg.optimize.recompute)
+    tokens = torch.randint(0, cfg.model.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    watched = _Watched(list(model.layers.values()))
+    with watched:
+        loss = model(tokens).logsumexp(-1).mean()
+    loss.backward()
+    copies = watched.forwards[0]
+    blocks = len(model.layers)
+    assert len(copies.groups) == blocks + 1 and all(copies.groups)  # the embedding's, then one per block
+    position = [g for g, _ in watched.seen]
+    assert position == sorted(position, reverse=True) and set(position) == set(range(blocks + 1))  # head down
+    for g, resident in watched.seen:
+        assert resident <= {g, g - 1}, f"backward in group {g}, groups {sorted(resident)} are on the device"
+    # every group but the embedding's was on the device beside the one before it: fetched ahead
+    assert {g for g, resident in watched.seen if g - 1 in resident} == set(range(1, blocks + 1))
+    assert not copies.on_device and not any(copies.untaken)  # each copy left once all its tensors were taken
+    assert torch.equal(loss.detach(), plain["loss"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, plain["grads"][name]), name

@@ -140,7 +140,10 @@ def test_step_time_hides_the_streamed_state_behind_the_backward_it_runs_in(tmp_p
     traffic = 2 * n * (8 + 4) / (hw.host_bandwidth_gbps * 1e9)  # fp32 moments and master, in and out
     assert after.offload == pytest.approx(traffic - hw.comm_overlap * after.optimizer, rel=0.01)
     assert during.offload < after.offload
-    assert eight.offload == 0.0  # 4 bytes an element in and out hide behind the backward
+    # 4 bytes an element in and out (2 each way, the directions at once) hide behind the backward but for
+    # one block's share, which has no compute left to hide behind
+    each_way = n * 2 / (hw.host_bandwidth_gbps * 1e9)
+    assert eight.offload == pytest.approx(each_way / 32, rel=0.01)
     assert during.optimizer == after.optimizer  # the update's own arithmetic is the device's either way
     roomy = step({**inbw, "optimizer": "paged_adamw_8bit"}, precision_level="O3", recompute="full")
     assert roomy.offload > 0  # 15 GiB of 8-bit state beside 16 GiB of bf16 weights on a 24 GB card

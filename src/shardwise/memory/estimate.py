@@ -699,6 +699,11 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     # The block running its forward holds the tensors it saves on the device while their copies go to the
     # host: at most its MLP's (the widest), until the MLP is done.
     act_live = max((_mlp_bytes(cfg, sh, flags[i]) for i in full), default=0) if act_host else 0
+    # On an accelerator the copies run on a side stream (memory.offload.SavedCopies): in the forward one
+    # block's copies may still be on their way out beside the running block's, and in the backward the
+    # next block's come back while one runs: one more block's saved tensors in each.
+    ahead = max(saved.values(), default=0) if act_host and dev_view else 0
+    act_live += ahead
     if act_host and dev_view:
         saved = {i: 0 for i in saved}
     head = _head(cfg, sh, prec, flags, logits_kept=lay.pp > 1 or lay.tp > 1) if last else None
@@ -793,7 +798,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
                                             has_grads[st_id] or in_backward, kind == "I", updates,
                                             dequant=dequant_back, cast=cast_back, grads_leave=offload)
             walk = walks[key]
-            backward = max(backward, static + gathered + rest + walk)
+            backward = max(backward, static + gathered + rest + walk + ahead)
             if keeps_sends and not st.first:
                 sent[st_id] = min(sent[st_id] + 1, lay.micro_batch_num)
             if kind == "B":

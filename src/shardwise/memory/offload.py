@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel.dtensors import local_tensor
 from ..parallel.recompute import selective_outputs_through
+from .lane import Lane
 
 
 def can_pin(device: torch.device) -> bool:
@@ -156,46 +157,144 @@ class HostMasters:
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     """Within it, what autograd saves for backward, and what selective-recompute blocks keep, goes to host
     memory and comes back when used (optimize.offload_activations); parameters stay. Enter it around a
-    micro-batch's forward."""
+    micro-batch's forward. `blocks`: the model's transformer blocks, whose starts group the copies (each
+    block's copies come back together, the next block's while it runs)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, blocks: Sequence[nn.Module] = ()) -> None:
+        self.device = device
         self.pin = can_pin(device)
-        # id of a saved tensor's base (itself, or what it is a view of) -> (that base, weakly; its storage's copy)
-        self._copies: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._selective = contextlib.ExitStack()
+        self.lane = Lane(device)
+        self.blocks = list(blocks)
+        self._copies: Optional[SavedCopies] = None
+        self._scope = contextlib.ExitStack()
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> None:
-        self._selective.enter_context(selective_outputs_through(self._pack, self._unpack))
+        # This forward's copies; the saved tensors keep them (and through them the copies) until backward.
+        self._copies = SavedCopies(self.lane, self.pin, back_to_device=self.device.type != "cpu")
+        for block in self.blocks:
+            handle = block.register_forward_pre_hook(lambda *_, c=self._copies: c.next_block())
+            self._scope.callback(handle.remove)
+        self._scope.enter_context(selective_outputs_through(self._pack, self._unpack))
         super().__enter__()
 
     def __exit__(self, *args: Any) -> None:
-        self._copies = {}  # the saved tensors keep their copies; the next forward starts afresh
+        self._copies = None
         super().__exit__(*args)
-        self._selective.close()
+        self._scope.close()
 
     def _pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
         if isinstance(base, nn.Parameter) or t.is_sparse or type(t) is not torch.Tensor:
             return t  # a weight (or a view of one: linear saves weight.t()) stays; so do tensor subclasses
-        # One copy per tensor and its views: a view keeps its base alive, so while the view is saved the
-        # base is the one that was copied (a dead base's id may be another tensor's: then it is a miss).
-        seen = self._copies.get(id(base))
-        host = seen[1] if seen is not None and seen[0]() is base else None
-        if host is None:
-            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            host = torch.empty(flat.shape, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
-            host.copy_(flat, non_blocking=self.pin)
-            self._copies[id(base)] = (weakref.ref(base), host)
-        return (host, t.device, t.dtype, t.storage_offset(), t.shape, t.stride())
+        assert self._copies is not None, "ActivationOffload packs only inside its `with` block"
+        i = self._copies.copy_out(t, base)
+        return (self._copies.hosts[i], self._copies, i, t.device, t.dtype, t.storage_offset(), t.shape, t.stride())
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        host, device, dtype, offset, shape, stride = packed
-        raw = host.to(device, non_blocking=True) if host.device != device else host
+        host, copies, i, device, dtype, offset, shape, stride = packed
+        raw = copies.take(i) if copies.back_to_device else host
         return torch.empty(0, dtype=dtype, device=device).set_(raw.untyped_storage(), offset, shape, stride)
+
+
+class SavedCopies:
+    """One forward's host copies under `ActivationOffload`, in groups: what was saved before the first
+    block (group 0), then in each block (a block's group also holds what follows it up to the next block:
+    the last one's holds the head's).
+
+    Out: each storage is copied once (a storage saved through several tensors, one input of three
+    projections or views of one tensor, shares its copy) on the side stream, after the compute stream has
+    made it; the caching allocator keeps the device memory until the copy is done. When block g starts,
+    the host waits for block g-2's copies to have landed, so at most two blocks' copies are in flight.
+
+    Back (`back_to_device`; a CPU run reads the host copies in place): when backward first needs a
+    storage of group g, all of group g is fetched on the side stream, and group g-1 with it, so the next
+    block's tensors arrive while this one's backward runs; a device copy is dropped once every tensor saved
+    through it has been taken, and the compute stream waits for its fetch before use."""
+
+    def __init__(self, lane: Lane, pin: bool, back_to_device: bool) -> None:
+        self.lane, self.pin, self.back_to_device = lane, pin, back_to_device
+        self.hosts: list[torch.Tensor] = []  # the host copies, in the order they were made
+        self.groups: list[list[int]] = [[]]  # indices of the copies made in each group
+        self.group_of: list[int] = []  # the group of each copy
+        self.last_group: list[int] = []  # the last group that saved a tensor through each copy
+        self.untaken: list[int] = []  # per copy: tensors saved through it that backward has not taken yet
+        self.landed: list[Any] = []  # per finished group: an event after its copies (None on a CPU)
+        self.fetched: set[int] = set()  # groups whose copies were sent back to the device
+        self.position = 1 << 62  # the group backward is in: the lowest last group of a copy taken so far
+        self.on_device: dict[int, tuple[torch.Tensor, Any]] = {}  # copy index -> (device copy, its event)
+        # id of a saved tensor's base (itself, or what it is a view of) -> (that base, weakly; its copy's index)
+        self._by_base: dict[int, tuple[Any, int]] = {}
+
+    def next_block(self) -> None:
+        """A block's forward starts: a new group; the host waits for the copies two groups back."""
+        self.landed.append(self.lane.mark())
+        self.groups.append([])
+        if len(self.landed) >= 2:
+            self.lane.landed(self.landed[-2])
+
+    def copy_out(self, t: torch.Tensor, base: torch.Tensor) -> int:
+        """The index of the host copy of t's storage, copying it first if this forward has not yet."""
+        # One copy per tensor and its views: a view keeps its base alive, so while the view is saved the
+        # base is the one that was copied (a dead base's id may be another tensor's: then it is a miss).
+        seen = self._by_base.get(id(base))
+        if seen is not None and seen[0]() is base:
+            i = seen[1]
+        else:
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            host = torch.empty(flat.shape, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            made = self.lane.mark(self.lane.compute_stream())
+            with self.lane.stream:
+                self.lane.wait(self.lane.stream, made)
+                host.copy_(flat, non_blocking=self.pin)
+            self.lane.used_on([flat], self.lane.stream)
+            i = len(self.hosts)
+            self.hosts.append(host)
+            self.groups[-1].append(i)
+            self.group_of.append(len(self.groups) - 1)
+            self.last_group.append(0)
+            self.untaken.append(0)
+            self._by_base[id(base)] = (weakref.ref(base), i)
+        self.untaken[i] += 1
+        self.last_group[i] = len(self.groups) - 1
+        return i
+
+    def take(self, i: int) -> torch.Tensor:
+        """Copy i's storage on the device, for backward: fetched with its group (and the group before it,
+        ahead of use) if it is not there yet. Backward runs the groups from the last down: it is in the
+        lowest group whose copies it has taken, each copy counted in the last group that saved a tensor
+        through it (a storage the blocks share, the RoPE tables, is copied in the first block's group and
+        taken in every block's backward)."""
+        self.position = g = min(self.position, self.last_group[i])
+        self._fetch(g)
+        self._fetch(g - 1)
+        if i not in self.on_device:  # taken more often than saved (a graph kept for a second backward)
+            self.on_device.update(self._send([i]))
+        raw, ready = self.on_device[i]
+        compute = self.lane.compute_stream()
+        self.lane.wait(compute, ready)
+        self.lane.used_on([raw], compute)
+        self.untaken[i] -= 1
+        if self.untaken[i] <= 0:
+            del self.on_device[i]  # the tensors made from it keep it as long as autograd needs them
+        return raw
+
+    def _fetch(self, g: int) -> None:
+        """Send group g's copies (those backward still needs) back to the device, once."""
+        if g < 0 or g in self.fetched:
+            return
+        self.fetched.add(g)
+        self.on_device.update(self._send([i for i in self.groups[g] if self.untaken[i] > 0]))
+
+    def _send(self, indices: list[int]) -> dict[int, tuple[torch.Tensor, Any]]:
+        """Copies `indices` to the device on the side stream, each with the event after them."""
+        with self.lane.stream:
+            raws = {i: self.hosts[i].to(self.lane.device, non_blocking=self.pin, copy=True) for i in indices}
+        ready = self.lane.mark()
+        return {i: (raw, ready) for i, raw in raws.items()}
 
 
 def master_dtype_for(param_dtype: torch.dtype, master_weights: bool) -> torch.dtype:

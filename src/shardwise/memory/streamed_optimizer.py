@@ -37,6 +37,7 @@ from torch.optim.adam import adam as adam_update
 from ..config.schema import OPTIMIZER_CHUNK_ELEMENTS
 from ..errors import ConfigError
 from ..parallel.dtensors import local_tensor
+from .lane import Lane
 from .offload import can_pin, like_param
 from .precision import round_into
 
@@ -48,42 +49,6 @@ def _host_copy(local: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tens
     host = torch.empty(local.shape, dtype=dtype, device="cpu", pin_memory=pin)
     host.copy_(local)
     return host
-
-
-class Lane:
-    """The side stream that copies state between host and device, and the events that order it against
-    the compute stream. On a CPU the stream is a CPU stream and every event is already complete."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.accelerated = device.type != "cpu"
-        self.stream = torch.Stream(device=device)
-
-    def mark(self, stream: Any = None) -> Any:
-        """An event at the current end of `stream` (default: the side stream); None on a CPU."""
-        if not self.accelerated:
-            return None
-        return (stream or self.stream).record_event()
-
-    def compute_stream(self) -> Any:
-        """The stream the update kernels run on."""
-        return torch.accelerator.current_stream(self.device) if self.accelerated else None
-
-    def wait(self, stream: Any, event: Any) -> None:
-        """Make `stream` wait for `event` (nothing to wait for on a CPU)."""
-        if event is not None:
-            stream.wait_event(event)
-
-    def used_on(self, tensors: list[torch.Tensor], stream: Any) -> None:
-        """Tell the caching allocator that `tensors` (allocated on another stream) are used on `stream`."""
-        if self.accelerated:
-            for t in tensors:
-                t.record_stream(stream)
-
-    def synchronize(self) -> None:
-        """Wait on the host for every copy queued so far (before the host reads or writes the state)."""
-        if self.accelerated:
-            self.stream.synchronize()
 
 
 class StreamMasters:

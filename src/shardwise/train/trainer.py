@@ -488,7 +488,7 @@ class Trainer:
     def _saved_activations(self) -> Any:
         """Where the forward's saved activations go: host memory (optimize.offload_activations), or nowhere new."""
         if self.config.optimize.offload_activations:
-            return ActivationOffload(self.state.device)
+            return ActivationOffload(self.state.device, blocks=list(self.state.parts[0].layers.values()))
         return contextlib.nullcontext()
 
     def save(self, step: int) -> Path:
