@@ -54,6 +54,9 @@ CONFIGS: dict[str, list[str]] = {
     "qwen2_1.5b offload params": QWEN + ["optimize.offload_params=true", "optimize.recompute=full"],
     "qwen2_1.5b LoRA r16 offload params": QWEN + ["lora.r=16", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
                                                   "optimize.recompute=full", "optimize.offload_params=true"],
+    "qwen2_1.5b LoRA r16 offload half the blocks, activations": QWEN + [
+        "lora.r=16", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "optimize.recompute=none",
+        "optimize.offload_params=true", "optimize.offload_params_blocks=14", "optimize.offload_activations=true"],
 }
 
 

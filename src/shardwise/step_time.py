@@ -78,7 +78,7 @@ from typing import Any
 
 from .config import RunConfig
 from .hardware import Hardware
-from .memory.estimate import estimate_memory, head_recomputes_logits, run_flops, trainable_shapes
+from .memory.estimate import estimate_memory, head_recomputes_logits, offloaded_share, run_flops, trainable_shapes
 from .models.config import ModelConfig
 from .models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
 from .parallel.data_parallel import ONE_PROCESS_ZERO_STAGE
@@ -517,8 +517,9 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
             gathers = (1 if (zero == 2 or pp > 1) else 2) * (1 if (zero == 2 and pp > 1) else ga)
             comm += gathers * gather_time(params_bytes, ranks, dp_link)
             if cfg.optimize.offload_params:
-                # FSDP2's CPU offload copies each shard to the device before every all-gather.
-                comm += gathers * params_bytes / ranks / (hw.host_bandwidth_gbps * 1e9 / slowdown)
+                # FSDP2's CPU offload copies each host shard to the device before every all-gather.
+                host_shards = params_bytes * offloaded_share(cfg)[0] / ranks
+                comm += gathers * host_shards / (hw.host_bandwidth_gbps * 1e9 / slowdown)
         # Reductions overlap the last backward; gathers are prefetched under each micro-batch's compute.
         window = (t["compute"] + t["recompute"]) * (ga if zero >= 2 else 2 / 3)
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
@@ -526,10 +527,14 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     shard = trainable_dev / (ranks if zero >= 1 else 1)
     o = cfg.optimize
     host = hw.host_bandwidth_gbps * 1e9 / slowdown
-    if o.offload_params and zero >= 2:
-        # Gradient shards go to the host, updated parameters come back, and the host runs AdamW.
-        step.offload = shard * (b["grad"] + b["param"]) / host
-        step.optimizer = shard * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9)
+    params_share, trainable_share = offloaded_share(cfg) if o.offload_params and zero >= 2 else (0.0, 0.0)
+    if params_share:
+        # Gradient shards go to the host, updated parameters come back, and the host runs AdamW; the
+        # parameters left on the device (optimize.offload_params_blocks) are updated there.
+        on_host = shard * trainable_share
+        step.offload = on_host * (b["grad"] + b["param"]) / host
+        step.optimizer = on_host * ADAM_BYTES / (HOST_ADAM_GBPS * 1e9) \
+            + (shard - on_host) * b["adam"] / (hw.memory_bandwidth_gbps * 1e9 / slowdown)
     elif o.offload_optimizer == "cpu":
         # Gradients (16-bit at O2) stream to the host during each backward; the weights come back once.
         grads_out = ga * shard * b["param"] / host
@@ -551,15 +556,16 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     acts = _offloaded_activation_bytes(cfg, devices, hw) / host if o.offload_activations else 0.0
     state = _streamed_state_bytes(cfg, shard, b) / host \
         if o.offload_optimizer == "stream" and cfg.train.optimizer_in_backward and not o.offload_params else 0.0
-    weights = params_dev * b["param"] / host if alone else 0.0
+    weights = params_dev * params_share * b["param"] / host if alone else 0.0
     if hw.kind == "cpu":  # the copies run on the cores that compute: nothing hides them
         step.offload += 2 * ga * acts + state
     elif acts or state or weights:
-        blocks = max(load.layers, 1)
+        # What one block moves: nothing hides the first block's weights or the last block's activations.
+        block = weights / _offloaded_blocks(cfg, load.layers) + (acts + state / 2) / max(load.layers, 1)
         forward_s, backward_s = t["compute"] / 3, t["compute"] * 2 / 3 + t["recompute"]
-        step.offload += ga * _host_link(weights, acts, forward_s, blocks, hw) \
-            + (ga - 1) * _host_link(weights + acts, 0.0, backward_s, blocks, hw) \
-            + _host_link(weights + acts + state / 2, state / 2, backward_s, blocks, hw)
+        step.offload += ga * _host_link(weights, acts, forward_s, block, hw) \
+            + (ga - 1) * _host_link(weights + acts, 0.0, backward_s, block, hw) \
+            + _host_link(weights + acts + state / 2, state / 2, backward_s, block, hw)
     step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual_stages": v, "gradient_accumulation": ga,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
@@ -571,12 +577,18 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     return step
 
 
-def _host_link(inward: float, outward: float, compute: float, blocks: int, hw: Hardware) -> float:
+def _host_link(inward: float, outward: float, compute: float, block: float, hw: Hardware) -> float:
     """Seconds a pass waits for the host link: its copies in each direction (seconds at the link's speed;
-    the directions run at once) hidden behind the pass's compute up to comm_overlap, but at least one
-    block's share (the first block's weights or the last block's activations have nothing to hide behind)."""
+    the directions run at once) hidden behind the pass's compute up to comm_overlap, but never less than
+    one block's copies (`block`), which have nothing to hide behind."""
     moved = max(inward, outward)
-    return max(moved / blocks, moved - hw.comm_overlap * compute)
+    return min(moved, max(block, moved - hw.comm_overlap * compute))
+
+
+def _offloaded_blocks(cfg: RunConfig, layers: int) -> int:
+    """How many of a rank's `layers` blocks offload_params keeps in host memory (at least 1)."""
+    n = cfg.optimize.offload_params_blocks
+    return max(1, min(layers, n) if n is not None else layers)
 
 
 def _streamed_state_bytes(cfg: RunConfig, shard: float, b: dict[str, float]) -> float:

@@ -166,6 +166,11 @@ class OptimizeConfig(_Section):
         "parameters, gradients and optimizer state in host memory, each block's parameters copied to the device "
         "for its all-gather; the step on the CPU"
     )
+    offload_params_blocks: Optional[int] = Field(
+        None, ge=1, description="with offload_params: only the first N transformer blocks' parameters (and "
+        "their gradients and optimizer state) in host memory; the other blocks, the embeddings and the head stay "
+        "on the device, so fewer weights cross the host link each pass (null: everything offloaded)"
+    )
     offload_activations: bool = Field(
         False, description="move the tensors saved for backward to host memory during the forward and back for "
         "the backward (with recompute: only what recompute keeps, the blocks' inputs); not under a pipeline"
@@ -202,6 +207,15 @@ class OptimizeConfig(_Section):
         if v is None or v == "false" or v == "none":
             return False
         return v
+
+    def params_on_host(self, block: Optional[int]) -> bool:
+        """Whether offload_params keeps the parameters of transformer block `block` (None: the embeddings,
+        final norm and head) in host memory."""
+        if not self.offload_params:
+            return False
+        if self.offload_params_blocks is None:
+            return True
+        return block is not None and block < self.offload_params_blocks
 
     def streams_optimizer(self) -> bool:
         """optimize.offload_optimizer stream: state in host memory, the update on the device."""
@@ -612,6 +626,13 @@ class RunConfig(_Section):
                 "to 0 and Adam divides by zero; set train.eps: 1.0e-4, or use precision_level O2 or bf16"
             )
         layers = self.optimize.recompute_layers
+        if o.offload_params_blocks is not None and not o.offload_params:
+            raise ValueError(f"optimize.offload_params_blocks {o.offload_params_blocks} needs offload_params: true "
+                             "(it says how many blocks FSDP2's CPU offload keeps in host memory); set both, or "
+                             "remove offload_params_blocks")
+        if (o.offload_params_blocks or 0) > m.num_layers:
+            raise ValueError(f"optimize.offload_params_blocks {o.offload_params_blocks} is above model.num_layers "
+                             f"{m.num_layers}; use null to offload every block, the embeddings and the head")
         if layers is not None and len(layers) != m.num_layers:
             raise ValueError(f"optimize.recompute_layers has {len(layers)} entries for model.num_layers "
                              f"{m.num_layers}: give one mode per layer, or null to choose them at launch")

@@ -337,6 +337,19 @@ def trainable_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return {p.name: p.shape for p in _params_of(cfg) if p.trainable}
 
 
+def offloaded_share(cfg: Any) -> tuple[float, float]:
+    """(share of all parameter elements, share of the trainable ones) that optimize.offload_params keeps in
+    host memory: everything, or with offload_params_blocks the first blocks' (0 without offload_params)."""
+    params = _params_of(cfg)
+    on_host = [p for p in params if cfg.optimize.params_on_host(p.layer)]
+
+    def share(subset: list[_Param], of: list[_Param]) -> float:
+        return sum(_numel(p.shape) for p in subset) / max(1, sum(_numel(p.shape) for p in of))
+
+    trainable = [p for p in params if p.trainable]
+    return share(on_host, params), share([p for p in on_host if p.trainable], trainable)
+
+
 def run_flops(cfg: Any) -> TrainingFlops:
     """Training FLOPs per token of a run config, per layer and head (`models.flops.training_flops` on
     the parameters that train): what MFU counts and what the planner times."""
@@ -644,6 +657,14 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         optimizer_bytes = states * sum(one(n, 4 if prec.masters else prec.param) for n in opt_elems) + counters
     elif name == "paged_adamw":
         optimizer_bytes = states * state_elems * 4 + counters
+    # optimize.offload_params (FSDP2's CPU offload): the parameters it keeps in host memory (all of this
+    # rank's, or with offload_params_blocks those of the first blocks), their gradients and state with them.
+    on_host = {p.name for p in held if cfg.optimize.params_on_host(p.layer)} if lay.offload else set()
+    host_layers = frozenset(p.layer for p in held if p.name in on_host and p.layer is not None)
+    host_trainable = [p for p in trainable if p.name in on_host]
+    # The optimizer state of the offloaded parameters: their share of the elements (the 8-bit blocks and
+    # step counters per tensor make it a share of the bytes to within a few bytes a tensor).
+    host_share = sum(stored[p.name] for p in host_trainable) / max(1, sum(stored[p.name] for p in trainable))
     master_bytes = sum(full_elems) * 4 if prec.masters else 0
     grad_bytes = sum(stored[p.name] for p in trainable) * prec.grad
     # What a checkpoint saves of this rank (train.async_save stages a host copy of it): the parameters as
@@ -672,10 +693,15 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         host_static, optimizer_bytes = optimizer_bytes, 0
     host = 0
     offload = lay.offload and device != "cpu"  # on a CPU run host memory is the device's memory
+    host_grad_bytes = sum(stored[p.name] for p in host_trainable) * prec.grad
+    host_optimizer_bytes = int(optimizer_bytes * host_share)
     if lay.offload:
-        host = _param_bytes(held, stored, prec) + grad_bytes + optimizer_bytes
+        host = _param_bytes([p for p in held if p.name in on_host], stored, prec) + host_grad_bytes \
+            + host_optimizer_bytes
     if offload:  # FSDP2's CPUOffloadPolicy: shards, sharded gradients and the state live in host memory
-        param_bytes, grad_bytes, optimizer_bytes = rope, 0, 0
+        param_bytes -= _param_bytes([p for p in held if p.name in on_host], stored, prec)
+        grad_bytes -= host_grad_bytes
+        optimizer_bytes -= host_optimizer_bytes
 
     # --- activations of one micro-batch, per stage
     tp = lay.tp
@@ -716,8 +742,9 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             st.act += head["saved"] + head["logits"] + head["lsm"]
         else:
             st.act += hidden  # the stage output, kept by the schedule for its backward
-        st.grads = sum(stored[p.name] for p in trainable if _param_stage(p, st, num_stages)) * prec.grad
-        if offload or (host_opt and dev_view):
+        st.grads = sum(stored[p.name] for p in trainable if _param_stage(p, st, num_stages)
+                       and not (offload and p.name in on_host)) * prec.grad
+        if host_opt and dev_view:
             st.grads = 0
 
     # --- what the layout adds
@@ -796,7 +823,8 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
             if key not in walks:
                 walks[key] = _backward_walk(cfg, sh, st, saved, full, flags, held, stored, prec, head, fsdp,
                                             has_grads[st_id] or in_backward, kind == "I", updates,
-                                            dequant=dequant_back, cast=cast_back, grads_leave=offload)
+                                            dequant=dequant_back, cast=cast_back,
+                                            grads_leave=host_layers if offload else frozenset())
             walk = walks[key]
             backward = max(backward, static + gathered + rest + walk + ahead)
             if keeps_sends and not st.first:
@@ -821,8 +849,10 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         sizes = [stored[p.name] if lay.zero >= 2 else _numel(local[p.name]) for p in trainable]
         optimizer_phase = static + grad_bytes + max(max(window.values(), default=0), _norm_temp(sizes))
     else:
-        optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, trainable, stored,
-                                           local, offload or (host_opt and dev_view), "cpu" if host_opt else device)
+        on_device = [p for p in trainable if not (offload and p.name in on_host)]
+        optimizer_phase = _optimizer_phase(cfg, lay, prec, static, grad_bytes, state_elems, on_device, stored,
+                                           local, (host_opt and dev_view) or (offload and not on_device),
+                                           "cpu" if host_opt else device)
     checkpoint = static
 
     # --- the estimate
@@ -839,8 +869,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     if staged:  # from the first save on, one host copy of everything saved, kept for the run
         host_phases = {k: v + staged for k, v in host_phases.items()}
     if lay.offload:  # FSDP2's CPU offload: shards and state all along, gradients from backward to the step
-        fsdp_grads = sum(stored[p.name] for p in trainable) * prec.grad
-        host_phases = {k: v + host - (fsdp_grads if k in ("forward", "checkpoint") else 0)
+        host_phases = {k: v + host - (host_grad_bytes if k in ("forward", "checkpoint") else 0)
                        for k, v in host_phases.items()}
     host = max(host_phases.values())
     # On the CPU (one memory) `phases` hold it all; on an accelerator they are the device's alone.
@@ -948,7 +977,7 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
                    flags: dict[int, dict[str, bool]], held: list[_Param], stored: dict[str, int], prec: _Precision,
                    head: Optional[dict[str, int]], fsdp: Optional["_Fsdp"], grads_exist: bool,
                    input_only: bool, updates: Optional[dict[Any, int]] = None, dequant: int = 0,
-                   cast: int = 0, grads_leave: bool = False) -> int:
+                   cast: int = 0, grads_leave: frozenset = frozenset()) -> int:
     """Peak of one micro-batch's backward through stage st, above everything else on the rank: the
     head's cross-entropy transients first, then block by block (its saved activations shrink, its
     gradients grow, a recomputed block comes back whole, the MLP's or attention's gradients join).
@@ -956,8 +985,8 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
     "embedding", what updating its largest tensor holds while that part's activations are alive.
     `dequant` (QLoRA): one base weight's dequantisation, inside each block's backward. `cast`
     (optimize.float8): the largest linear's casts to float8, during the MLP's backward. `grads_leave`
-    (FSDP2's CPU offload on an accelerator): each block's sharded gradients go to host memory as they
-    are reduced, so they do not grow on the device (its unsharded ones are in `fsdp`)."""
+    (FSDP2's CPU offload on an accelerator): the blocks whose sharded gradients go to host memory as they
+    are reduced, so they do not grow on the device (their unsharded ones are in `fsdp`)."""
     remaining = st.act
     grads_now = st.grads if grads_exist else 0
     peak = remaining + grads_now
@@ -976,7 +1005,7 @@ def _backward_walk(cfg: Any, sh: _Shape, st: _Stage, saved: dict[int, int], full
         mlp_t, attn_t = _layer_transient(cfg, sh, flags[i])
         share_mlp, share_attn = _grad_shares(held, i)
         layer_grad = sum(stored[p.name] for p in held if p.layer == i and p.trainable) * prec.grad
-        growing = 0 if (grads_exist or input_only or grads_leave) else layer_grad
+        growing = 0 if (grads_exist or input_only or i in grads_leave) else layer_grad
         mlp_part = _mlp_bytes(cfg, sh, flags[i]) if full[i] else 0
         # FSDP2's gathering above what it holds at the end of forward (already counted by the caller).
         f_mlp = fsdp.backward_at(i, order, share_mlp, grads_exist) - fsdp.forward() if fsdp else 0

@@ -104,6 +104,7 @@ def apply_data_parallel(
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: torch.dtype = torch.float32,
     offload: bool = False,
+    offload_blocks: Optional[int] = None,
     per_block: bool = True,
     reshard_after_forward: Optional[bool] = None,
     reduce_every_micro_batch: bool = False,
@@ -116,6 +117,8 @@ def apply_data_parallel(
         None or fp32 leaves compute in the parameters' dtype.
     reduce_dtype: dtype of gradient reduction when mixed precision is on.
     offload: keep sharded parameters, gradients and optimizer state on the CPU (zero 2/3 only).
+    offload_blocks: with offload, only the blocks numbered below it (optimize.offload_params_blocks); the
+        other blocks and the root's own parameters (embeddings, final norm, head) stay on the device.
     per_block: wrap each of `model.layers` separately before the root (the default, and the
         memory-saving choice); False wraps the root only (pipeline stages with zero-bubble schedules
         need that, see TORCH_NOTES.md).
@@ -157,28 +160,26 @@ def apply_data_parallel(
         # Context parallel ranks hold other tokens of the same samples: their gradients are summed too.
         mesh = meshes.hsdp_mesh() if dims.dp_replicate > 1 else meshes.gradient_mesh("dp_shard")
         device_type = mesh.device_type
-        # Pinned host memory needs an accelerator; on a CPU-only run there is nothing to pin for.
-        kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device_type != "cpu") if offload
-                                    else OffloadPolicy())
-
         reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
 
-        def wrap(module: nn.Module) -> None:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+        def wrap(module: nn.Module, on_host: bool) -> None:
+            # Pinned host memory needs an accelerator; on a CPU-only run there is nothing to pin for.
+            policy = CPUOffloadPolicy(pin_memory=device_type != "cpu") if on_host else OffloadPolicy()
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy, **kwargs)
     else:
 
         mesh = meshes.gradient_mesh("dp")
 
-        def wrap(module: nn.Module) -> None:
+        def wrap(module: nn.Module, on_host: bool) -> None:
             # 16-bit frozen weights stay plain replicated tensors: nothing to reduce, and replicate's
             # unsharded compute copy would double them.
             replicate(module, mesh=mesh, ignored_params=apart, **kwargs)
 
     layers = getattr(model, "layers", None)
     if per_block and layers is not None:
-        for block in layers.values():
-            wrap(block)
-    wrap(model)
+        for name, block in layers.items():
+            wrap(block, offload and (offload_blocks is None or int(name) < offload_blocks))
+    wrap(model, offload and offload_blocks is None)
     for module in model.modules():
         if _is_fsdp(module):
             # SUM reduction (the trainer normalises by the global token count). The divide factor
@@ -581,12 +582,15 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: Optional[float], no
     """
 
     skip = {id(t) for t in exclude}
-    groups: dict[Any, list[torch.Tensor]] = {}  # parameters by (mesh, placements) of their gradient
+    # parameters by (mesh, placements) of their gradient and where its local part lives (FSDP2's CPU offload
+    # of some blocks only, optimize.offload_params_blocks, leaves gradients of one mesh on two devices)
+    groups: dict[Any, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
-        key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
+        key = (id(g.device_mesh), tuple(g.placements), local_tensor(g).device) if isinstance(g, DTensor) \
+            else ("plain", g.device)
         groups.setdefault(key, []).append(p)
     inf = math.isinf(norm_type)
     sums = []
@@ -687,6 +691,10 @@ def check_offload(cfg: Any, device: torch.device, dims: ParallelDims) -> None:
     if getattr(o, "offload_activations", False) and dims.pp > 1:
         raise ConfigError("optimize.offload_activations does not run under pipeline parallelism (the schedule "
                           "interleaves the micro-batches' forwards and backwards); use optimize.recompute there")
+    if getattr(o, "offload_params_blocks", None) is not None and dims.pp > 1:
+        raise ConfigError("optimize.offload_params_blocks counts the model's blocks from the first, which a "
+                          "pipeline splits over its stages; leave it null (offload everything) under pipeline "
+                          "parallelism")
     problem = _offload_optimizer_problem(cfg, dims)
     if problem:
         raise ConfigError(f"optimize.offload_optimizer cannot run here: {problem}")

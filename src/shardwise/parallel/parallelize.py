@@ -84,7 +84,8 @@ def parallelize_model(
         stage, every = one_process_fsdp_settings(cfg)
     if dims.dp_cp > 1 or (offload and meshes is not None):
         model = apply_data_parallel(model, meshes, dims, stage, param_dtype=fsdp_param_dtype,
-                                    offload=offload, reshard_after_forward=reshard_after_forward,
+                                    offload=offload, offload_blocks=cfg.optimize.offload_params_blocks,
+                                    reshard_after_forward=reshard_after_forward,
                                     reduce_every_micro_batch=every)
     return model
 
@@ -124,16 +125,19 @@ def fsdp_holds_masters(dims: ParallelDims) -> bool:
     return dims.uses_fsdp
 
 
-def allocate(part: nn.Module, device: torch.device, params_on_host: bool = False) -> None:
+def allocate(part: nn.Module, device: torch.device, on_host: Callable[[Optional[int]], bool] = lambda _: False
+             ) -> None:
     """Give a meta-device model part (whole or a pipeline chunk, sharded or not) memory on `device`
     for the shards this rank holds; the values are undefined until loaded. A tied output projection is
     tied again (allocation gives each module a fresh parameter) and the RoPE tables are rebuilt.
-    `params_on_host` (FSDP2's CPU offload, optimize.offload_params): the parameter shards in host memory,
-    where FSDP2 wants them, and the buffers on `device`."""
-    part.to_empty(device="cpu" if params_on_host else device)
-    if params_on_host:
-        for module in part.modules():
-            for name, buf in module.named_buffers(recurse=False):
+    `on_host(block)` (FSDP2's CPU offload, `OptimizeConfig.params_on_host`): whether the parameters of
+    transformer block `block` (None: the rest of the part) are in host memory, where FSDP2 wants them;
+    buffers are always on `device`."""
+    blocks = {id(m): int(name) for name, block in getattr(part, "layers", {}).items() for m in block.modules()}
+    for module in part.modules():
+        module.to_empty(device="cpu" if on_host(blocks.get(id(module))) else device, recurse=False)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != device:
                 module._buffers[name] = buf.to(device)
     part.tie_weights()
     part.reset_rope_tables()

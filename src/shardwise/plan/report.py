@@ -87,7 +87,8 @@ def candidate_table(cands: list[Candidate]) -> str:
     for i, c in enumerate(cands, 1):
         lay, s = c.layout, c.step
         # "/step": ZeRO 2/3 gradients reduced once per step (full size until then), not every micro-batch
-        zero = (f"{lay.zero}" + ("+off" if lay.offload else "") + ("+params" if lay.offload_params else "")
+        params = "+params" + (f"[:{lay.offload_blocks}]" if lay.offload_blocks else "")  # the first blocks only
+        zero = (f"{lay.zero}" + ("+off" if lay.offload else "") + (params if lay.offload_params else "")
                 + ("+act" if lay.offload_activations else "")
                 + ("/step" if lay.reduce_gradients == "once_per_step" else ""))
         recompute = lay.recompute + (f", loss chunk {lay.loss_chunk}" if lay.loss_chunk else "")

@@ -63,6 +63,7 @@ class Layout:
     offload_activations: bool = False  # tried with offload_optimizer where no pipeline runs
     loss_chunk: Optional[int] = None  # optimize.loss_chunk_tokens when the planner lowered it to fit (else as set)
     offload_params: bool = False  # one device: FSDP2's CPU offload (parameters, gradients, state on the host)
+    offload_blocks: Optional[int] = None  # with offload_params: only the first this many blocks (None: all)
     cp: int = 1  # parallel.context_parallel: devices each sequence is split over
 
     def short(self) -> str:
@@ -75,7 +76,8 @@ class Layout:
             " and activations" if self.offload_activations else "")
         zero = f"ZeRO-{self.zero}" + offload
         if self.offload_params:  # optimize.offload_params on one device
-            zero = "FSDP2 CPU offload of parameters, gradients and optimizer" + (
+            which = f" of the first {self.offload_blocks} blocks" if self.offload_blocks else ""
+            zero = f"FSDP2 CPU offload{which} of parameters, gradients and optimizer" + (
                 " and activations" if self.offload_activations else "")
         parts = [self.short(), zero,
                  f"recompute {self.recompute}", f"micro-batch {self.micro_batch} x {self.accumulation}"]
@@ -353,18 +355,28 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                                                                              req.offload and req.hardware.kind
                                                                              != "cpu" else (False,))]
                         # On one device, offload_params too: FSDP2's CPU offload alone (the parameters as
-                        # well, each block copied in for its forward and backward; LoRA's base leaves).
+                        # well, each block copied in for its forward and backward; LoRA's base leaves), of
+                        # everything or of the first quarter, half or three quarters of the blocks (fewer
+                        # weights cross the host link; the rest stay on the device).
                         if can_offload and dp * tp * pp * cp == 1:
-                            offloads += [("params", acts) for acts in (False, True)]
+                            offloads += [(("params", blocks), acts) for blocks in offload_block_counts(m.num_layers)
+                                         for acts in (False, True)]
                         for offload, acts in offloads:
+                            params, blocks = offload if isinstance(offload, tuple) else (False, None)
                             for recompute in _allowed(pins, "recompute", RECOMPUTE + AUTO * ("auto" in pins.get(
                                     "recompute", []))):
                                 for reduce in reductions:
                                     layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v,
                                                     offload if offload in ("cpu", "stream") else False, reduce,
-                                                    acts, offload_params=offload == "params", cp=cp)
+                                                    acts, offload_params=bool(params), offload_blocks=blocks, cp=cp)
                                     out.append((layout, layout_config(cfg, layout)))
     return out
+
+
+def offload_block_counts(layers: int) -> list[Optional[int]]:
+    """The optimize.offload_params_blocks the planner tries: None (everything offloaded) and the first
+    quarter, half and three quarters of the blocks."""
+    return [None, *sorted({n for n in (layers // 4, layers // 2, 3 * layers // 4) if 0 < n < layers})]
 
 
 def optimizer_offloads(cfg: RunConfig, tp: int, pp: int) -> tuple[str, ...]:
@@ -409,6 +421,7 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
                                                "gradient_accumulation_steps": None,
                                                "offload_optimizer": layout.offload,
                                                "offload_params": layout.offload_params,
+                                               "offload_params_blocks": layout.offload_blocks,
                                                "offload_activations": layout.offload_activations})
     train = base.train.model_copy(update={"micro_batch_size": layout.micro_batch,
                                           "global_batch_size": layout.dp * layout.micro_batch * layout.accumulation})
@@ -527,8 +540,9 @@ def state_lower_bound(cfg: RunConfig, layout: Layout, step: StepTime) -> int:
     for rank, load in enumerate(step.detail["loads"]):
         params, trainable = load.params / tp, load.trainable / tp
         stored = trainable * elem + (params - trainable) * frozen_elem
-        if layout.offload_params:  # FSDP2's CPU offload on one device: every shard in host memory
-            need = 0.0
+        if layout.offload_params:  # FSDP2's CPU offload on one device: the offloaded blocks in host memory
+            kept = 1 - layout.offload_blocks / m.num_layers if layout.offload_blocks else 0.0
+            need = stored * kept  # at least the blocks kept on the device (the root stays too)
         elif layout.offload:
             need = stored * (0 if layout.zero == 3 else 1) / dp
         else:

@@ -252,7 +252,9 @@ class Trainer:
                                      eight_bit=t.optimizer == "adamw_8bit")
         else:
             # offload_optimizer cpu, and FSDP2's CPU offload (offload_params): the optimizer steps host tensors
-            on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp)
+            # (with offload_params_blocks some host and some device tensors: the device's kernel, grouped by device)
+            on_host = isinstance(masters, HostMasters) or (cfg.optimize.offload_params and dims.uses_fsdp
+                                                           and cfg.optimize.params_on_host(None))
             step_on = "cpu" if on_host else ctx.device.type
             optimizer = distribute_optimizer(build_optimizer(opt_named, t.optimizer, t.lr, t.weight_decay,
                                                              (t.beta1, t.beta2), t.eps,
@@ -563,7 +565,7 @@ class Trainer:
         parts = parallelize_parts(model, cfg, dims, meshes, fsdp_dtype)
         if meta:
             for part in parts:
-                allocate(part, device, params_on_host=offloaded)
+                allocate(part, device, on_host=cfg.optimize.params_on_host if offloaded else lambda _: False)
         # Without a pipeline the model is the one part; with one, this rank's first chunk.
         self.model, self.model_parts = parts[0], parts
         return parts
