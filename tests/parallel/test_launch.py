@@ -80,14 +80,16 @@ def test_launch_two_processes_all_reduce(clean_env, tmp_path):
 @pytest.mark.timeout(300)
 def test_launch_failing_rank_stops_the_group_and_shows_its_error(clean_env, tmp_path, capfd):
     clean_env.setenv("LAUNCH_TEST_TIMEOUT", "60")
-    for attempt in range(2):
+    for attempt in range(3):
         start = time.monotonic()
         rc = launch_processes([str(tmp_path), "fail"], 2, module=ENTRY)
         elapsed = time.monotonic() - start
         err = capfd.readouterr().err
         # 134: the failing rank was ended by SIGABRT in torch's teardown after its error, not by the error;
-        # seen in two CI runs on a loaded machine (cause unknown, never alone), so that outcome gets one
-        # more try. The launcher's handling of a failed rank is what this test holds.
+        # seen in two CI runs and one local suite on a loaded machine (twice in a row there; cause unknown,
+        # never alone), so that outcome gets two more tries. The launcher's handling of a failed rank is
+        # what this test holds. (Destroying the group in the failing rank before exit avoids nothing
+        # measurable and makes rank 0 fail first, so the launcher would name the wrong rank.)
         if rc != 134:
             break
     assert rc == 1
