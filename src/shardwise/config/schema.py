@@ -642,9 +642,29 @@ class RunConfig(_Section):
             )
         if p.pipeline_parallel > 1:
             self._check_pipeline()
+        if m.num_experts:
+            self._check_experts()
         self._check_finetuning()
         self._check_optimizer()
         return self
+
+    def _check_experts(self) -> None:
+        """What a mixture-of-experts model does not run with yet: it trains on one device and under data
+        parallelism (ZeRO 0-3), with recompute, freezing, LoRA on attention and on dense blocks."""
+        p, o = self.parallel, self.optimize
+        for what, n in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel),
+                        ("context_parallel", p.context_parallel)):
+            if n > 1:
+                raise ValueError(f"parallel.{what} {n} with a mixture-of-experts model (model.num_experts "
+                                 f"{self.model.num_experts}): not supported yet; use data parallelism (ZeRO 0-3) "
+                                 f"and set {what}: 1")
+        if o.float8:
+            raise ValueError("optimize.float8 converts nn.Linear layers, and a mixture-of-experts block's experts "
+                             "are grouped matrix multiplies it does not convert (its router would be): set "
+                             "optimize.float8: false")
+        if self.lora is not None and self.lora.quantize_base != "none":
+            raise ValueError("lora.quantize_base with a mixture-of-experts model: the experts' weights would stay "
+                             "16-bit (only linear layers are quantised); set quantize_base: none")
 
     def _check_optimizer(self) -> None:
         """Optimizer settings that do not fit the precision or the layout (the trainer checks what needs

@@ -127,6 +127,8 @@ class MemoryEstimate:
             lines.append(f"  context parallel {cp}: {d['layout']['seq'] // cp} of every {d['layout']['seq']} tokens on "
                          f"this device; all-to-all buffers around attention "
                          f"{gib(d.get('context_parallel_exchange_bytes', 0), 3)}")
+        if d.get("approximate"):
+            lines.append(f"  approximate: {d['approximate']}")
         if self.host:
             by = ", ".join(f"{p} {gib(self.host_phases[p], 3)}" for p in PHASES if p in self.host_phases)
             staged = d.get("async_save_host_bytes", 0)
@@ -919,6 +921,11 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         "host_offload": {"optimizer": host_static + host_grads, "activations": act_host},
         "async_save_host_bytes": staged,  # train.async_save: the staged copy of what a checkpoint saves
     }
+    if m.num_experts:
+        detail["approximate"] = (
+            "mixture-of-experts blocks: the experts' parameters, gradients and optimizer state are counted "
+            "exactly, their activations and routing buffers as a dense block's; not yet checked against a "
+            "count of live tensors")
     return MemoryEstimate(params=param_bytes, grads=grads_at_peak, optimizer=optimizer_bytes + master_bytes,
                           activations=activations, buffers=buffers, overhead=int(tensor_peak * frac),
                           peak=max(phases.values()), phases=phases, detail=detail, host=host,

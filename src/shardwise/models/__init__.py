@@ -1,7 +1,12 @@
 """Models: one decoder with family flags, named presets, parameter/FLOP counts and generation."""
 
 from shardwise.models.config import ModelConfig
-from shardwise.models.flops import count_parameters, count_parameters_by_kind, flops_per_token
+from shardwise.models.flops import (
+    count_active_parameters,
+    count_parameters,
+    count_parameters_by_kind,
+    flops_per_token,
+)
 from shardwise.models.generate import generate
 from shardwise.models.registry import (
     get_preset,
@@ -23,6 +28,7 @@ __all__ = [
     "get_preset",
     "preset_names",
     "resolve_model_config",
+    "count_active_parameters",
     "count_parameters",
     "count_parameters_by_kind",
     "flops_per_token",

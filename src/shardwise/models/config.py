@@ -14,6 +14,7 @@ MAX_WIDTH = 1 << 20  # hidden_size, intermediate_size, head_dim
 MAX_HEADS = 1 << 14
 MAX_VOCAB = 1 << 24
 MAX_POSITIONS = 1 << 22
+MAX_EXPERTS = 1 << 12
 
 
 class RopeScaling(BaseModel):
@@ -38,7 +39,8 @@ class ModelConfig(BaseModel):
         None, description="start from these weights: a Hugging Face model dir or a shardwise checkpoint/run "
         "dir (the architecture comes from it)"
     )
-    model_type: Literal["llama", "qwen2", "gpt2", "mistral", "baichuan", "gpt"] = Field(
+    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt2", "mistral", "baichuan",
+                        "gpt"] = Field(
         "llama", description="family label (the flags below decide the architecture)"
     )
     vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB, description="tokens in the vocabulary")
@@ -68,6 +70,35 @@ class ModelConfig(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on embeddings, attention and residuals")
     initializer_range: float = Field(0.02, gt=0, description="std of the normal weight init")
     use_flash_attention: bool = Field(True, description="fused attention kernels where the device has them")
+    qk_norm: bool = Field(False, description="RMSNorm over each head's queries and keys before RoPE (Qwen3)")
+    # Mixture of experts (models/moe.py): the blocks `is_moe_layer` names route each token to experts.
+    num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="routed experts per MoE block; 0: a dense model")
+    num_experts_per_tok: int = Field(2, ge=1, le=MAX_EXPERTS, description="experts each token goes to (top-k)")
+    moe_intermediate_size: Optional[int] = Field(None, gt=0, le=MAX_WIDTH,
+                                                 description="each expert's FFN width (default intermediate_size)")
+    num_shared_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="shared experts every token also goes "
+                                    "through, as one gated MLP this many expert widths wide (DeepSeek-V3)")
+    first_k_dense: int = Field(0, ge=0, le=MAX_LAYERS, description="the first k blocks keep a dense feed-forward "
+                               "(DeepSeek-V3's first_k_dense_replace)")
+    moe_every: int = Field(1, ge=1, le=MAX_LAYERS, description="block i is MoE when (i + 1) % moe_every == 0 "
+                           "(Qwen's decoder_sparse_step)")
+    dense_layers: list[int] = Field(default_factory=list, description="blocks that stay dense (Qwen3-MoE's "
+                                    "mlp_only_layers)")
+    router_score: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores: softmax over the "
+                                                        "experts (Qwen, Mixtral) or sigmoid (DeepSeek-V3)")
+    router_bias: bool = Field(False, description="a per-expert bias added to the scores for the choice only "
+                              "(DeepSeek-V3's e_score_correction_bias; moved by moe_bias_update_rate)")
+    norm_topk_prob: bool = Field(True, description="normalise the chosen experts' weights to sum to one")
+    n_group: int = Field(1, ge=1, le=MAX_EXPERTS, description="expert groups for group-limited routing")
+    topk_group: int = Field(1, ge=1, le=MAX_EXPERTS, description="groups each token may choose experts from")
+    routed_scaling_factor: float = Field(1.0, gt=0, description="scale of the routed experts' weights")
+    moe_aux_loss: Literal["seq", "batch"] = Field("seq", description="auxiliary balance loss per sequence "
+                                                  "(DeepSeek-V3) or over each micro-batch (Switch, Mixtral)")
+    moe_aux_loss_coef: float = Field(0.0, ge=0, description="weight of the auxiliary balance loss (0: off)")
+    router_z_loss_coef: float = Field(0.0, ge=0, description="weight of the router z-loss (0: off)")
+    moe_bias_update_rate: float = Field(0.0, ge=0, description="auxiliary-loss-free balancing: after each step "
+                                        "each expert's router bias moves this much towards an even load "
+                                        "(needs router_bias)")
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> "ModelConfig":
@@ -88,7 +119,34 @@ class ModelConfig(BaseModel):
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.intermediate_size is None:
             self.intermediate_size = default_intermediate_size(self.hidden_size, self.mlp, self.multiple_of)
+        if self.num_experts:
+            self._check_experts()
         return self
+
+    def _check_experts(self) -> None:
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        e, k = self.num_experts, self.num_experts_per_tok
+        if k > e:
+            raise ValueError(f"num_experts_per_tok {k} is more than num_experts {e}")
+        if e % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"group-limited routing needs n_group ({self.n_group}) to divide num_experts ({e}) "
+                             f"and topk_group ({self.topk_group}) <= n_group")
+        if self.n_group > 1 and self.topk_group * (e // self.n_group) < k:
+            raise ValueError(f"topk_group {self.topk_group} groups of {e // self.n_group} experts hold fewer than "
+                             f"num_experts_per_tok {k}")
+        if self.moe_bias_update_rate and not self.router_bias:
+            raise ValueError("moe_bias_update_rate moves the router's expert bias: set router_bias: true too")
+        if self.mlp != "gated":
+            raise ValueError("mixture-of-experts blocks have gated experts: set mlp: gated")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are not blocks of a {self.num_layers}-layer model")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a mixture of experts in place of its dense feed-forward."""
+        return (self.num_experts > 0 and layer >= self.first_k_dense and layer not in self.dense_layers
+                and (layer + 1) % self.moe_every == 0)
 
 
 def default_intermediate_size(hidden_size: int, mlp: str, multiple_of: int = 256) -> int:

@@ -1,4 +1,9 @@
-"""Exact parameter counts and training FLOPs per token, computed from a config without building a model."""
+"""Exact parameter counts and training FLOPs per token, computed from a config without building a model.
+
+A mixture-of-experts block (`ModelConfig.is_moe_layer`) holds a router ([experts, hidden]), every
+expert's three matrices and the shared experts' MLP, but a token runs through the router, its
+`num_experts_per_tok` experts and the shared MLP only: FLOPs count those (`count_active_parameters` is
+the parameters a token uses)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,20 @@ def _mlp_weights(cfg: ModelConfig) -> int:
     return matrices * cfg.hidden_size * cfg.intermediate_size
 
 
+def _moe_weights(cfg: ModelConfig, experts: int) -> int:
+    """Weight elements of one MoE block's feed-forward with `experts` routed experts counted: the router,
+    their gated MLPs and the shared experts' MLP."""
+    h, f = cfg.hidden_size, cfg.moe_intermediate_size
+    return h * cfg.num_experts + 3 * h * f * (experts + cfg.num_shared_experts)
+
+
+def _feed_forward_weights(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Weight elements of block `layer`'s feed-forward: every expert's, or with `active` a token's."""
+    if not cfg.is_moe_layer(layer):
+        return _mlp_weights(cfg)
+    return _moe_weights(cfg, cfg.num_experts_per_tok if active else cfg.num_experts)
+
+
 def count_parameters_by_kind(cfg: ModelConfig) -> dict[str, int]:
     """Parameters split into embedding, attention, mlp, norm and output (0 when tied); they sum to the total."""
     h, n_layers = cfg.hidden_size, cfg.num_layers
@@ -36,19 +55,19 @@ def count_parameters_by_kind(cfg: ModelConfig) -> dict[str, int]:
     if cfg.out_bias:
         attention += h
 
-    mlp = _mlp_weights(cfg)
-    if cfg.mlp_bias:
-        up_matrices = 2 if cfg.mlp == "gated" else 1
-        mlp += up_matrices * cfg.intermediate_size + h
+    dense_bias = (2 if cfg.mlp == "gated" else 1) * cfg.intermediate_size + h if cfg.mlp_bias else 0
+    mlp = sum(_feed_forward_weights(cfg, i) + (0 if cfg.is_moe_layer(i) else dense_bias) for i in range(n_layers))
 
     per_norm = 2 * h if cfg.norm == "layernorm" and cfg.norm_bias else h
     norm = (2 * n_layers + 1) * per_norm  # two per block plus the final one
+    if cfg.qk_norm:
+        norm += n_layers * 2 * cfg.head_dim
 
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * h
     return {
         "embedding": embedding,
         "attention": n_layers * attention,
-        "mlp": n_layers * mlp,
+        "mlp": mlp,
         "norm": norm,
         "output": output,
     }
@@ -59,9 +78,19 @@ def count_parameters(cfg: ModelConfig) -> int:
     return sum(count_parameters_by_kind(cfg).values())
 
 
+def count_active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of a dense model's; in MoE blocks the router, the token's
+    `num_experts_per_tok` experts and the shared experts (Qwen3-30B-A3B: about 3.3 of 30.5 billion)."""
+    inactive = sum(_feed_forward_weights(cfg, i) - _feed_forward_weights(cfg, i, active=True)
+                   for i in range(cfg.num_layers))
+    return count_parameters(cfg) - inactive
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """Weight elements that take part in a matrix multiply per token: all blocks' linears plus the output head."""
-    return cfg.num_layers * (_attention_weights(cfg) + _mlp_weights(cfg)) + cfg.vocab_size * cfg.hidden_size
+    """Weight elements a token multiplies by: its blocks' linears (a MoE block's router and active experts)
+    plus the output head."""
+    return sum(_attention_weights(cfg) + _feed_forward_weights(cfg, i, active=True) for i in range(cfg.num_layers)) \
+        + cfg.vocab_size * cfg.hidden_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int, trainable: Mapping[str, Sequence[int]] | None = None) -> float:
@@ -101,14 +130,30 @@ class TrainingFlops:
         return sum(self.layers) + self.head
 
 
-def _linear_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(input, output) width of each block linear present in the config (w3 only in gated MLPs)."""
+def _linear_dims(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each linear of block `layer` (w3 only in gated MLPs). A MoE block's
+    experts count as one linear per projection as wide as the token's experts together (k x F); the
+    router and the shared experts' MLP as linears."""
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    dims = {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv), "attention.wo": (q, h),
-            "feed_forward.w1": (h, i), "feed_forward.w2": (i, h)}
+    dims = {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv), "attention.wo": (q, h)}
+    if cfg.is_moe_layer(layer):
+        routed = cfg.num_experts_per_tok * cfg.moe_intermediate_size
+        dims.update({"feed_forward.router.gate": (h, cfg.num_experts), "feed_forward.experts.w1": (h, routed),
+                     "feed_forward.experts.w3": (h, routed), "feed_forward.experts.w2": (routed, h)})
+        if cfg.num_shared_experts:
+            shared = cfg.num_shared_experts * cfg.moe_intermediate_size
+            dims.update({"feed_forward.shared.w1": (h, shared), "feed_forward.shared.w3": (h, shared),
+                         "feed_forward.shared.w2": (shared, h)})
+        return dims
+    dims.update({"feed_forward.w1": (h, i), "feed_forward.w2": (i, h)})
     if cfg.mlp == "gated":
         dims["feed_forward.w3"] = (h, i)
     return dims
+
+
+def _weight_name(linear: str) -> str:
+    """The parameter holding a linear's weight: "{linear}.weight", or the stacked experts' tensor itself."""
+    return linear if ".experts." in linear else f"{linear}.weight"
 
 
 def _modules_of(name: str) -> list[str]:
@@ -143,7 +188,7 @@ class _Walk:
     def linear(self, name: str, dims: tuple[int, int], input_grad: bool) -> bool:
         """Count one linear (and its LoRA adapter); returns whether its output needs a gradient."""
         d_in, d_out = dims
-        weight_trains = self.trainable is None or f"{name}.weight" in self.trainable
+        weight_trains = self.trainable is None or _weight_name(name) in self.trainable
         self.flops += d_in * d_out * (2 + 2 * weight_trains + 2 * input_grad)
         adapter = None if self.trainable is None else self.trainable.get(f"{name}.lora_B.weight")
         if adapter is not None:
@@ -169,12 +214,12 @@ def training_flops(cfg: ModelConfig, seq_length: int,
     if seq_length <= 0:
         raise ConfigError(f"seq_length must be a positive number of tokens, got {seq_length}")
     walk = _Walk(trainable)
-    dims = _linear_dims(cfg)
     scores = 4 * cfg.num_heads * cfg.head_dim * seq_length
     grad = walk.trains("tok_embeddings") or walk.trains("pos_embeddings")  # the residual stream needs one
     layers, forward = [], []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
+        dims = _linear_dims(cfg, i)
         before = walk.flops
         x = grad or walk.trains(p + "attention_norm")
         qkv = [walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS]
@@ -182,14 +227,29 @@ def training_flops(cfg: ModelConfig, seq_length: int,
         walk.flops += scores * (3 if attended else 1)
         grad = walk.linear(p + "attention.wo", dims["attention.wo"], attended) or grad
         x = grad or walk.trains(p + "ffn_norm")
-        hidden = any([walk.linear(p + n, dims[n], x) for n in _MLP_INPUTS if n in dims])
-        grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
+        if cfg.is_moe_layer(i):
+            grad = _moe_walk(walk, p, dims, x) or grad
+        else:
+            hidden = any([walk.linear(p + n, dims[n], x) for n in _MLP_INPUTS if n in dims])
+            grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
         layers.append(walk.flops - before)
         forward.append(_forward_flops(cfg, trainable, p, dims, scores))
     head_trains = walk.trains("output") or (cfg.tie_embeddings and walk.trains("tok_embeddings"))
     x = grad or walk.trains("norm")
     head = cfg.vocab_size * cfg.hidden_size * (2 + 2 * head_trains + 2 * x)
     return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head))
+
+
+def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
+    """A MoE block's feed-forward along `walk` (its input needs a gradient: `x`); whether its output does.
+    The router's output weights the experts' outputs, so it needs a gradient when they train."""
+    routed = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.experts.w1", "feed_forward.experts.w3")])
+    out = walk.linear(p + "feed_forward.experts.w2", dims["feed_forward.experts.w2"], routed)
+    out = walk.linear(p + "feed_forward.router.gate", dims["feed_forward.router.gate"], x) or out
+    if "feed_forward.shared.w1" in dims:
+        shared = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.shared.w1", "feed_forward.shared.w3")])
+        out = walk.linear(p + "feed_forward.shared.w2", dims["feed_forward.shared.w2"], shared) or out
+    return out
 
 
 def _forward_flops(cfg: ModelConfig, trainable: Mapping[str, Sequence[int]] | None, prefix: str,

@@ -1,6 +1,9 @@
 """Hugging Face format in and out: config.json <-> ModelConfig, safetensors weights <-> our parameter names.
 
-Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel.
+Supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+MistralForCausalLM, MixtralForCausalLM, GPT2LMHeadModel. A mixture-of-experts block's experts are one
+stacked parameter per projection here ([experts, out, in], `models.moe.GroupedExperts`) and one tensor per
+expert in the files (`_stacked_names`): reading fills each expert's slice, writing splits them again.
 Reading is tensor by tensor from memory-mapped safetensors files (one file or a sharded index), so
 peak memory is the model plus one tensor. `transformers` is not needed for any of this.
 """
@@ -39,7 +42,10 @@ from shardwise.untrusted import (
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "GPT2LMHeadModel": "gpt2",
 }
 _ARCH_BY_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -61,8 +67,15 @@ LLAMA_NAMES = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
 }
+# A MoE block's router and experts: Qwen3-MoE's names, and Mixtral's.
+_MOE_NAMES = {"qwen": {"router": "mlp.gate", "experts": "mlp.experts",
+                       "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+              "mixtral": {"router": "block_sparse_moe.gate", "experts": "block_sparse_moe.experts",
+                          "w1": "w1", "w3": "w3", "w2": "w2"}}
+_STACKED = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w1|w2|w3)")
 _LLAMA_NAMES_BACK = {v: k for k, v in LLAMA_NAMES.items()}
 GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
                "mlp.c_fc": "feed_forward.w1", "mlp.c_proj": "feed_forward.w2"}
@@ -204,6 +217,7 @@ def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> Mode
         qkv_bias, out_bias = True, False
     else:
         qkv_bias = out_bias = _flag(hf, "attention_bias", source, False)
+    experts = _experts_config(hf, family, source) if family in ("qwen3_moe", "mixtral") else {}
     max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS, 4096 if family == "llama" else 32768)
     window = int_field(hf, "sliding_window", source, CheckpointError, lo=0, default=None, advice=_CONFIG_ADVICE)
     uses_window = _flag(hf, "use_sliding_window", source, True) if family == "qwen2" else True
@@ -240,7 +254,35 @@ def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> Mode
         mlp_bias=_flag(hf, "mlp_bias", source, False),
         tie_embeddings=_flag(hf, "tie_word_embeddings", source, False),
         initializer_range=_positive(hf, "initializer_range", source, 0.02),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **experts,
     )
+
+
+def _experts_config(hf: dict, family: str, source: str | os.PathLike) -> dict[str, Any]:
+    """The mixture-of-experts fields of Qwen3-MoE's and Mixtral's config.json (transformers 5 writes the
+    expert count as num_local_experts for both; Qwen's own files say num_experts)."""
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    out: dict[str, Any] = {
+        "num_experts": _size(hf, key, source, MAX_WIDTH),
+        "num_experts_per_tok": _size(hf, "num_experts_per_tok", source, MAX_WIDTH),
+        "moe_aux_loss": "batch",  # transformers' load_balancing_loss_func: over the batch
+        # transformers adds the auxiliary loss only when output_router_logits is set
+        "moe_aux_loss_coef": number_field(hf, "router_aux_loss_coef", source, CheckpointError, lo=0.0, hi=1e3,
+                                          default=0.0, advice=_CONFIG_ADVICE)
+        if _flag(hf, "output_router_logits", source, False) else 0.0,
+    }
+    if family == "mixtral":
+        out["moe_intermediate_size"] = _size(hf, "intermediate_size", source, MAX_WIDTH)
+        return out
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        fail(CheckpointError, source, f"'mlp_only_layers' is {kind_of(dense)}, not a list of layer numbers",
+             _CONFIG_ADVICE)
+    out.update(moe_intermediate_size=_size(hf, "moe_intermediate_size", source, MAX_WIDTH),
+               norm_topk_prob=_flag(hf, "norm_topk_prob", source, False),
+               moe_every=_size(hf, "decoder_sparse_step", source, MAX_LAYERS, 1), dense_layers=dense)
+    return out
 
 
 def _gpt2_config(hf: dict, source: str | os.PathLike) -> ModelConfig:
@@ -316,10 +358,21 @@ def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) ->
         )
         if family == "llama":
             hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-        elif family == "mistral":
+        elif family in ("mistral", "mixtral"):
             hf.update(sliding_window=None)
-        elif family == "qwen2":
+        elif family in ("qwen2", "qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None)
+        if family in ("qwen3", "qwen3_moe"):
+            hf.update(attention_bias=cfg.qkv_bias)
+        if family in ("qwen3_moe", "mixtral"):
+            hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                      router_aux_loss_coef=cfg.moe_aux_loss_coef, output_router_logits=cfg.moe_aux_loss_coef > 0)
+        if family == "qwen3_moe":
+            hf.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                      norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.moe_every,
+                      mlp_only_layers=list(cfg.dense_layers))
+        elif family == "mixtral":
+            hf.update(intermediate_size=cfg.moe_intermediate_size)
     if dtype is not None:
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     return hf
@@ -338,11 +391,20 @@ def _export_family(cfg: ModelConfig) -> str:
         need(cfg.head_dim * cfg.num_heads == cfg.hidden_size, "GPT-2 needs head_dim * heads == hidden", "gpt2")
         need(cfg.num_kv_heads == cfg.num_heads, "GPT-2 has no grouped-query attention", "gpt2")
         return "gpt2"
-    family = cfg.model_type if cfg.model_type in ("llama", "qwen2", "mistral") else "llama"
+    if cfg.num_experts:
+        return _export_moe_family(cfg, need)
+    family = cfg.model_type if cfg.model_type in ("llama", "qwen2", "qwen3", "mistral") else "llama"
+    if family == "llama" and cfg.qk_norm:
+        family = "qwen3"
     if family == "llama" and cfg.qkv_bias and not cfg.out_bias:
         family = "qwen2"
     need(cfg.norm == "rmsnorm", "it needs RMSNorm", family)
     need(cfg.mlp == "gated", "it needs a gated MLP", family)
+    need(cfg.qk_norm == (family == "qwen3"), "only Qwen3 normalises queries and keys", family)
+    if family == "qwen3":
+        need(cfg.qkv_bias == cfg.out_bias and not cfg.mlp_bias, "Qwen3's attention_bias covers q/k/v and o",
+             family)
+        return family
     if family == "qwen2":
         need(cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias, "Qwen2 has biases on q/k/v only", family)
     elif family == "mistral":
@@ -350,6 +412,52 @@ def _export_family(cfg: ModelConfig) -> str:
     else:
         need(cfg.qkv_bias == cfg.out_bias, "LLaMA's attention_bias covers q/k/v and o together", family)
     return family
+
+
+def _export_moe_family(cfg: ModelConfig, need: Callable[[bool, str, str], None]) -> str:
+    """Qwen3-MoE (queries and keys normalised) or Mixtral, checking the routing each of them fixes."""
+    family = "qwen3_moe" if cfg.qk_norm else "mixtral"
+    need(cfg.norm == "rmsnorm" and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias),
+         "it needs RMSNorm and no biases", family)
+    need(cfg.router_score == "softmax" and not cfg.router_bias and cfg.n_group == 1
+         and cfg.routed_scaling_factor == 1.0 and not cfg.num_shared_experts,
+         "its router is a softmax over the experts, with no bias, groups, scaling or shared experts", family)
+    if family == "mixtral":
+        need(cfg.norm_topk_prob and cfg.first_k_dense == 0 and not cfg.dense_layers and cfg.moe_every == 1,
+             "Mixtral routes every block and normalises the chosen weights", family)
+    else:
+        need(cfg.first_k_dense == 0, "Qwen3-MoE names its dense blocks in mlp_only_layers, not first_k_dense",
+             family)
+    return family
+
+
+def _moe_names(cfg: ModelConfig) -> dict[str, str]:
+    """The HF names of a MoE block's router and experts for the model's family."""
+    return _MOE_NAMES["mixtral" if cfg.model_type == "mixtral" or
+                      (cfg.model_type != "qwen3_moe" and not cfg.qk_norm) else "qwen"]
+
+
+def _stacked_names(ours: str, cfg: ModelConfig) -> Optional[list[str]]:
+    """For a stacked expert parameter (`layers.{i}.feed_forward.experts.w1|w2|w3`), the HF tensor of each
+    expert in order; None for any other parameter."""
+    match = _STACKED.fullmatch(ours)
+    if match is None:
+        return None
+    idx, w = match.groups()
+    names = _moe_names(cfg)
+    return [f"model.layers.{idx}.{names['experts']}.{j}.{names[w]}.weight" for j in range(cfg.num_experts)]
+
+
+def _hf_module(module: str, cfg: ModelConfig) -> str:
+    """The HF module name inside a layer for our `module` inside a block."""
+    if module == "feed_forward.router.gate":
+        return _moe_names(cfg)["router"]
+    return _LLAMA_NAMES_BACK[module]
+
+
+def _hf_names(ours: str, cfg: ModelConfig) -> list[str]:
+    """Every HF tensor our parameter `ours` is read from."""
+    return _stacked_names(ours, cfg) or [hf_tensor_for(ours, cfg)[0]]
 
 
 # ------------------------------------------------------------- name maps ----
@@ -377,11 +485,17 @@ def _ours_to_hf(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"transformer.ln_f.{kind}", params[f"norm.{kind}"]
     else:
         yield "model.embed_tokens.weight", params["tok_embeddings.weight"]
+        named = cfg.model_copy(update={"model_type": _export_family(cfg)})  # the names of the family written
         for name, t in params.items():
-            if name.startswith("layers."):
-                _, idx, rest = name.split(".", 2)
-                module, _, kind = rest.rpartition(".")
-                yield f"model.layers.{idx}.{_LLAMA_NAMES_BACK[module]}.{kind}", t
+            if not name.startswith("layers."):
+                continue
+            experts = _stacked_names(name, named)
+            if experts is not None:
+                yield from zip(experts, t.unbind(0))
+                continue
+            _, idx, rest = name.split(".", 2)
+            module, _, kind = rest.rpartition(".")
+            yield f"model.layers.{idx}.{_hf_module(module, named)}.{kind}", t
         yield "model.norm.weight", params["norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", params["output.weight"]
@@ -451,7 +565,7 @@ def hf_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[
         return "lm_head.weight", None
     _, idx, rest = name.split(".", 2)
     module, _, kind = rest.rpartition(".")
-    return f"model.layers.{idx}.{_LLAMA_NAMES_BACK[module]}.{kind}", None
+    return f"model.layers.{idx}.{_hf_module(module, cfg)}.{kind}", None
 
 
 def _gpt2_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
@@ -533,7 +647,7 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
                        for k, v in handles.items()}
         _check_layer_count(handles, cfg, directory)  # before a model of cfg's size is built, even on meta
         every_name = _parameter_names(cfg)
-        expected = {hf_tensor_for(n, cfg)[0] for n in every_name}
+        expected = {hf for n in every_name for hf in _hf_names(n, cfg)}
         unexpected = [k for k in handles if k not in expected and not _skippable(k)
                       and not (k == "lm_head.weight" and cfg.tie_embeddings)]
         if unexpected:
@@ -541,7 +655,7 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
                 f"{len(unexpected)} tensor(s) in {directory} do not belong to a {cfg.model_type} model with this "
                 f"config: {_short(unexpected)}"
             )
-        missing = [n for n in every_name if hf_tensor_for(n, cfg)[0] not in handles]
+        missing = [hf for n in every_name for hf in _hf_names(n, cfg) if hf not in handles]
         if missing:
             raise CheckpointError(f"{len(missing)} weight(s) missing from {directory}: {_short(missing)}")
         yield handles
@@ -630,6 +744,17 @@ def _check_shapes(handles: dict[str, tuple[Any, Path]], shapes: dict[str, tuple[
     """Every tensor as stored (after its conversion to our layout) must have our parameter's shape, in a
     floating-point dtype."""
     for ours, shape in shapes.items():
+        experts = _stacked_names(ours, cfg)
+        if experts is not None:  # one tensor per expert, each of the stacked parameter's shape but the first
+            for hf_name in experts:
+                f, path = handles[hf_name]
+                check_weight_dtype(f, hf_name, path)
+                stored = tuple(f.get_slice(hf_name).get_shape())
+                if stored != shape[1:]:
+                    raise CheckpointError(f"tensor {hf_name} (expert of our {ours}) in {path} has shape {stored}, "
+                                          f"but the model expects {shape[1:]}; the checkpoint does not match "
+                                          "config.json")
+            continue
         hf_name, convert = hf_tensor_for(ours, cfg)
         f, path = handles[hf_name]
         check_weight_dtype(f, hf_name, path)
@@ -667,9 +792,14 @@ def load_hf_into(named: Iterable[tuple[str, torch.Tensor]], directory: str | os.
     with _open_weights(Path(directory), cfg) as handles:
         _check_shapes(handles, {n: tuple(t.shape) for n, t in named}, cfg)
         for ours, param in named:
+            local, region = _local_region(param)
+            experts = _stacked_names(ours, cfg)
+            if experts is not None:  # the experts this rank holds, each its slice of one tensor
+                for j in range(region[0].start, region[0].stop):
+                    local[j - region[0].start].copy_(handles[experts[j]][0].get_slice(experts[j])[region[1:]])
+                continue
             hf_name, convert = hf_tensor_for(ours, cfg)
             f, _ = handles[hf_name]
-            local, region = _local_region(param)
             if convert is None:
                 local.copy_(f.get_slice(hf_name)[region])
             else:

@@ -16,6 +16,11 @@ _LLAMA3 = dict(_LLAMA, vocab_size=128256, max_position_embeddings=8192, rope_the
 _QWEN2 = dict(_LLAMA, model_type="qwen2", vocab_size=151936, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6,
               # Qwen2 was trained at 32K; the 131072 in its config.json needs YaRN, which we do not have.
               max_position_embeddings=32768)
+# Qwen3: no biases, each head's queries and keys RMS-normalised, head_dim 128 whatever the width.
+_QWEN3 = dict(_LLAMA, model_type="qwen3", vocab_size=151936, qk_norm=True, head_dim=128, rope_theta=1000000.0,
+              norm_eps=1e-6, max_position_embeddings=40960)
+# Qwen3-MoE: every block a mixture of 128 experts, 8 per token, the chosen weights normalised.
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
 _GPT2 = dict(
     model_type="gpt2", norm="layernorm", norm_eps=1e-5, mlp="plain", activation="gelu_tanh", position="learned",
     qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True, tie_embeddings=True,
@@ -57,6 +62,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2_7b": dict(_QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
                      num_kv_heads=4, intermediate_size=18944),
 
+    # Qwen3 dense (the 0.6B-4B tie their embeddings).
+    "qwen3_0.6b": dict(_QWEN3, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                       intermediate_size=3072, tie_embeddings=True),
+    "qwen3_1.7b": dict(_QWEN3, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                       intermediate_size=6144, tie_embeddings=True),
+    "qwen3_4b": dict(_QWEN3, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8,
+                     intermediate_size=9728, tie_embeddings=True),
+    "qwen3_8b": dict(_QWEN3, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                     intermediate_size=12288),
+    "qwen3_14b": dict(_QWEN3, hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8,
+                      intermediate_size=17408),
+    "qwen3_32b": dict(_QWEN3, hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+                      intermediate_size=25600),
+    # Qwen3 mixtures of experts (intermediate_size is the dense width mlp_only_layers would use: none here).
+    "qwen3_30b_a3b": dict(_QWEN3_MOE, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                          intermediate_size=6144, moe_intermediate_size=768),
+    "qwen3_235b_a22b": dict(_QWEN3_MOE, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+                            intermediate_size=12288, moe_intermediate_size=1536),
+    # Mixtral-8x7B-v0.1: Mistral-7B's attention, 8 experts of Mistral's MLP, 2 per token.
+    "mixtral_8x7b": dict(_LLAMA, model_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32,
+                         num_heads=32, num_kv_heads=8, intermediate_size=14336, moe_intermediate_size=14336,
+                         num_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+                         max_position_embeddings=32768, norm_eps=1e-5),
+
     # Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
     # is identical up to 4096 tokens.
     "mistral_7b": dict(_LLAMA, model_type="mistral", vocab_size=32000, hidden_size=4096,
@@ -96,6 +125,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                       num_layers=2, num_heads=4, intermediate_size=256),
     "demo_llama": dict(_LLAMA, vocab_size=8192, hidden_size=256, num_layers=4, num_heads=4,
                        intermediate_size=688, max_position_embeddings=512),
+    # Qwen3-30B-A3B's shape scaled down (2 of 48 blocks, widths / 16): 16 experts, 4 per token.
+    "tiny_qwen3_moe": dict(_QWEN3_MOE, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=16, intermediate_size=160, moe_intermediate_size=48, num_experts=16,
+                           num_experts_per_tok=4, max_position_embeddings=256),
     "bench_llama": dict(_LLAMA, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
                         intermediate_size=1408, max_position_embeddings=512),
 }

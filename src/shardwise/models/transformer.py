@@ -1,4 +1,5 @@
-"""One decoder-only transformer for every family (LLaMA, Qwen2, Mistral, Baichuan, GPT-2/3), chosen by flags.
+"""One decoder-only transformer for every family (LLaMA, Qwen2/3, Mistral, Mixtral, Baichuan, GPT-2/3), chosen
+by flags; a block's feed-forward is a mixture of experts where the config says so (`models.moe`).
 
 Plain PyTorch with no knowledge of parallelism, in the torchtitan style: FSDP, tensor parallel and
 pipeline splitting are applied from outside. What that relies on:
@@ -34,18 +35,9 @@ from shardwise.models.attention import (
     flex_shapes,
 )
 from shardwise.models.config import ModelConfig, RopeScaling
+from shardwise.models.init import init_normal
 from shardwise.models.lean_ops import gated_activation, rms_norm, rotary
-
-
-@torch.no_grad()
-def init_normal(weight: torch.Tensor, std: float) -> None:
-    """Fill `weight` from N(0, std) drawn in fp32 from the global RNG, then rounded to its dtype, so that
-    one seed gives the same weights whether they are stored in 16 bits (the one-device O2 path) or in fp32
-    (FSDP2's masters). torch 2.13 draws a bf16 tensor that way itself; 2.11 draws other numbers for it."""
-    if weight.dtype == torch.float32:
-        nn.init.normal_(weight, mean=0.0, std=std)
-    else:
-        weight.copy_(torch.empty_like(weight, dtype=torch.float32).normal_(mean=0.0, std=std))
+from shardwise.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -175,6 +167,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
+        # Qwen3: each head's queries and keys RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Context parallelism (set from outside, `parallel.context`): x holds a chunk of the sequence, and this
         # exchange gives attention the whole sequence for a share of the heads (to_heads) and back (to_sequence).
@@ -195,6 +190,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)  # HF's x * cos + rotate_half(x) * sin
@@ -215,19 +212,23 @@ class Attention(nn.Module):
             init_normal(lin.weight, s)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
 
 class FeedForward(nn.Module):
     """Gated MLP (w2(act(w1 x) * w3 x), SwiGLU; `lean_ops.gated_activation` saves w1 x and w3 x only)
     or plain MLP (w2(act(w1 x)), GPT-2)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, width: Optional[int] = None) -> None:
         super().__init__()
+        width = width or cfg.intermediate_size  # a MoE block's shared experts are narrower
         self.activation = cfg.activation
         self.act = _ACTIVATIONS[cfg.activation]
-        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w1 = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
+        self.w2 = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,14 +250,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(...))."""
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(...)); the feed-forward is a
+    mixture of experts (`moe.MoE`) in the blocks `ModelConfig.is_moe_layer` names."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = build_norm(cfg)
         self.attention = Attention(cfg, layer_id)
         self.ffn_norm = build_norm(cfg)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.is_moe_layer(layer_id):
+            shared = FeedForward(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size) \
+                if cfg.num_shared_experts else None
+            self.feed_forward: nn.Module = MoE(cfg, shared)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(
         self,

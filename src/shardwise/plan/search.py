@@ -230,6 +230,10 @@ def check_request(req: PlanRequest) -> None:
     if not 0 <= req.memory_margin < 1:
         raise ConfigError(f"--memory-margin {req.memory_margin}: give a fraction in [0, 1), e.g. 0.1")
     m = req.cfg.model
+    if m.num_experts:
+        raise ConfigError(f"shardwise plan does not rank layouts of mixture-of-experts models yet (model.num_experts "
+                          f"{m.num_experts}): their activations are estimated as a dense block's; `shardwise "
+                          "estimate` gives the approximate figure of one layout")
     for key, values in req.pins.items():
         for v in values:
             if key in ("tp", "pp", "dp", "cp", "micro_batch") and v < 1:

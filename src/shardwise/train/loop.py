@@ -192,6 +192,9 @@ class TrainingLoop:
     def _log(self, done: int, lr: float, current: StepResult) -> None:
         s = self.state
         record = self.window.record(done, lr, current.grad_norm, current.scale, self.mfu, s.device, s.ctx.world_size)
+        load = current.expert_load()
+        if load:  # mixture of experts: the logged step's busiest expert over the mean, per MoE block
+            record["expert_load"] = load
         self.writer.write(record)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         log.info(format_record(record))

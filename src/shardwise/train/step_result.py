@@ -47,12 +47,27 @@ class StepResult:
     does so once.
     """
 
-    def __init__(self, step: int, figures: torch.Tensor, tokens: Optional[StepTokens] = None) -> None:
+    def __init__(self, step: int, figures: torch.Tensor, tokens: Optional[StepTokens] = None,
+                 expert_load: Optional[tuple[list[str], torch.Tensor]] = None) -> None:
         self.step = step
         self._host, self._event = _to_host(figures.detach().double())
         self._tokens = tokens
         self._values: Optional[list[float]] = None
         self.settled = False
+        # Mixture of experts: the MoE blocks' names and their routed copies per expert [blocks, experts]
+        self._load_names = expert_load[0] if expert_load is not None else []
+        self._load = _to_host(expert_load[1].detach().double()) if expert_load is not None else None
+
+    def expert_load(self) -> dict[str, float]:
+        """Per MoE block: the busiest expert's routed copies over the mean (1.0 is an even load; a collapse
+        onto few experts shows as a value near experts / top-k). Empty for a dense model."""
+        if self._load is None:
+            return {}
+        host, event = self._load
+        if event is not None:
+            event.synchronize()
+        return {name: round(float(row.max() / row.mean().clamp_min(1e-12)), 4)
+                for name, row in zip(self._load_names, host)}
 
     @classmethod
     def known(cls, step: int, loss: float, grad_norm: float, skipped: bool, tokens: StepTokens) -> "StepResult":

@@ -42,6 +42,7 @@ from ..memory.estimate import run_flops
 from ..memory.offload import ActivationOffload, HostMasters, master_dtype_for
 from ..memory.precision import LossScaler, MasterWeights, PrecisionPlan, loss_scaler_for, precision_plan
 from ..memory.streamed_optimizer import StreamedAdam, StreamMasters
+from ..models.moe import set_aux_loss_scale, take_expert_load, update_expert_bias
 from ..parallel.collectives import all_reduce, max_over, rank0_first, rank0_then_others, replicas_problem
 from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
@@ -332,9 +333,10 @@ class Trainer:
         total = self.forward_backward(micro_batches, n_tokens)
         if s.dims.dp > 1:
             total = all_reduce(total, s.meshes["dp"])
+        load = self._expert_load()
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
         if s.in_backward is not None:
-            return self._stepped_in_backward(step, total, tokens)
+            return self._stepped_in_backward(step, total, tokens, load)
         if s.masters is not None:
             s.masters.grads_to_masters()
         if s.scaler is not None:
@@ -348,6 +350,7 @@ class Trainer:
         skip = ~(finite_loss & torch.isfinite(grad_norm))
         self._settle_previous()  # its figures are ready by now; a step that must stop the run stops it here
         step_unless(s.optimizer, skip)
+        self._balance_experts(load, skip)
         s.optimizer.zero_grad(set_to_none=True)
         if s.masters is not None and not isinstance(s.masters, StreamMasters):  # streamed: rounded in the update
             s.masters.masters_to_model()
@@ -360,8 +363,30 @@ class Trainer:
         figures = [total, grad_norm, skip, overflowed, scale] + ([] if known else list(tokens))
         # float64: exact for the token counts (float32 is not above 2^24), and one copy to the host
         stacked = torch.stack([f.to(total.device, torch.float64) for f in figures])
-        self._previous = StepResult(step, stacked, tokens if known else None)
+        self._previous = StepResult(step, stacked, tokens if known else None, load)
         return self._previous
+
+    def _expert_load(self) -> tuple[list[str], torch.Tensor] | None:
+        """The MoE blocks' routed copies per expert over this step's micro-batches, summed over the
+        data-parallel ranks ([blocks, experts], on the device); None for a dense model."""
+        s = self.state
+        counts = {name: c for part in s.parts for name, c in take_expert_load(part).items()}
+        if not counts:
+            return None
+        load = torch.stack(list(counts.values()))
+        if s.dims.dp > 1:
+            load = all_reduce(load, s.meshes["dp"])
+        return list(counts), load
+
+    def _balance_experts(self, load: tuple[list[str], torch.Tensor] | None, skip: torch.Tensor) -> None:
+        """model.moe_bias_update_rate: move each router's expert bias towards an even load (the same on
+        every rank: the counts are summed over them); a skipped step leaves the biases alone."""
+        rate = self.config.model.moe_bias_update_rate
+        if load is None or not rate:
+            return
+        by_name = dict(zip(load[0], load[1]))
+        for part in self.state.parts:
+            update_expert_bias(part, by_name, rate * (~skip).to(load[1].dtype))
 
     def _step_tokens(self, micro_batches: list[dict[str, torch.Tensor]], step: int) -> StepTokens | torch.Tensor:
         """The step's target and real tokens over all ranks (the loss is divided by the target count):
@@ -394,7 +419,8 @@ class Trainer:
         if result.skipped:
             self._not_finite(result)
 
-    def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens | torch.Tensor) -> StepResult:
+    def _stepped_in_backward(self, step: int, total: torch.Tensor, tokens: StepTokens | torch.Tensor,
+                             load: tuple[list[str], torch.Tensor] | None = None) -> StepResult:
         """The end of a step whose updates ran in backward (train.optimizer_in_backward): its figures, read
         later as a plain step's are (`settle` stops the run on a non-finite one). Nothing is read here: from
         the first non-finite gradient on, the device's flag stopped every update, and it stays set until the
@@ -407,11 +433,12 @@ class Trainer:
         if flag is not None:
             skip = skip | flag.to(total.device)
         self._settle_previous()  # its figures are ready by now; a step that must stop the run stops it here
+        self._balance_experts(load, skip)
         zero = torch.zeros((), device=total.device)
         known = isinstance(tokens, StepTokens)
         figures = [total, grad_norm, skip, zero, zero + 1] + ([] if known else list(tokens))  # not overflowed, scale 1
         stacked = torch.stack([f.to(total.device, torch.float64) for f in figures])
-        self._previous = StepResult(step, stacked, tokens if known else None)
+        self._previous = StepResult(step, stacked, tokens if known else None, load)
         return self._previous
 
     def _not_finite(self, result: StepResult) -> None:
@@ -567,6 +594,8 @@ class Trainer:
             for part in parts:
                 allocate(part, device, on_host=cfg.optimize.params_on_host if offloaded else lambda _: False)
         # Without a pipeline the model is the one part; with one, this rank's first chunk.
+        for part in parts:  # MoE balance losses: a mean over the step's sequences, whatever the layout
+            set_aux_loss_scale(part, cfg.global_batch_size(dims.world_size))
         self.model, self.model_parts = parts[0], parts
         return parts
 
