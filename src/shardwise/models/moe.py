@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.models.config import ModelConfig
 from shardwise.models.init import init_normal
@@ -56,6 +57,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, groups: 
     padded = x.new_zeros(w.shape[0], int(counts.max()) if x.shape[0] else 0, x.shape[1])
     padded[groups, position] = x
     return torch.bmm(padded, w)[groups, position]
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight: a DTensor's local shard (expert parallelism), else `w`."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -129,29 +135,45 @@ def _best_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.T
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' gated MLPs as stacked weights: w1 and w3 [E, F, hidden], w2 [E, hidden, F]."""
+    """The routed experts' gated MLPs as stacked weights: w1 and w3 [E, F, hidden], w2 [E, hidden, F].
+
+    `token_exchange` (set from outside by expert parallelism, `parallel.expert`): this rank holds some of
+    the experts (its slice of the stacked weights, a DTensor sharded along the experts) and the exchange
+    sends each routed copy to the rank of its expert and the results back; None runs every expert here."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, f, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts = e
         self.activation = cfg.activation
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w3 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
+        self.token_exchange: Optional[Any] = None
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] through each token's experts [N, k], summed with `weights` [N, k]."""
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # the routed copies grouped by expert, each group in token order
-        groups = flat[order]
-        offsets = torch.bincount(flat, minlength=self.w1.shape[0]).cumsum(0).to(torch.int32)
+        counts = torch.bincount(flat, minlength=self.num_experts)
         rows = x[order // k]
-        h = gated_activation(grouped_mm(rows, self.w1.transpose(1, 2), offsets, groups),
-                             grouped_mm(rows, self.w3.transpose(1, 2), offsets, groups), self.activation)
-        out = grouped_mm(h, self.w2.transpose(1, 2), offsets, groups)
+        if self.token_exchange is not None:
+            out = self.token_exchange(rows, counts, self.run_local)
+        else:
+            out = self.run_local(rows, counts)
         back = out[order.argsort()].view(n, k, -1)  # each copy back in its token's place
         return (back * weights.unsqueeze(-1)).sum(dim=1)
+
+    def run_local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`rows` sorted by expert, `counts` [experts held here] of them each, through those experts' MLPs."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        groups = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
+                                         output_size=rows.shape[0])
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = gated_activation(grouped_mm(rows, w1.transpose(1, 2), offsets, groups),
+                             grouped_mm(rows, w3.transpose(1, 2), offsets, groups), self.activation)
+        return grouped_mm(h, w2.transpose(1, 2), offsets, groups)
 
     def reset_parameters(self, std: float, out_std: float) -> None:
         """Normal weights; the down projections get the depth-scaled std."""

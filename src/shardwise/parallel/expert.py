@@ -1,0 +1,87 @@
+"""Expert parallelism: each MoE block's experts spread over the ranks of an expert-parallel group.
+
+`apply_expert_parallel(model, mesh)` keeps on each rank of `mesh` (one dimension, N ranks) its
+num_experts / N consecutive experts of every MoE block: the stacked expert weights become DTensors
+sharded along the experts (`Shard(0)`), so checkpoints hold the whole tensors and reshard to any other
+expert-parallel degree. It installs a `TokenExchange` on each block's experts (`GroupedExperts.
+token_exchange`), which the model calls with its routed copies sorted by expert:
+
+1. dispatch: the number of copies for each expert goes to the expert's rank (a small all-to-all), then
+   the copies themselves (an all-to-all with those counts as split sizes: their sum is read on the
+   host, the one sync of an exchange); a rank receives its experts' copies grouped by the rank they
+   came from, and reorders them by expert;
+2. its experts' MLPs run on them (grouped matrix multiplies, as without expert parallelism);
+3. combine: the results go back in the opposite all-to-all, each to the rank and place it came from.
+
+Both all-to-alls are differentiable (their backward is the opposite exchange), so the gradients of the
+copies come back the same way. The router and everything outside the experts stay as they are on every
+rank; each rank routes its own tokens. The model knows nothing of this: the exchange is a hook set
+from outside, as context parallelism's `sequence_exchange` is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from ..errors import ConfigError
+from ..models.moe import GroupedExperts
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Spread the experts of every MoE block of `model` over `mesh` (see the module docstring); the model,
+    changed in place. Its expert weights must be whole (as built or loaded) and the same on every rank."""
+    size = mesh.size()
+    exchange = TokenExchange(mesh.get_group(), size)
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        if module.num_experts % size:
+            raise ConfigError(f"parallel.expert_parallel {size} must divide model.num_experts {module.num_experts} "
+                              f"({name}): each rank holds the same number of experts")
+        for weight in ("w1", "w3", "w2"):
+            full = getattr(module, weight)
+            shard = distribute_tensor(full.detach(), mesh, [Shard(0)])
+            setattr(module, weight, nn.Parameter(shard, requires_grad=full.requires_grad))
+        module.token_exchange = exchange
+    return model
+
+
+class TokenExchange:
+    """Dispatch and combine over an expert-parallel group of `size` ranks (`GroupedExperts.token_exchange`)."""
+
+    def __init__(self, group: Any, size: int) -> None:
+        self.group, self.size = group, size
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+                 run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`rows` [copies, hidden] sorted by expert, `counts` [num_experts] of them each, through their
+        experts wherever those live; the results in the order of `rows`."""
+        n = self.size
+        sent = counts.view(n, -1)  # [rank, its experts]: copies this rank sends to each expert
+        received = funcol.wait_tensor(funcol.all_to_all_single(sent.contiguous(), None, None, group=self.group))
+        send_splits = sent.sum(dim=1)
+        recv_splits = received.sum(dim=1)
+        splits = torch.cat([send_splits, recv_splits]).tolist()  # the split sizes, on the host at once
+        out_sizes, in_sizes = splits[n:], splits[:n]
+        got = funcol.wait_tensor(funcol.all_to_all_single_autograd(rows, out_sizes, in_sizes, group=self.group))
+        order = _by_expert(received, sum(out_sizes))
+        done = run_local(got[order], received.sum(dim=0))
+        back = torch.empty_like(done).index_copy(0, order, done)  # in the order the copies arrived
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, in_sizes, out_sizes, group=self.group))
+
+
+def _by_expert(received: torch.Tensor, total: int) -> torch.Tensor:
+    """The permutation of the copies a rank received, grouped by source rank then expert ([ranks, experts]
+    counts), into expert order (each expert's copies by source rank)."""
+    flat = received.reshape(-1)
+    starts = (flat.cumsum(0) - flat).view_as(received)  # where each (rank, expert) block starts as received
+    sizes, block_starts = received.t().reshape(-1), starts.t().reshape(-1)  # the blocks in expert order
+    block = torch.repeat_interleave(torch.arange(sizes.numel(), device=received.device), sizes, output_size=total)
+    position = torch.arange(total, device=received.device) - (sizes.cumsum(0) - sizes)[block]
+    return block_starts[block] + position
