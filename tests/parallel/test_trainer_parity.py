@@ -133,6 +133,9 @@ LAYOUTS = [
     Layout("freeze_zero3", 2, dict(data_parallel=2, zero_stage=3), 2, 2, finetune="freeze"),
     Layout("moe_zero1", 2, dict(data_parallel=2, zero_stage=1), 2, 2, finetune="moe"),
     Layout("moe_zero3", 2, dict(data_parallel=2, zero_stage=3), 1, 4, finetune="moe"),
+    Layout("moe_ep2_zero0", 2, dict(data_parallel=2, zero_stage=0, expert_parallel=2), 2, 2, finetune="moe"),
+    Layout("moe_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2, finetune="moe"),
+    Layout("moe_ep2_zero3", 2, dict(data_parallel=2, zero_stage=3, expert_parallel=2), 1, 4, finetune="moe"),
     # 4 ranks
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,
            train={"check_replicas_steps": 1}),  # only the replica all-reduce deferred to the last micro-batch

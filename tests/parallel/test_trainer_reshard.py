@@ -11,7 +11,20 @@ import pytest
 
 from ..train.conftest import with_changes
 from .harness import assert_values_close, run_distributed
-from .test_trainer_pipeline import STEPS, _config, _train
+from .test_trainer_pipeline import MICRO, ROWS, STEPS, _config, _train
+
+# A mixture of experts (4 experts, top 2, the router's bias moved every step) for expert parallelism's reshards.
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "router_score": "sigmoid",
+       "router_bias": True, "moe_bias_update_rate": 0.01, "moe_aux_loss_coef": 0.01}
+
+
+def _moe(run_dir: Path, ep: int = 1, **train: object):  # noqa: ANN202
+    """The MoE run with its experts over `ep` data-parallel ranks (ZeRO 3), ROWS samples a step as always."""
+    cfg = _config(run_dir, **train)
+    accumulation = ROWS // ep // cfg.train.micro_batch_size if ep <= MICRO else 1
+    return with_changes(cfg, model=MOE, train={"micro_batch_size": ROWS // ep // accumulation},
+                        parallel={"data_parallel": ep, "zero_stage": 3 if ep > 1 else 0, "expert_parallel": ep},
+                        optimize={"gradient_accumulation_steps": accumulation})
 
 
 def _checkpoint(run_dir: Path) -> str:
@@ -28,22 +41,33 @@ def _two_ranks(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]
     # Context parallelism (CP2, ZeRO 3 over the dp x cp ranks) continues one process's steps 1-2.
     single_to_cp = _train(with_changes(_config(root / "single_to_cp", zero=3), parallel={"context_parallel": 2}),
                           resume=_checkpoint(root / "single")).losses
-    return {"tp_to_pp": tp_to_pp, "pp_to_dp": pp_to_dp, "single_to_cp2": single_to_cp}
+    # Expert parallelism: EP2 (ZeRO 3) continues one process's MoE steps 1-2, and writes its own for EP1 and EP4.
+    single_to_ep2 = _train(_moe(root / "moe_single_to_ep2", ep=2), resume=_checkpoint(root / "moe_single")).losses
+    _train(_moe(root / "moe_ep2", ep=2, max_steps=2))
+    return {"tp_to_pp": tp_to_pp, "pp_to_dp": pp_to_dp, "single_to_cp2": single_to_cp,
+            "moe_single_to_ep2": single_to_ep2}
 
 
 def _four_ranks(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]:
     return {"single_to_dp2_tp2": _train(_config(root / "single_to_2d", dp=2, tp=2, zero=3),
-                                        resume=_checkpoint(root / "single")).losses}
+                                        resume=_checkpoint(root / "single")).losses,
+            "moe_ep2_to_ep4": _train(_moe(root / "moe_ep2_to_ep4", ep=4), resume=_checkpoint(root / "moe_ep2")).losses}
 
 
 @pytest.mark.timeout(600)
 def test_checkpoints_resume_under_another_layout(tmp_path: Path) -> None:
     reference = _train(_config(tmp_path / "reference")).losses
+    moe_reference = _train(_moe(tmp_path / "moe_reference")).losses
     _train(_config(tmp_path / "single", max_steps=2))
+    _train(_moe(tmp_path / "moe_single", max_steps=2))
     results = run_distributed(_two_ranks, 2, tmp_path, timeout=300)
     results += run_distributed(_four_ranks, 4, tmp_path, timeout=300)
+    # EP2's checkpoint continued by one process (EP1)
+    results.append({"moe_ep2_to_single": _train(_moe(tmp_path / "moe_ep2_to_single"),
+                                                resume=_checkpoint(tmp_path / "moe_ep2")).losses})
     for rank, rank_result in enumerate(results):
         for name, got in rank_result.items():
             assert sorted(got) == list(range(3, STEPS + 1)), name
-            assert_values_close([got[s] for s in sorted(got)], [reference[s] for s in sorted(got)], what="loss",
+            want = moe_reference if name.startswith("moe") else reference
+            assert_values_close([got[s] for s in sorted(got)], [want[s] for s in sorted(got)], what="loss",
                                 label=f"{name} (worker result {rank})")

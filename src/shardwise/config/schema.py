@@ -62,6 +62,10 @@ class ParallelConfig(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0, description="0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters"
     )
+    expert_parallel: int = Field(
+        1, ge=1, description="mixture-of-experts models: the data-parallel ranks each hold num_experts / N of every "
+        "MoE block's experts, tokens reach them by all-to-all; N is 1 or data_parallel for now"
+    )
     micro_batch_num: int = Field(1, ge=1, description="pipeline micro-batches per step")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
         "1f1b", description="pipeline schedule"
@@ -644,14 +648,31 @@ class RunConfig(_Section):
             self._check_pipeline()
         if m.num_experts:
             self._check_experts()
+        elif p.expert_parallel > 1:
+            raise ValueError(f"parallel.expert_parallel {p.expert_parallel} needs a mixture-of-experts model "
+                             "(model.num_experts > 0); set expert_parallel: 1")
         self._check_finetuning()
         self._check_optimizer()
         return self
 
     def _check_experts(self) -> None:
         """What a mixture-of-experts model does not run with yet: it trains on one device and under data
-        parallelism (ZeRO 0-3), with recompute, freezing, LoRA on attention and on dense blocks."""
+        parallelism (ZeRO 0-3), its experts spread over the data-parallel ranks (expert_parallel), with
+        recompute, freezing, LoRA on attention and on dense blocks."""
         p, o = self.parallel, self.optimize
+        ep = p.expert_parallel
+        if ep > 1:
+            if self.model.num_experts % ep:
+                raise ValueError(f"parallel.expert_parallel {ep} must divide model.num_experts "
+                                 f"{self.model.num_experts} (each rank holds the same number of experts)")
+            if ep != p.data_parallel or p.data_parallel_replicate > 1:
+                raise ValueError(f"parallel.expert_parallel {ep} with data_parallel {p.data_parallel} (replicate "
+                                 f"{p.data_parallel_replicate}): expert parallelism spreads the experts over all "
+                                 f"the data-parallel ranks for now; set expert_parallel: {p.data_parallel} or 1, "
+                                 "and data_parallel_replicate: 1")
+            if o.offload_params or o.offload_optimizer:
+                raise ValueError("parallel.expert_parallel with optimize.offload_params / offload_optimizer: the "
+                                 "experts' shards are not offloaded yet; turn the offload off")
         for what, n in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel),
                         ("context_parallel", p.context_parallel)):
             if n > 1:

@@ -637,8 +637,14 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
         held.append(_Param("output.weight", emb.shape, emb.trainable, None, "head", 0))
     sharded = lay.zero >= 2
     local = {p.name: _tp_shape(p, lay.tp) for p in held}
+    # parallel.expert_parallel: each rank holds its 1/ep of every MoE block's experts, outside FSDP2.
+    ep = cfg.parallel.expert_parallel
+    experts = {p.name for p in held if ".feed_forward.experts." in p.name} if ep > 1 else set()
+    for name in experts:
+        local[name] = (local[name][0] // ep, *local[name][1:])
     # FSDP2 keeps each shard padded to even rows; the optimizer state sees the unpadded local rows.
-    stored = {p.name: (_fsdp_shard(local[p.name], lay.dp_shard) if sharded else _numel(local[p.name])) for p in held}
+    stored = {p.name: (_fsdp_shard(local[p.name], lay.dp_shard) if sharded and p.name not in experts
+                       else _numel(local[p.name])) for p in held}
     trainable = [p for p in held if p.trainable]
     rope = 2 * m.max_position_embeddings * m.head_dim * 4 if m.position == "rope" else 0  # fp32 tables per rank
     param_bytes = _param_bytes(held, stored, prec) + rope
@@ -753,7 +759,7 @@ def _estimate_rank(cfg: Any, lay: _Layout, prec: _Precision, params: tuple[_Para
     batch = _batch_bytes(cfg, lay, device)
     pipe_buffers = _pipeline_buffers(lay, stage_ids, hidden)
     f8_gather = float8_all_gather(cfg, lay.dp)
-    fsdp = _fsdp(lay, prec, held, local, layers, f8_gather)
+    fsdp = _fsdp(lay, prec, [p for p in held if p.name not in experts], local, layers, f8_gather)
     gathered = _replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
     exchange = _exchange_bytes(m, sh)
     dequant = _dequantized_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's

@@ -167,7 +167,9 @@ class GroupedExperts(nn.Module):
 
     def run_local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` sorted by expert, `counts` [experts held here] of them each, through those experts' MLPs."""
-        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        # Under data parallelism at O2 expert-parallel weights stay fp32 (FSDP2, which casts the others for
+        # compute, leaves them out): cast them here as it would.
+        w1, w3, w2 = (_local(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         groups = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
                                          output_size=rows.shape[0])
         offsets = counts.cumsum(0).to(torch.int32)

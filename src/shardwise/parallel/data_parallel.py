@@ -86,6 +86,7 @@ from ..errors import ConfigError
 from .collectives import all_gather, all_reduce
 from .dims import ParallelDims
 from .dtensors import local_tensor
+from .expert import expert_parameters
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ def apply_data_parallel(
     if param_dtype in _HALF:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         store_frozen_in(model, param_dtype)  # the policy then leaves them as they are
-    apart = frozen_16_bit(model) or None
+    experts = expert_parameters(model)  # expert parallelism: held whole by their rank, outside FSDP2
+    apart = (frozen_16_bit(model) | experts) or None
     if zero_stage >= 2:
         # Context parallel ranks hold other tokens of the same samples: their gradients are summed too.
         mesh = meshes.hsdp_mesh() if dims.dp_replicate > 1 else meshes.gradient_mesh("dp_shard")
@@ -165,7 +167,8 @@ def apply_data_parallel(
         def wrap(module: nn.Module, on_host: bool) -> None:
             # Pinned host memory needs an accelerator; on a CPU-only run there is nothing to pin for.
             policy = CPUOffloadPolicy(pin_memory=device_type != "cpu") if on_host else OffloadPolicy()
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy, **kwargs)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy,
+                        ignored_params=experts or None, **kwargs)
     else:
 
         mesh = meshes.gradient_mesh("dp")
@@ -422,6 +425,13 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         mesh, placements = p.device_mesh, list(p.placements)
         names = mesh.mesh_dim_names or ()
         dp_dim = names.index("dp") if "dp" in names else 0
+        if mesh.size(dp_dim) == self.world and isinstance(placements[dp_dim], Shard):
+            # Split over the group already (expert parallelism's experts: each rank holds its own): this
+            # rank steps its part whole, and there is nothing to gather.
+            local = local_tensor(p)
+            shard = _Shard(p, None, 0, mesh.get_local_rank(dp_dim), self.world, local.detach(), tuple(placements))
+            shard.view = shard.part(local.detach())
+            return shard
         if mesh.size(dp_dim) != self.world or not placements[dp_dim].is_replicate():
             raise ValueError(f"ZeroOneOptimizer: a parameter on mesh {mesh} with placements {p.placements} is "
                              f"not replicated over the data-parallel group of {self.world} ranks")

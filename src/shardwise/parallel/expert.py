@@ -52,6 +52,14 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The stacked expert weights `apply_expert_parallel` spread (data parallelism leaves them out: each
+    rank already holds its own experts whole, and their gradients are complete, the all-to-all's backward
+    having brought every rank's contribution)."""
+    return {p for m in model.modules() if isinstance(m, GroupedExperts) and m.token_exchange is not None
+            for p in m.parameters()}
+
+
 class TokenExchange:
     """Dispatch and combine over an expert-parallel group of `size` ranks (`GroupedExperts.token_exchange`)."""
 
