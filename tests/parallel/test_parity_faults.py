@@ -189,8 +189,10 @@ FAULTS_8 = ("halved_gradient", "missed_tp_partial_sum")
 
 
 def _pairs(world: int) -> list[tuple[str, str]]:
-    return [(fault, layout.name) for layout in LAYOUTS if layout.world == world for fault in FAULTS
-            if APPLIES[fault](layout) and (world < 8 or fault in FAULTS_8)]
+    # The MoE layouts share the harness checks shown to bite here; their own exchange faults are in
+    # test_expert_parallel.py.
+    return [(fault, layout.name) for layout in LAYOUTS if layout.world == world and layout.finetune != "moe"
+            for fault in FAULTS if APPLIES[fault](layout) and (world < 8 or fault in FAULTS_8)]
 
 
 # --- the old checks, as they were before issue 11 ----------------------------------------------------
@@ -252,7 +254,7 @@ def _fault_worker(rank: int, world: int, root: Path, pairs: list[tuple[str, str]
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Reference]]:
     root = tmp_path_factory.mktemp("faults")
-    refs = {kind: reference(root, kind) for kind in FINETUNE}
+    refs = {kind: reference(root, kind) for kind in FINETUNE if kind != "moe"}
     refs["adamw"] = reference(root, "full", tag="_adamw", **ADAMW)
     return root, refs
 
