@@ -9,6 +9,7 @@
 #   issue 13: max_memory_allocated / max_memory_reserved against the estimate on several configurations;
 #             offload_params on one device (losses against the plain path, pinned host state).
 #   issue 16: train.profile on CUDA (kernels in the trace, a memory snapshot, the summary's shares).
+#   issue 26: a MoE block's experts in bf16: torch._grouped_mm against the padded fallback and the per-expert loop.
 # Usage: bash bench/gpu_checks.sh OUT_DIR [STEP,STEP,...]   (run from the repository's root; python3 with CUDA torch;
 # the second argument reruns only the named steps). A machine without a package registry gets the packages it
 # lacks as wheels: bench/gpu_wheels.sh puts them in .whl/ (SHARDWISE_WHEELS names another folder), carried along,
@@ -47,8 +48,9 @@ step throughput_bf16_compiled 100 python3 bench/train_throughput.py bench/bench_
 step throughput_float8_compiled 100 python3 bench/train_throughput.py bench/bench_llama.yaml --no-memory --rounds 2 --steps 3 \
   --warmup 2 "${model[@]}" --set run.compile=true --set optimize.float8=true --plain-compile on
 step memory_vs_estimate 100 python3 bench/gpu_memory.py --steps 3
-step step_profile 50 python3 bench/step_profile.py bench/bench_llama.yaml "${model[@]}" --set run.compile=true \
+step step_profile 40 python3 bench/step_profile.py bench/bench_llama.yaml "${model[@]}" --set run.compile=true \
   --steps 8 --trace "$out/step_trace.json"
+step moe_grouped_mm 15 python3 bench/moe_grouped_mm.py --dtype bf16 --tokens 16384 --rounds 9
 step offload_params_cuda 45 python3 tests/train/offload_params_cuda.py
 step async_save_cuda 30 python3 tests/checkpoint/async_save_cuda.py /tmp/async_save_cuda
 step input_shapes_cuda 50 python3 tests/models/input_shapes_cuda.py --parts loader,kernels
