@@ -137,6 +137,8 @@ LAYOUTS = [
     Layout("moe_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2, finetune="moe"),
     Layout("moe_ep2_zero3", 2, dict(data_parallel=2, zero_stage=3, expert_parallel=2), 1, 4, finetune="moe"),
     # 4 ranks
+    Layout("moe_ep2_dp4_zero0", 4, dict(data_parallel=4, zero_stage=0, expert_parallel=2), 1, 2, finetune="moe"),
+    Layout("moe_ep2_dp4_zero3", 4, dict(data_parallel=4, zero_stage=3, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,
            train={"check_replicas_steps": 1}),  # only the replica all-reduce deferred to the last micro-batch
     Layout("hsdp_2x2_zero2", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=2), 1, 2),

@@ -63,8 +63,9 @@ class ParallelConfig(_Section):
         0, description="0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters"
     )
     expert_parallel: int = Field(
-        1, ge=1, description="mixture-of-experts models: the data-parallel ranks each hold num_experts / N of every "
-        "MoE block's experts, tokens reach them by all-to-all; N is 1 or data_parallel for now"
+        1, ge=1, description="mixture-of-experts models: each group of N consecutive data-parallel ranks spreads "
+        "every MoE block's experts over its ranks (num_experts / N each), tokens reach them by all-to-all; groups "
+        "hold replicas of the experts, whose gradients are summed over them. N divides data_parallel"
     )
     micro_batch_num: int = Field(1, ge=1, description="pipeline micro-batches per step")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
@@ -665,11 +666,16 @@ class RunConfig(_Section):
             if self.model.num_experts % ep:
                 raise ValueError(f"parallel.expert_parallel {ep} must divide model.num_experts "
                                  f"{self.model.num_experts} (each rank holds the same number of experts)")
-            if ep != p.data_parallel or p.data_parallel_replicate > 1:
+            if p.data_parallel % ep or p.data_parallel_replicate > 1:
                 raise ValueError(f"parallel.expert_parallel {ep} with data_parallel {p.data_parallel} (replicate "
-                                 f"{p.data_parallel_replicate}): expert parallelism spreads the experts over all "
-                                 f"the data-parallel ranks for now; set expert_parallel: {p.data_parallel} or 1, "
-                                 "and data_parallel_replicate: 1")
+                                 f"{p.data_parallel_replicate}): the experts are spread over groups of {ep} "
+                                 "consecutive data-parallel ranks, so expert_parallel must divide data_parallel "
+                                 "(and data_parallel_replicate be 1)")
+            if ep < p.data_parallel and self.train.optimizer_in_backward:
+                raise ValueError(f"parallel.expert_parallel {ep} below data_parallel {p.data_parallel} with "
+                                 "train.optimizer_in_backward: the experts' gradients are summed over their replicas "
+                                 "after the backward, and the update in backward would come first; set "
+                                 f"expert_parallel: {p.data_parallel} or optimizer_in_backward: false")
             if o.offload_params or o.offload_optimizer:
                 raise ValueError("parallel.expert_parallel with optimize.offload_params / offload_optimizer: the "
                                  "experts' shards are not offloaded yet; turn the offload off")

@@ -150,6 +150,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.token_exchange: Optional[Any] = None
+        self.expert_replicas: Optional[Any] = None  # the ranks holding the same experts (expert parallelism)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] through each token's experts [N, k], summed with `weights` [N, k]."""

@@ -425,9 +425,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         mesh, placements = p.device_mesh, list(p.placements)
         names = mesh.mesh_dim_names or ()
         dp_dim = names.index("dp") if "dp" in names else 0
-        if mesh.size(dp_dim) == self.world and isinstance(placements[dp_dim], Shard):
-            # Split over the group already (expert parallelism's experts: each rank holds its own): this
-            # rank steps its part whole, and there is nothing to gather.
+        if isinstance(placements[dp_dim], Shard):
+            # Split over its own group already (expert parallelism's experts: each rank holds its own, the
+            # same as its replicas'): this rank steps its part whole, and there is nothing to gather.
             local = local_tensor(p)
             shard = _Shard(p, None, 0, mesh.get_local_rank(dp_dim), self.world, local.detach(), tuple(placements))
             shard.view = shard.part(local.detach())

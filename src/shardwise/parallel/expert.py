@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,9 +34,23 @@ from ..errors import ConfigError
 from ..models.moe import GroupedExperts
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, Any]:
+    """(the expert-parallel mesh, the group of each rank's expert replicas or None) for `ep` ranks per group
+    over the data-parallel ranks: the whole data-parallel mesh when `ep` is its size; else groups of `ep`
+    consecutive ranks, the ranks at the same place in every group holding the same experts."""
+    dp = dp_mesh.size()
+    if ep == dp:
+        return dp_mesh, None
+    ranks = torch.tensor(dp_mesh.mesh.flatten().tolist()).view(dp // ep, ep)
+    mesh = DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("expert_replicate", "expert"))
+    return mesh["expert"], mesh["expert_replicate"].get_group()
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, replicas: Any = None) -> nn.Module:
     """Spread the experts of every MoE block of `model` over `mesh` (see the module docstring); the model,
-    changed in place. Its expert weights must be whole (as built or loaded) and the same on every rank."""
+    changed in place. Its expert weights must be whole (as built or loaded) and the same on every rank.
+    `replicas`: the group of ranks that hold the same experts (`expert_mesh`), over which
+    `reduce_expert_gradients` sums their gradients; None when each expert lives on one rank."""
     size = mesh.size()
     exchange = TokenExchange(mesh.get_group(), size)
     for name, module in model.named_modules():
@@ -49,7 +64,25 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             shard = distribute_tensor(full.detach(), mesh, [Shard(0)])
             setattr(module, weight, nn.Parameter(shard, requires_grad=full.requires_grad))
         module.token_exchange = exchange
+        module.expert_replicas = replicas
     return model
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module) -> None:
+    """Sum each expert's gradient over the ranks that hold a replica of it (expert parallelism below the
+    data-parallel degree; nothing to do when every expert lives on one rank). Call once per step, after the
+    last micro-batch's backward and before clipping."""
+    for m in model.modules():
+        group = getattr(m, "expert_replicas", None) if isinstance(m, GroupedExperts) else None
+        if group is None:
+            continue
+        grads = [p.grad.to_local() for p in m.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:

@@ -22,7 +22,7 @@ from torch import nn
 from .context import apply_context_parallel
 from .data_parallel import apply_data_parallel, one_process_fsdp_settings, shard_optimizer
 from .dims import Meshes, ParallelDims
-from .expert import apply_expert_parallel
+from .expert import apply_expert_parallel, expert_mesh
 from .float8 import apply_float8
 from .pipeline import Pipeline, build_schedule, split_model
 from .recompute import apply_recompute
@@ -75,7 +75,7 @@ def parallelize_model(
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
     if cfg.parallel.expert_parallel > 1:  # the experts over the data-parallel ranks, before FSDP2 wraps the rest
-        apply_expert_parallel(model, meshes["dp"])
+        apply_expert_parallel(model, *expert_mesh(meshes["dp"], cfg.parallel.expert_parallel))
     if dims.cp > 1:  # before recompute and compile wrap the blocks, before FSDP2 hooks the root
         apply_context_parallel(model, meshes["cp"])
     apply_recompute(model, cfg.optimize.layer_recompute([int(name) for name in model.layers]))

@@ -46,6 +46,7 @@ from ..models.moe import set_aux_loss_scale, take_expert_load, update_expert_bia
 from ..parallel.collectives import all_reduce, max_over, rank0_first, rank0_then_others, replicas_problem
 from ..parallel.data_parallel import check_offload, clip_grad_norm, fsdp_on_one_process, grad_sync
 from ..parallel.dims import describe_layout, layout_for
+from ..parallel.expert import reduce_expert_gradients
 from ..parallel.float8 import after_optimizer_step, check_float8
 from ..parallel.launch import init_distributed, join_one_process_group
 from ..parallel.parallelize import (
@@ -333,6 +334,8 @@ class Trainer:
         total = self.forward_backward(micro_batches, n_tokens)
         if s.dims.dp > 1:
             total = all_reduce(total, s.meshes["dp"])
+        for part in s.parts:  # expert parallelism below the data-parallel degree: the replicas' gradients summed
+            reduce_expert_gradients(part)
         load = self._expert_load()
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
         if s.in_backward is not None:
