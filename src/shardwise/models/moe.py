@@ -23,7 +23,7 @@ DeepSeek-V3's complementary loss, or "batch", over the micro-batch as Switch/Mix
 loss the trainer logs stays the cross-entropy alone and pipelines, chunked losses and recompute need
 nothing special. Each loss is a mean over the step's sequences: the trainer sets `aux_loss_scale` (one
 over the sequences per optimizer step, `set_aux_loss_scale`), which keeps the "seq" loss the same for
-every data-parallel layout. `tokens_per_expert` counts the routed copies each expert received since the
+every data-parallel layout. `tokens_per_expert` counts the routed copies each expert received in training since the
 last `take_expert_load` (the trainer's step logs max / mean per layer, and with `moe_bias_update_rate`
 moves `expert_bias` towards balance after each step, `update_expert_bias`).
 """
@@ -202,8 +202,9 @@ class MoE(nn.Module):
         b, t, h = x.shape
         flat = x.reshape(-1, h)
         weights, experts, scores, logits = self.router(flat)
-        with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.cfg.num_experts)
+        if self.training:  # training's routing only: an evaluation or generation in between counts nothing
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.cfg.num_experts)
         out = self.experts(flat, experts, weights).view(b, t, h)
         if self.shared is not None:
             out = out + self.shared(x)
@@ -260,7 +261,10 @@ def set_aux_loss_scale(model: nn.Module, sequences_per_step: int) -> None:
 
 @torch.no_grad()
 def take_expert_load(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's routed copies per expert since the last call ([E] fp32, on the device), and reset."""
+    """Each MoE layer's routed copies per expert in training forwards since the last call ([E] fp32, on the
+    device), and reset. A recomputed block's forward runs again in the backward and counts again: every
+    expert of that block twice, which leaves the busiest-over-mean ratio and the bias update's signs as
+    they are."""
     out = {}
     for name, m in moe_layers(model).items():
         out[name] = m.tokens_per_expert.clone()

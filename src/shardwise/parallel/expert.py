@@ -74,9 +74,9 @@ def reduce_expert_gradients(model: nn.Module) -> None:
     data-parallel degree; nothing to do when every expert lives on one rank). Call once per step, after the
     last micro-batch's backward and before clipping."""
     for m in model.modules():
-        group = getattr(m, "expert_replicas", None) if isinstance(m, GroupedExperts) else None
-        if group is None:
+        if not isinstance(m, GroupedExperts) or m.expert_replicas is None:
             continue
+        group = m.expert_replicas
         grads = [p.grad.to_local() for p in m.parameters() if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])

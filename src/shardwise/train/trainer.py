@@ -334,8 +334,9 @@ class Trainer:
         total = self.forward_backward(micro_batches, n_tokens)
         if s.dims.dp > 1:
             total = all_reduce(total, s.meshes["dp"])
-        for part in s.parts:  # expert parallelism below the data-parallel degree: the replicas' gradients summed
-            reduce_expert_gradients(part)
+        if 1 < cfg.parallel.expert_parallel < s.dims.dp:
+            for part in s.parts:  # expert parallelism below the data-parallel degree: the replicas' gradients summed
+                reduce_expert_gradients(part)
         load = self._expert_load()
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
         if s.in_backward is not None:
@@ -373,6 +374,8 @@ class Trainer:
         """The MoE blocks' routed copies per expert over this step's micro-batches, summed over the
         data-parallel ranks ([blocks, experts], on the device); None for a dense model."""
         s = self.state
+        if not self.config.model.num_experts:
+            return None
         counts = {name: c for part in s.parts for name, c in take_expert_load(part).items()}
         if not counts:
             return None
