@@ -55,13 +55,54 @@ def _mixtral():
         **{**_SMALL, "intermediate_size": 24}, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
 
 
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+
+
+def _deepseek_v3():
+    """MLA with a query bottleneck, YaRN, interleaved RoPE; block 0 dense, block 1 routed over 8 experts in 4
+    groups (2 chosen) with a shared expert, sigmoid scores, a correction bias and routed scaling."""
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**_SMALL, "max_position_embeddings": 256}, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, rope_parameters=_YARN, pad_token_id=0))
+
+
+def _glm4():  # sandwich norms, fused gate/up, q/k/v biases, interleaved RoPE on half of each head
+    return transformers.Glm4ForCausalLM(transformers.Glm4Config(
+        **_SMALL, num_key_value_heads=2, head_dim=8, pad_token_id=0))
+
+
+def _glm4_moe():  # half-head RoPE (halves), q/k norms, DeepSeek-style routing with groups, block 0 dense
+    return transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+        **_SMALL, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True,
+        attention_bias=True, routed_scaling_factor=1.5, pad_token_id=0))
+
+
+def _gemma3(tied: bool = True):  # sliding window of 4 in blocks 0 and 2, block 1 global with linear-scaled RoPE
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **{**_SMALL, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=12,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, pad_token_id=0,
+        tie_word_embeddings=tied))
+
+
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2, "qwen3": _qwen3,
-            "qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+            "qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "deepseek_v3": _deepseek_v3, "glm4": _glm4,
+            "glm4_moe": _glm4_moe, "gemma3": _gemma3}
+TIED = ("qwen2", "gpt2", "qwen3", "gemma3")
 
 
-def _make(family: str, tmp_path, noise: float = 0.05, **save_kwargs):
+# Gemma's scaled, tied embeddings make a random model repeat its last token: untied for the generation test.
+FOR_GENERATION = {**FAMILIES, "gemma3": lambda: _gemma3(tied=False)}
+
+
+def _make(family: str, tmp_path, noise: float = 0.05, builders=FAMILIES, **save_kwargs):
     torch.manual_seed(0)
-    hf = FAMILIES[family]().eval()
+    hf = builders[family]().eval()
     with torch.no_grad():  # distinctive weights, norms included, so a wrong mapping cannot hide
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * noise)
@@ -89,7 +130,7 @@ def test_from_hf_and_save_hf_match_transformers(family, tmp_path):
         got = model(tokens, position_ids=_positions())
     assert expected.std() > 0.1
     assert (got - expected).abs().max() <= 1e-4
-    assert (model.output.weight is model.tok_embeddings.weight) == (family in ("qwen2", "gpt2", "qwen3"))
+    assert (model.output.weight is model.tok_embeddings.weight) == (family in TIED)
 
     out = save_hf(model, tmp_path / "export")
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -161,7 +202,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ConfigError, match="FalconForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                                           "Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-                                          "GPT2LMHeadModel"):
+                                          "DeepseekV3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, "
+                                          "Gemma3ForCausalLM, GPT2LMHeadModel"):
         load_hf_config(tmp_path)
 
 
@@ -239,13 +281,14 @@ def test_unreadable_weights_and_config_are_named(tmp_path):
         load_hf_config(path)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe", "gemma3"])
 def test_greedy_generation_follows_transformers(family, tmp_path):
     """Imported weights continue a prompt token for token as transformers' greedy generate does (the MoE
     families route every new token through the cached decoding path too)."""
     from shardwise.models import generate
 
-    hf, path = _make(family, tmp_path, noise=0.5)  # peaked logits: no near-ties, no one-token loop
+    # Peaked logits: no near-ties, no one-token loop (GLM-4.5's tiny model loops at 0.5).
+    hf, path = _make(family, tmp_path, noise=0.8 if family == "glm4_moe" else 0.5, builders=FOR_GENERATION)
     model = from_hf(path).eval()
     prompt = [5, 17, 3, 42, 8]
     with torch.no_grad():

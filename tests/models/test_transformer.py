@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.models import KVCache, ModelConfig, Transformer, build_model, resolve_model_config
-from shardwise.models.transformer import rope_inv_freq, rope_tables
+from shardwise.models.rope import rope_inv_freq, rope_tables
 
 transformers = pytest.importorskip("transformers")
 

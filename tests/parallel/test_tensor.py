@@ -42,6 +42,12 @@ BASE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_hea
             max_position_embeddings=64)
 LLAMA = dict(BASE)
 QWEN2 = dict(BASE, model_type="qwen2", qkv_bias=True)
+QWEN3 = dict(BASE, model_type="qwen3", qk_norm=True, head_dim=16)
+# Gemma 3's parts: norms after attention and MLP scaling by 1 + weight, q/k norms, scaled embeddings, a
+# window of 6 in block 0 (block 1 global, RoPE of its own base), tied embeddings, gelu.
+GEMMA3 = dict(BASE, model_type="gemma3", qk_norm=True, sandwich_norm=True, norm_unit_offset=True,
+              scale_embeddings=True, attention_scale=0.3, sliding_window=6, full_attention_every=2,
+              rope_local_theta=100.0, tie_embeddings=True, activation="gelu_tanh")
 GPT2 = dict(BASE, model_type="gpt2", num_kv_heads=4, norm="layernorm", mlp="plain", activation="gelu_tanh",
             position="learned", qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)
 
@@ -55,6 +61,9 @@ VARIANTS = {
     "llama_gqa_sp_trainer_loss_ctx": (LLAMA, dict(sp=True, lp=True, loss="ctx", packed=False)),
     "llama_gqa_sp_packed": (LLAMA, dict(sp=True, lp=True, loss="tp", packed=True)),
     "qwen2_qkv_bias_sp_packed": (QWEN2, dict(sp=True, lp=True, loss="ctx", packed=True)),
+    "qwen3_qk_norm_sp": (QWEN3, dict(sp=True, lp=True, loss="tp", packed=False)),
+    "gemma3_sandwich_sliding_sp_packed": (GEMMA3, dict(sp=True, lp=True, loss="ctx", packed=True)),
+    "gemma3_no_sp": (GEMMA3, dict(sp=False, lp=True, loss="tp", packed=False)),
     "gpt2_tied_learned_pos_layernorm_sp_packed": (GPT2, dict(sp=True, lp=True, loss="tp", packed=True)),
     "gpt2_tied_sp_trainer_loss_ctx": (GPT2, dict(sp=True, lp=True, loss="ctx", packed=False)),
     "llama_gqa_no_sp_packed": (LLAMA, dict(sp=False, lp=True, loss="tp", packed=True)),

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..config import LoraConfig
 from ..errors import CheckpointError, ConfigError
 from ..models.config import ModelConfig
+from ..models.hf import hf_buffers
 from ..parallel.collectives import distributed, max_over, rank0_first, sum_over
 from ..parallel.dtensors import local_tensor
 from ..peft.lora import is_lora_name, save_adapter
@@ -447,6 +448,8 @@ class Checkpointer:
         for p in parameters(self.parts):  # frozen weights are not in the optimizer's list
             if self.masters is None or not p.requires_grad:
                 named.setdefault(self.checkpoint_name(names[id(p)]), p)
+        for part in self.parts:  # the routers' correction biases come with the weights (DeepSeek-V3)
+            named.update(hf_buffers(part))
         kind = "Hugging Face" if (Path(init_from).expanduser() / "config.json").is_file() else "checkpoint"
         log.info("loading %s weights from %s", kind, init_from)
         load_pretrained_tensors(named, init_from, model_cfg, self.seed, verify=self.verify)

@@ -647,6 +647,7 @@ class RunConfig(_Section):
             )
         if p.pipeline_parallel > 1:
             self._check_pipeline()
+        self._check_attention_kinds()
         if m.num_experts:
             self._check_experts()
         elif p.expert_parallel > 1:
@@ -655,6 +656,21 @@ class RunConfig(_Section):
         self._check_finetuning()
         self._check_optimizer()
         return self
+
+    def _check_attention_kinds(self) -> None:
+        """Layouts latent attention (DeepSeek-V3) and sliding windows (Gemma 3) do not run with yet."""
+        m, p = self.model, self.parallel
+        if m.latent_attention:
+            for what, n in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel),
+                            ("context_parallel", p.context_parallel)):
+                if n > 1:
+                    raise ValueError(f"parallel.{what} {n} with multi-head latent attention (model.kv_lora_rank "
+                                     f"{m.kv_lora_rank}): not supported yet; use data parallelism (ZeRO 0-3, "
+                                     f"expert_parallel) and set {what}: 1")
+        if m.sliding_window and p.context_parallel > 1:
+            raise ValueError(f"parallel.context_parallel {p.context_parallel} with sliding-window attention "
+                             f"(model.sliding_window {m.sliding_window}): the exchange gives attention the whole "
+                             "sequence without the window; set context_parallel: 1")
 
     def _check_experts(self) -> None:
         """What a mixture-of-experts model does not run with yet: it trains on one device and under data

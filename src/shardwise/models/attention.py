@@ -52,24 +52,29 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
-def document_block_mask(document_ids: torch.Tensor) -> "BlockMask":
-    """The same mask as `document_mask`, as a flex-attention block mask (built compiled off the CPU)."""
+def document_block_mask(document_ids: torch.Tensor, window: int = 0) -> "BlockMask":
+    """The same mask as `document_mask`, as a flex-attention block mask (built compiled off the CPU); with
+    `window`, keys fewer than `window` positions back only (a sliding-window block's mask)."""
     if not flex_available():
         raise RuntimeError("this torch build has no flex attention; use the explicit mask path")
     if document_ids.device.type == "cpu":  # compiling costs seconds a shape; the CPU only checks results
-        return eager_document_block_mask(document_ids)
+        return eager_document_block_mask(document_ids, window)
     build, _ = flex_kernels()
-    return build(document_ids)
+    return build(document_ids, window)
 
 
-def eager_document_block_mask(document_ids: torch.Tensor) -> "BlockMask":
+def eager_document_block_mask(document_ids: torch.Tensor, window: int = 0) -> "BlockMask":
     """`document_block_mask` without compiling: the mask is evaluated over the whole [B, T, T] grid."""
     bsz, seqlen = document_ids.shape
 
     def same_document_causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's mask_mod signature
         return (q_idx >= kv_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
 
-    return create_block_mask(same_document_causal, bsz, None, seqlen, seqlen, device=document_ids.device)
+    def same_document_window(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        return same_document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
+    mask_mod = same_document_window if window else same_document_causal
+    return create_block_mask(mask_mod, bsz, None, seqlen, seqlen, device=document_ids.device)
 
 
 @functools.cache
@@ -109,13 +114,14 @@ def _under_flex_shapes(compiled: Callable) -> Callable:
     return run
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockMask") -> torch.Tensor:
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockMask",
+          scale: Optional[float]) -> torch.Tensor:
     enable_gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cpu":
         # Compiling flex for CPU costs seconds per shape; eager is only used to check results there.
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     _, flex = flex_kernels()
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 def attend(
@@ -125,16 +131,19 @@ def attend(
     mask: Optional[AttentionMask],
     is_causal: bool,
     dropout_p: float,
+    scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over k, v [B, H_kv, S, D] with `mask` (bool tensor or block mask)."""
+    """Attention of q [B, H, T, D] over k [B, H_kv, S, D] and v [B, H_kv, S, D_v] with `mask` (bool tensor or
+    block mask); the scores are scaled by `scale` (default 1/sqrt(D))."""
     if BlockMask is not None and isinstance(mask, BlockMask):
         if dropout_p:
             raise ValueError("flex attention has no dropout; use the explicit document mask when training "
                              "with dropout")
-        return _flex(q, k, v, mask)
+        return _flex(q, k, v, mask, scale)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         # Repeating kv heads keeps every SDPA backend available (enable_gqa narrows the choice).
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale)

@@ -18,15 +18,23 @@ MAX_EXPERTS = 1 << 12
 
 
 class RopeScaling(BaseModel):
-    """RoPE frequency scaling as in Hugging Face configs (`linear` or LLaMA-3's `llama3`)."""
+    """RoPE frequency scaling as in Hugging Face configs (`linear`, LLaMA-3's `llama3`, or `yarn` as
+    DeepSeek-V3 and Kimi-K2 use it)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["linear", "llama3"] = "linear"
+    type: Literal["linear", "llama3", "yarn"] = "linear"
     factor: float = Field(1.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_position_embeddings: int = Field(8192, gt=0)
+    # YaRN: the ramp between interpolated and kept frequencies, and the attention temperature.
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: Optional[float] = Field(None, ge=0)
+    mscale_all_dim: Optional[float] = Field(None, ge=0)
+    attention_factor: Optional[float] = Field(None, gt=0)
+    truncate: bool = True
 
 
 class ModelConfig(BaseModel):
@@ -39,8 +47,8 @@ class ModelConfig(BaseModel):
         None, description="start from these weights: a Hugging Face model dir or a shardwise checkpoint/run "
         "dir (the architecture comes from it)"
     )
-    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt2", "mistral", "baichuan",
-                        "gpt"] = Field(
+    model_type: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4", "glm4_moe",
+                        "gemma3", "gpt2", "mistral", "baichuan", "gpt"] = Field(
         "llama", description="family label (the flags below decide the architecture)"
     )
     vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB, description="tokens in the vocabulary")
@@ -71,6 +79,32 @@ class ModelConfig(BaseModel):
     initializer_range: float = Field(0.02, gt=0, description="std of the normal weight init")
     use_flash_attention: bool = Field(True, description="fused attention kernels where the device has them")
     qk_norm: bool = Field(False, description="RMSNorm over each head's queries and keys before RoPE (Qwen3)")
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1, description="share of each head's dims RoPE rotates, "
+                                         "the first ones (GLM-4: 0.5)")
+    rope_interleave: bool = Field(False, description="RoPE rotates neighbouring pairs (x0, x1), (x2, x3)... "
+                                  "(DeepSeek-V3, GLM-4) instead of the two halves (LLaMA)")
+    attention_scale: Optional[float] = Field(None, gt=0, description="softmax scale of the attention scores "
+                                             "(default 1/sqrt(query head dim); Gemma 3: query_pre_attn_scalar^-0.5)")
+    sliding_window: int = Field(0, ge=0, le=MAX_POSITIONS, description="attention looks back at most this many "
+                                "tokens in sliding blocks (0: every block attends to the whole prefix)")
+    full_attention_every: int = Field(0, ge=0, le=MAX_LAYERS, description="with a sliding window, every n-th "
+                                      "block (n-1, 2n-1, ...) attends fully (Gemma 3: 6); 0: every block slides")
+    rope_local_theta: Optional[float] = Field(None, gt=0, description="RoPE base of the sliding blocks, without "
+                                              "scaling (Gemma 3: 10000); default rope_theta")
+    sandwich_norm: bool = Field(False, description="also a norm on the attention's and the MLP's outputs before "
+                                "each residual add (GLM-4, Gemma 3)")
+    norm_unit_offset: bool = Field(False, description="RMSNorm scales by 1 + weight, all in fp32 (Gemma)")
+    scale_embeddings: bool = Field(False, description="embeddings multiplied by sqrt(hidden_size) (Gemma)")
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; models/latent_attention.py): keys and values
+    # come from a rank-kv_lora_rank latent, and one rotary key of qk_rope_head_dim dims is shared by every head.
+    kv_lora_rank: Optional[int] = Field(None, gt=0, le=MAX_WIDTH, description="multi-head latent attention: "
+                                        "width of the compressed key/value latent (None: standard attention)")
+    q_lora_rank: Optional[int] = Field(None, gt=0, le=MAX_WIDTH, description="latent attention: queries through "
+                                       "a rank-q_lora_rank bottleneck (None: one projection)")
+    qk_rope_head_dim: int = Field(64, gt=0, le=MAX_WIDTH, description="latent attention: the rotary dims of "
+                                  "each query/key head (head_dim counts them)")
+    v_head_dim: Optional[int] = Field(None, gt=0, le=MAX_WIDTH, description="latent attention: value head "
+                                      "width (default head_dim)")
     # Mixture of experts (models/moe.py): the blocks `is_moe_layer` names route each token to experts.
     num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="routed experts per MoE block; 0: a dense model")
     num_experts_per_tok: int = Field(2, ge=1, le=MAX_EXPERTS, description="experts each token goes to (top-k)")
@@ -115,13 +149,52 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
             )
-        if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.kv_lora_rank is not None:
+            self._check_latent_attention()
+        if self.position == "rope" and self.rope_dim % 2:
+            raise ValueError(f"RoPE needs an even number of rotary dims, got {self.rope_dim}")
+        if self.full_attention_every and not self.sliding_window:
+            raise ValueError("full_attention_every picks the blocks that do not slide: set sliding_window too")
         if self.intermediate_size is None:
             self.intermediate_size = default_intermediate_size(self.hidden_size, self.mlp, self.multiple_of)
         if self.num_experts:
             self._check_experts()
         return self
+
+    def _check_latent_attention(self) -> None:
+        if self.v_head_dim is None:
+            self.v_head_dim = self.head_dim
+        if self.head_dim <= self.qk_rope_head_dim:
+            raise ValueError(f"latent attention: head_dim {self.head_dim} (the query/key head) must be more than "
+                             f"qk_rope_head_dim {self.qk_rope_head_dim} (its rotary part)")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError("latent attention gives every head its own key and value: set num_kv_heads to "
+                             f"num_heads ({self.num_heads}) or leave it out")
+        if self.position != "rope" or self.partial_rotary_factor != 1.0 or self.qk_norm:
+            raise ValueError("latent attention has its own rotary key (qk_rope_head_dim): it takes position: rope, "
+                             "no partial_rotary_factor and no qk_norm")
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V3)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each query/key head RoPE rotates (the RoPE tables' width)."""
+        if self.latent_attention:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def value_dim(self) -> int:
+        """Each value head's width."""
+        return self.v_head_dim if self.latent_attention else self.head_dim
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether block `layer` attends through the sliding window."""
+        return bool(self.sliding_window) and not (self.full_attention_every
+                                                  and (layer + 1) % self.full_attention_every == 0)
 
     def _check_experts(self) -> None:
         if self.moe_intermediate_size is None:

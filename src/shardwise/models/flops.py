@@ -15,9 +15,34 @@ from shardwise.models.config import ModelConfig
 
 
 def _attention_weights(cfg: ModelConfig) -> int:
-    """Weight elements of one layer's q, k, v and output projections."""
+    """Weight elements of one layer's attention projections."""
+    return sum(d_in * d_out for d_in, d_out in _attention_dims(cfg).values())
+
+
+def _attention_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(input, output) width of each attention linear: q, k, v and output, or latent attention's
+    (`models.latent_attention`: the query bottleneck or one query projection, the key/value latent with the
+    shared rotary key, its expansion into each head's key and value, the output)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    if not cfg.latent_attention:
+        q, kv = heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv), "attention.wo": (q, h)}
+    query = {"attention.wq": (h, heads * cfg.head_dim)} if cfg.q_lora_rank is None else \
+        {"attention.wq_a": (h, cfg.q_lora_rank), "attention.wq_b": (cfg.q_lora_rank, heads * cfg.head_dim)}
+    nope = cfg.head_dim - cfg.qk_rope_head_dim
+    return {**query, "attention.wkv_a": (h, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+            "attention.wkv_b": (cfg.kv_lora_rank, heads * (nope + cfg.v_head_dim)),
+            "attention.wo": (heads * cfg.v_head_dim, h)}
+
+
+def _attention_extras(cfg: ModelConfig) -> tuple[int, int]:
+    """(bias elements, norm elements) of one layer's attention."""
+    h = cfg.hidden_size
+    if cfg.latent_attention:  # attention_bias covers the bottleneck's and the latent's down projections
+        downs = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return downs * cfg.qkv_bias + h * cfg.out_bias, (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return cfg.hidden_size * (q_dim + 2 * kv_dim) + q_dim * cfg.hidden_size
+    return (q_dim + 2 * kv_dim) * cfg.qkv_bias + h * cfg.out_bias, 2 * cfg.head_dim * cfg.qk_norm
 
 
 def _mlp_weights(cfg: ModelConfig) -> int:
@@ -43,25 +68,20 @@ def _feed_forward_weights(cfg: ModelConfig, layer: int, active: bool = False) ->
 def count_parameters_by_kind(cfg: ModelConfig) -> dict[str, int]:
     """Parameters split into embedding, attention, mlp, norm and output (0 when tied); they sum to the total."""
     h, n_layers = cfg.hidden_size, cfg.num_layers
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     embedding = cfg.vocab_size * h
     if cfg.position == "learned":
         embedding += cfg.max_position_embeddings * h
 
-    attention = _attention_weights(cfg)
-    if cfg.qkv_bias:
-        attention += q_dim + 2 * kv_dim
-    if cfg.out_bias:
-        attention += h
+    biases, attention_norms = _attention_extras(cfg)
+    attention = _attention_weights(cfg) + biases
 
     dense_bias = (2 if cfg.mlp == "gated" else 1) * cfg.intermediate_size + h if cfg.mlp_bias else 0
     mlp = sum(_feed_forward_weights(cfg, i) + (0 if cfg.is_moe_layer(i) else dense_bias) for i in range(n_layers))
 
     per_norm = 2 * h if cfg.norm == "layernorm" and cfg.norm_bias else h
-    norm = (2 * n_layers + 1) * per_norm  # two per block plus the final one
-    if cfg.qk_norm:
-        norm += n_layers * 2 * cfg.head_dim
+    block_norms = 4 if cfg.sandwich_norm else 2
+    norm = (block_norms * n_layers + 1) * per_norm + n_layers * attention_norms  # the blocks' and the final one
 
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * h
     return {
@@ -134,8 +154,8 @@ def _linear_dims(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]
     """(input, output) width of each linear of block `layer` (w3 only in gated MLPs). A MoE block's
     experts count as one linear per projection as wide as the token's experts together (k x F); the
     router and the shared experts' MLP as linears."""
-    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    dims = {"attention.wq": (h, q), "attention.wk": (h, kv), "attention.wv": (h, kv), "attention.wo": (q, h)}
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    dims = _attention_dims(cfg)
     if cfg.is_moe_layer(layer):
         routed = cfg.num_experts_per_tok * cfg.moe_intermediate_size
         dims.update({"feed_forward.router.gate": (h, cfg.num_experts), "feed_forward.experts.w1": (h, routed),
@@ -207,14 +227,15 @@ def training_flops(cfg: ModelConfig, seq_length: int,
     `_Walk`: 6 FLOPs per trainable weight, 4 per frozen weight whose input needs a gradient, 2 per
     frozen weight with nothing trainable below it; LoRA adapters count like weights (A: [r, in],
     B: [out, r]). The attention scores (QK^T and AV over the full, unmasked sequence, PaLM's
-    convention) cost 4 * num_heads * head_dim * seq_length per layer forward, and three times that
+    convention) cost 4 * num_heads * head_dim * seq_length per layer forward (2 * num_heads * (query/key head
+    + value head) * seq_length under latent attention, whose heads differ), and three times that
     when q, k or v needs a gradient. Embedding lookups, norms, biases and activations are left out.
     With everything trainable this is PaLM's 6 N + 12 L H d s (`flops_per_token`).
     """
     if seq_length <= 0:
         raise ConfigError(f"seq_length must be a positive number of tokens, got {seq_length}")
     walk = _Walk(trainable)
-    scores = 4 * cfg.num_heads * cfg.head_dim * seq_length
+    scores = 2 * cfg.num_heads * (cfg.head_dim + cfg.value_dim) * seq_length
     grad = walk.trains("tok_embeddings") or walk.trains("pos_embeddings")  # the residual stream needs one
     layers, forward = [], []
     for i in range(cfg.num_layers):
@@ -222,8 +243,7 @@ def training_flops(cfg: ModelConfig, seq_length: int,
         dims = _linear_dims(cfg, i)
         before = walk.flops
         x = grad or walk.trains(p + "attention_norm")
-        qkv = [walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS]
-        attended = any(qkv)
+        attended = _attention_walk(walk, p, dims, x)
         walk.flops += scores * (3 if attended else 1)
         grad = walk.linear(p + "attention.wo", dims["attention.wo"], attended) or grad
         x = grad or walk.trains(p + "ffn_norm")
@@ -238,6 +258,20 @@ def training_flops(cfg: ModelConfig, seq_length: int,
     x = grad or walk.trains("norm")
     head = cfg.vocab_size * cfg.hidden_size * (2 + 2 * head_trains + 2 * x)
     return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head))
+
+
+def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
+    """The attention's projections along `walk` (its input needs a gradient: `x`); whether the queries, keys
+    or values need one. Latent attention's up projections read its down projections' outputs."""
+    if "attention.wk" in dims:
+        return any([walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS])
+    if "attention.wq" in dims:
+        query = walk.linear(p + "attention.wq", dims["attention.wq"], x)
+    else:
+        down = walk.linear(p + "attention.wq_a", dims["attention.wq_a"], x)
+        query = walk.linear(p + "attention.wq_b", dims["attention.wq_b"], down)
+    latent = walk.linear(p + "attention.wkv_a", dims["attention.wkv_a"], x)
+    return walk.linear(p + "attention.wkv_b", dims["attention.wkv_b"], latent) or latent or query
 
 
 def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:

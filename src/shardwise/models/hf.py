@@ -27,6 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from shardwise.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.files import plain_file_name
 from shardwise.models.config import MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ModelConfig
+from shardwise.models.moe import reset_moe_buffers
 from shardwise.models.transformer import Transformer
 from shardwise.untrusted import (
     ascii_digits,
@@ -46,9 +47,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "Gemma3ForCausalLM": "gemma3",
     "GPT2LMHeadModel": "gpt2",
 }
 _ARCH_BY_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+# config.json's model_type where it is not our family's name (Kimi-K2 is a DeepSeek-V3 architecture).
+_HF_MODEL_TYPE = {"gemma3": "gemma3_text"}
+_FAMILY_OF_MODEL_TYPE = {"gemma3_text": "gemma3", "kimi_k2": "deepseek_v3"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,6 +85,25 @@ _MOE_NAMES = {"qwen": {"router": "mlp.gate", "experts": "mlp.experts",
                           "w1": "w1", "w3": "w3", "w2": "w2"}}
 _STACKED = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w1|w2|w3)")
 _LLAMA_NAMES_BACK = {v: k for k, v in LLAMA_NAMES.items()}
+# Where a family's names inside model.layers.{i} differ from LLaMA's (ours -> theirs).
+_SHARED_EXPERTS = {"feed_forward.shared.w1": "mlp.shared_experts.gate_proj",
+                   "feed_forward.shared.w3": "mlp.shared_experts.up_proj",
+                   "feed_forward.shared.w2": "mlp.shared_experts.down_proj"}
+_FAMILY_NAMES = {
+    "deepseek_v3": {"attention.wq": "self_attn.q_proj", "attention.wq_a": "self_attn.q_a_proj",
+                    "attention.q_norm": "self_attn.q_a_layernorm", "attention.wq_b": "self_attn.q_b_proj",
+                    "attention.wkv_a": "self_attn.kv_a_proj_with_mqa", "attention.kv_norm": "self_attn.kv_a_layernorm",
+                    "attention.wkv_b": "self_attn.kv_b_proj", **_SHARED_EXPERTS},
+    "glm4_moe": _SHARED_EXPERTS,
+    "glm4": {"attention_post_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+             "ffn_post_norm": "post_mlp_layernorm", "feed_forward.w1": "mlp.gate_up_proj",
+             "feed_forward.w3": "mlp.gate_up_proj"},
+    "gemma3": {"attention_post_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "ffn_post_norm": "post_feedforward_layernorm"},
+}
+_FUSED_GATE_UP = "mlp.gate_up_proj"  # GLM-4 keeps the gated MLP's w1 and w3 in one tensor, w1's rows first
+# The router's correction bias is a buffer here (moved by the balancing update, not by the optimizer).
+_EXPERT_BIAS = re.compile(r"layers\.(\d+)\.feed_forward\.router\.expert_bias")
 GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
                "mlp.c_fc": "feed_forward.w1", "mlp.c_proj": "feed_forward.w2"}
 _GPT2_NAMES_BACK = {v: k for k, v in GPT2_NAMES.items()}
@@ -118,6 +145,8 @@ def hf_family(hf: dict, source: str | os.PathLike = "config.json") -> str:
             )
         return SUPPORTED_ARCHITECTURES[archs[0]]
     model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in _FAMILY_OF_MODEL_TYPE:
+        return _FAMILY_OF_MODEL_TYPE[model_type]
     if isinstance(model_type, str) and model_type in _ARCH_BY_TYPE:
         return model_type
     shown = model_type if isinstance(model_type, str) and len(model_type) <= 80 else kind_of(model_type)
@@ -144,12 +173,19 @@ def _mapping(hf: dict, key: str, source: str | os.PathLike) -> dict:
     return value
 
 
-def _rope(hf: dict, source: str | os.PathLike) -> tuple[float, Optional[dict]]:
-    """(rope_theta, our rope_scaling) from either the transformers-5 `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` keys."""
+def _rope_parameters(hf: dict, source: str | os.PathLike) -> dict:
+    """The RoPE settings of config.json: transformers 5's `rope_parameters` merged over the older
+    `rope_scaling`."""
     params = dict(_mapping(hf, "rope_parameters", source))
     for k, v in _mapping(hf, "rope_scaling", source).items():
         params.setdefault(k, v)
+    return params
+
+
+def _rope(hf: dict, source: str | os.PathLike, params: Optional[dict] = None) -> tuple[float, Optional[dict]]:
+    """(rope_theta, our rope_scaling) from `params` (default the config's `_rope_parameters`) and the
+    top-level `rope_theta` of older configs."""
+    params = _rope_parameters(hf, source) if params is None else params
     where = f"{source} (rope_parameters / rope_scaling)"
     theta = number_field(hf, "rope_theta", source, CheckpointError, lo=1e-9, hi=1e30, default=None,
                          advice=_CONFIG_ADVICE)
@@ -162,17 +198,21 @@ def _rope(hf: dict, source: str | os.PathLike) -> tuple[float, Optional[dict]]:
         fail(CheckpointError, where, f"'rope_type' is {kind_of(kind)}, not a name", _CONFIG_ADVICE)
     if kind == "default":
         return theta, None
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported RoPE scaling {kind[:80]!r} in {source}; supported: default, linear, llama3")
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"unsupported RoPE scaling {kind[:80]!r} in {source}; supported: default, linear, llama3, "
+                          "yarn")
     scaling: dict[str, Any] = {"type": kind, "factor": number_field(params, "factor", where, CheckpointError,
                                                                     lo=1e-9, hi=1e9, default=1.0)}
-    if kind == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor"):
-            if params.get(key) is not None:
-                scaling[key] = number_field(params, key, where, CheckpointError, lo=1e-9, hi=1e9)
-        if params.get("original_max_position_embeddings") is not None:
-            scaling["original_max_position_embeddings"] = int_field(
-                params, "original_max_position_embeddings", where, CheckpointError, lo=1, hi=MAX_POSITIONS)
+    keys = {"llama3": ("low_freq_factor", "high_freq_factor"),
+            "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")}.get(kind, ())
+    for key in keys:
+        if params.get(key) is not None:
+            scaling[key] = number_field(params, key, where, CheckpointError, lo=0.0, hi=1e9)
+    if kind == "yarn" and params.get("truncate") is not None:
+        scaling["truncate"] = bool_field(params, "truncate", where, CheckpointError)
+    if kind != "linear" and params.get("original_max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = int_field(
+            params, "original_max_position_embeddings", where, CheckpointError, lo=1, hi=MAX_POSITIONS)
     return theta, scaling
 
 
@@ -210,29 +250,40 @@ def _positive(hf: dict, key: str, source: str | os.PathLike, default: float, hi:
 
 
 def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> ModelConfig:
+    fields = _decoder_fields(hf, family, source)
+    if family in ("qwen3_moe", "mixtral"):
+        fields.update(_experts_config(hf, family, source))
+    elif family in ("deepseek_v3", "glm4_moe"):
+        fields.update(_deepseek_experts_config(hf, source))
+    if family == "deepseek_v3":
+        fields.update(_latent_attention_config(hf, source))
+    elif family in ("glm4", "glm4_moe"):
+        fields.update(_glm_config(hf, family, source))
+    elif family == "gemma3":
+        fields.update(_gemma3_config(hf, source))
+    return ModelConfig(**fields)
+
+
+def _decoder_fields(hf: dict, family: str, source: str | os.PathLike) -> dict[str, Any]:
+    """The fields every RoPE family's config.json gives the same way (LLaMA's names)."""
     theta, scaling = _rope(hf, source)
     hidden = _size(hf, "hidden_size", source, MAX_WIDTH)
     heads = _size(hf, "num_attention_heads", source, MAX_HEADS)
     if family == "qwen2":
         qkv_bias, out_bias = True, False
+    elif family in ("glm4", "glm4_moe"):  # attention_bias covers q/k/v; the output projection has none
+        qkv_bias, out_bias = _flag(hf, "attention_bias", source, family == "glm4"), False
     else:
         qkv_bias = out_bias = _flag(hf, "attention_bias", source, False)
-    experts = _experts_config(hf, family, source) if family in ("qwen3_moe", "mixtral") else {}
     max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS, 4096 if family == "llama" else 32768)
-    window = int_field(hf, "sliding_window", source, CheckpointError, lo=0, default=None, advice=_CONFIG_ADVICE)
-    uses_window = _flag(hf, "use_sliding_window", source, True) if family == "qwen2" else True
-    if window and uses_window and window < max_pos:
-        warnings.warn(
-            f"config.json asks for sliding-window attention ({window} tokens), which shardwise does not "
-            f"implement: attention is full causal, identical up to {window} tokens",
-            stacklevel=3,
-        )
+    if family != "gemma3":
+        _warn_sliding_window(hf, family, source, max_pos)
     head_dim = int_field(hf, "head_dim", source, CheckpointError, lo=1, hi=MAX_WIDTH, default=0,
                          advice=_CONFIG_ADVICE) or None
     if head_dim is None and hidden % heads:
         fail(CheckpointError, source, f"'hidden_size' {hidden} is not divisible by 'num_attention_heads' {heads} "
              "and there is no 'head_dim'", _CONFIG_ADVICE)
-    return ModelConfig(
+    return dict(
         model_type=family,
         vocab_size=_size(hf, "vocab_size", source, MAX_VOCAB),
         hidden_size=hidden,
@@ -255,8 +306,124 @@ def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> Mode
         tie_embeddings=_flag(hf, "tie_word_embeddings", source, False),
         initializer_range=_positive(hf, "initializer_range", source, 0.02),
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        **experts,
     )
+
+
+def _warn_sliding_window(hf: dict, family: str, source: str | os.PathLike, max_pos: int) -> None:
+    window = int_field(hf, "sliding_window", source, CheckpointError, lo=0, default=None, advice=_CONFIG_ADVICE)
+    uses_window = _flag(hf, "use_sliding_window", source, True) if family == "qwen2" else True
+    if window and uses_window and window < max_pos:
+        warnings.warn(
+            f"config.json asks for sliding-window attention ({window} tokens), which shardwise does not "
+            f"implement for {family}: attention is full causal, identical up to {window} tokens",
+            stacklevel=4,
+        )
+
+
+def _deepseek_experts_config(hf: dict, source: str | os.PathLike) -> dict[str, Any]:
+    """DeepSeek-V3's and GLM-4.5's routing: sigmoid scores, a correction bias for the choice, groups, scaling,
+    shared experts, the first blocks dense."""
+    scoring = str_field(hf, "scoring_func", source, CheckpointError, max_len=40, default="sigmoid",
+                        advice=_CONFIG_ADVICE)
+    if scoring != "sigmoid":
+        raise ConfigError(f"{source}: scoring_func {scoring[:40]!r}; shardwise reads DeepSeek-V3-style routers with "
+                          "sigmoid scores")
+    every = _size(hf, "moe_layer_freq", source, MAX_LAYERS, 1)
+    if every != 1:
+        raise ConfigError(f"{source}: moe_layer_freq {every}; DeepSeek-V3 and GLM-4.5 route every block after "
+                          "first_k_dense_replace, which is all shardwise reads")
+    return {
+        "num_experts": _size(hf, "n_routed_experts", source, MAX_WIDTH),
+        "num_experts_per_tok": _size(hf, "num_experts_per_tok", source, MAX_WIDTH),
+        "moe_intermediate_size": _size(hf, "moe_intermediate_size", source, MAX_WIDTH),
+        "num_shared_experts": _size(hf, "n_shared_experts", source, MAX_WIDTH, 0, lo=0),
+        "first_k_dense": _size(hf, "first_k_dense_replace", source, MAX_LAYERS, 0, lo=0),
+        "router_score": "sigmoid",
+        "router_bias": True,
+        "norm_topk_prob": _flag(hf, "norm_topk_prob", source, True),
+        "n_group": _size(hf, "n_group", source, MAX_WIDTH, 1),
+        "topk_group": _size(hf, "topk_group", source, MAX_WIDTH, 1),
+        "routed_scaling_factor": _positive(hf, "routed_scaling_factor", source, 1.0),
+        "moe_aux_loss": "seq",  # DeepSeek-V3's complementary balance loss is per sequence (off unless asked)
+    }
+
+
+def _latent_attention_config(hf: dict, source: str | os.PathLike) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: the query head is qk_nope + qk_rope dims."""
+    rope = _size(hf, "qk_rope_head_dim", source, MAX_WIDTH)
+    nope = _size(hf, "qk_nope_head_dim", source, MAX_WIDTH)
+    q_rank = hf.get("q_lora_rank")
+    return {
+        "kv_lora_rank": _size(hf, "kv_lora_rank", source, MAX_WIDTH),
+        "q_lora_rank": None if q_rank is None else _size(hf, "q_lora_rank", source, MAX_WIDTH),
+        "qk_rope_head_dim": rope,
+        "head_dim": nope + rope,
+        "v_head_dim": _size(hf, "v_head_dim", source, MAX_WIDTH),
+        "rope_interleave": _flag(hf, "rope_interleave", source, True),
+    }
+
+
+def _glm_config(hf: dict, family: str, source: str | os.PathLike) -> dict[str, Any]:
+    """GLM-4 (sandwich norms, interleaved pairs) and GLM-4.5 (halves, optional q/k norms): RoPE on the first
+    partial_rotary_factor of each head."""
+    params = _rope_parameters(hf, source)
+    factor = number_field(hf, "partial_rotary_factor", source, CheckpointError, lo=0.0, hi=1.0, default=None,
+                          advice=_CONFIG_ADVICE)
+    if factor is None:
+        factor = number_field(params, "partial_rotary_factor", source, CheckpointError, lo=0.0, hi=1.0,
+                              default=0.5, advice=_CONFIG_ADVICE)
+    if family == "glm4":
+        return {"partial_rotary_factor": factor, "rope_interleave": True, "sandwich_norm": True}
+    return {"partial_rotary_factor": factor, "qk_norm": _flag(hf, "use_qk_norm", source, False)}
+
+
+def _gemma3_config(hf: dict, source: str | os.PathLike) -> dict[str, Any]:
+    """Gemma 3's text model: sandwich norms scaling by 1 + weight, q/k norms, scaled embeddings, its own
+    softmax scale, and sliding blocks with their own RoPE base between the global ones."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConfigError(f"{source}: {key} is set; Gemma 3 has none and shardwise implements none")
+    if _flag(hf, "use_bidirectional_attention", source, False):
+        raise ConfigError(f"{source}: use_bidirectional_attention is true (an encoder); shardwise trains causal "
+                          "decoders only")
+    params = _rope_parameters(hf, source)
+    if "full_attention" in params:  # transformers 5: one set of RoPE parameters per kind of block
+        theta, scaling = _rope({}, source, _mapping(params, "full_attention", source))
+        local_theta, local_scaling = _rope({}, source, _mapping(params, "sliding_attention", source))
+    else:  # transformers 4: rope_theta and rope_scaling for the global blocks, rope_local_base_freq
+        theta, scaling = _rope(hf, source, params)
+        local_theta = _positive(hf, "rope_local_base_freq", source, 10000.0, hi=1e30)
+        local_scaling = None
+    if local_scaling is not None:
+        raise ConfigError(f"{source}: the sliding blocks' RoPE is scaled ({local_scaling['type']}); shardwise "
+                          "scales the global blocks' only")
+    window = _size(hf, "sliding_window", source, MAX_POSITIONS, 0, lo=0)
+    layers = _size(hf, "num_hidden_layers", source, MAX_LAYERS)
+    return {
+        "rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
+        "sliding_window": window, "full_attention_every": _full_attention_every(hf, layers, source) if window else 0,
+        "activation": _activation(hf, "hidden_activation", "gelu_pytorch_tanh", source),
+        "attention_scale": _positive(hf, "query_pre_attn_scalar", source, 256, hi=1e9) ** -0.5,
+        "qk_norm": True, "sandwich_norm": True, "norm_unit_offset": True, "scale_embeddings": True,
+        "tie_embeddings": _flag(hf, "tie_word_embeddings", source, True),
+    }
+
+
+def _full_attention_every(hf: dict, layers: int, source: str | os.PathLike) -> int:
+    """Gemma 3's layer_types as `full_attention_every`: every n-th block full, the others sliding (0: all slide)."""
+    types = hf.get("layer_types")
+    if types is None:
+        return _size(hf, "sliding_window_pattern", source, MAX_LAYERS, 6)
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        fail(CheckpointError, source, f"'layer_types' should list 'sliding_attention' or 'full_attention' for each "
+             f"of the {layers} layers", _CONFIG_ADVICE)
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    every = full[0] + 1 if full else 0
+    if [i for i in range(layers) if every and (i + 1) % every == 0] != full:
+        raise ConfigError(f"{source}: layer_types puts full attention in blocks {_names([str(i) for i in full])}; "
+                          "shardwise reads every n-th block full (Gemma 3's pattern)")
+    return every
 
 
 def _experts_config(hf: dict, family: str, source: str | os.PathLike) -> dict[str, Any]:
@@ -327,7 +494,7 @@ def load_hf_config(directory: str | os.PathLike[str]) -> ModelConfig:
 def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     """config.json contents for `cfg`; ConfigError when no supported HF architecture expresses it."""
     family = _export_family(cfg)
-    hf: dict[str, Any] = {"architectures": [_ARCH_BY_TYPE[family]], "model_type": family}
+    hf: dict[str, Any] = {"architectures": [_ARCH_BY_TYPE[family]], "model_type": _HF_MODEL_TYPE.get(family, family)}
     if family == "gpt2":
         hf.update(
             vocab_size=cfg.vocab_size, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
@@ -338,13 +505,9 @@ def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) ->
             initializer_range=cfg.initializer_range,
         )
     else:
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.rope_scaling is not None:
-            s = cfg.rope_scaling
-            rope.update(rope_type=s.type, factor=s.factor)
-            if s.type == "llama3":
-                rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                            original_max_position_embeddings=s.original_max_position_embeddings)
+        rope = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+        if cfg.partial_rotary_factor != 1.0:
+            rope["partial_rotary_factor"] = cfg.partial_rotary_factor
         hf.update(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -373,9 +536,105 @@ def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) ->
                       mlp_only_layers=list(cfg.dense_layers))
         elif family == "mixtral":
             hf.update(intermediate_size=cfg.moe_intermediate_size)
+        hf.update(_family_config_to_hf(cfg, family, rope))
     if dtype is not None:
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     return hf
+
+
+def _rope_to_hf(theta: float, s: Optional[Any]) -> dict[str, Any]:
+    """transformers' rope_parameters for a base and our scaling."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if s is not None:
+        rope.update(rope_type=s.type, factor=s.factor)
+        if s.type == "llama3":
+            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
+        elif s.type == "yarn":
+            rope.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate,
+                        original_max_position_embeddings=s.original_max_position_embeddings,
+                        **{k: getattr(s, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                           if getattr(s, k) is not None})
+    return rope
+
+
+def _family_config_to_hf(cfg: ModelConfig, family: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """config.json keys of DeepSeek-V3, GLM-4, GLM-4.5 and Gemma 3 beyond LLaMA's."""
+    # Their config classes default to the published tokenizers' ids, which a smaller vocabulary may not hold
+    # (save_hf writes the tokenizer's own ids over these).
+    hf: dict[str, Any] = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    if family in ("deepseek_v3", "glm4_moe"):
+        hf.update(n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                  moe_intermediate_size=cfg.moe_intermediate_size, n_shared_experts=cfg.num_shared_experts,
+                  first_k_dense_replace=cfg.first_k_dense, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                  norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                  num_nextn_predict_layers=0, attention_bias=cfg.qkv_bias)
+    if family == "deepseek_v3":
+        hf.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                  qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                  rope_interleave=cfg.rope_interleave, head_dim=cfg.qk_rope_head_dim)
+    elif family == "glm4_moe":
+        hf.update(use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor)
+    elif family == "glm4":
+        hf.update(attention_bias=cfg.qkv_bias, partial_rotary_factor=cfg.partial_rotary_factor)
+    elif family == "gemma3":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+        types = ["sliding_attention" if cfg.is_sliding_layer(i) else "full_attention" for i in range(cfg.num_layers)]
+        hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, rope_theta=None,
+                  rope_scaling=None, layer_types=types, sliding_window=cfg.sliding_window or None,
+                  hidden_activation=_ACT_TO_HF[cfg.activation], query_pre_attn_scalar=round(_gemma_scalar(cfg)),
+                  attention_bias=cfg.qkv_bias, attn_logit_softcapping=None, final_logit_softcapping=None)
+    return hf
+
+
+def _gemma_scalar(cfg: ModelConfig) -> float:
+    """Gemma's query_pre_attn_scalar (a whole number in its config): the softmax scale is its inverse square root."""
+    return (cfg.attention_scale or cfg.head_dim ** -0.5) ** -2
+
+
+# Flags only some families have (a family missing here has none of them), and the value each flag must
+# have where that family leaves no choice.
+_FEATURES = {
+    "qk_norm": ("qwen3", "qwen3_moe", "glm4_moe", "gemma3"),
+    "partial_rotary_factor": ("glm4", "glm4_moe"),
+    "rope_interleave": ("glm4", "deepseek_v3"),
+    "sandwich_norm": ("glm4", "gemma3"),
+    "norm_unit_offset": ("gemma3",),
+    "scale_embeddings": ("gemma3",),
+    "attention_scale": ("gemma3",),
+    "sliding_window": ("gemma3",),
+    "rope_local_theta": ("gemma3",),
+    "latent_attention": ("deepseek_v3",),
+}
+_FIXED = {"glm4": {"rope_interleave": True, "sandwich_norm": True},
+          "gemma3": {"qk_norm": True, "sandwich_norm": True, "norm_unit_offset": True, "scale_embeddings": True},
+          "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "deepseek_v3": {"latent_attention": True}}
+_OFF = {"qk_norm": False, "partial_rotary_factor": 1.0, "rope_interleave": False, "sandwich_norm": False,
+        "norm_unit_offset": False, "scale_embeddings": False, "attention_scale": None, "sliding_window": 0,
+        "rope_local_theta": None, "latent_attention": False}
+
+
+def _check_features(cfg: ModelConfig, family: str, need: Callable[[bool, str, str], None]) -> None:
+    """Every family-specific flag of `cfg` is one `family` has, with the value it fixes."""
+    for flag, families in _FEATURES.items():
+        value = getattr(cfg, flag)
+        if family not in families:
+            need(value == _OFF[flag], f"it has no {flag} (this model's is {value})", family)
+        elif flag in _FIXED.get(family, {}):
+            need(value == _FIXED[family][flag], f"its {flag} is {_FIXED[family][flag]}", family)
+
+
+def _family_by_features(cfg: ModelConfig) -> Optional[str]:
+    """The family a config's distinctive flags point to (None: a LLaMA-shaped one)."""
+    if cfg.latent_attention:
+        return "deepseek_v3"
+    if cfg.norm_unit_offset or cfg.scale_embeddings:
+        return "gemma3"
+    if cfg.sandwich_norm:
+        return "glm4"
+    if cfg.num_experts and (cfg.router_score == "sigmoid" or cfg.partial_rotary_factor != 1.0):
+        return "glm4_moe"
+    return None
 
 
 def _export_family(cfg: ModelConfig) -> str:
@@ -391,7 +650,26 @@ def _export_family(cfg: ModelConfig) -> str:
         need(cfg.head_dim * cfg.num_heads == cfg.hidden_size, "GPT-2 needs head_dim * heads == hidden", "gpt2")
         need(cfg.num_kv_heads == cfg.num_heads, "GPT-2 has no grouped-query attention", "gpt2")
         return "gpt2"
+    family = _family_by_features(cfg)
+    if family is not None:
+        _check_features(cfg, family, need)
+        need(cfg.norm == "rmsnorm" and cfg.mlp == "gated" and not cfg.mlp_bias, "it needs RMSNorm and a gated "
+             "MLP without biases", family)
+        need(not cfg.out_bias or family in ("deepseek_v3", "gemma3"), "its output projection has no bias", family)
+        if family in ("deepseek_v3", "glm4_moe"):
+            need(cfg.num_experts > 0 and cfg.router_score == "sigmoid" and cfg.router_bias and cfg.moe_every == 1
+                 and not cfg.dense_layers and cfg.num_shared_experts > 0, "its router scores by sigmoid with a "
+                 "correction bias and shared experts in every block after first_k_dense", family)
+            need(cfg.num_kv_heads == cfg.num_heads or family == "glm4_moe", "it has no grouped-query heads", family)
+        else:
+            need(not cfg.num_experts, "it has no experts", family)
+        if family == "gemma3":
+            scalar = _gemma_scalar(cfg)
+            need(abs(scalar - round(scalar)) < 1e-6 * scalar, "its attention_scale is 1/sqrt(n) for a whole n "
+                 "(query_pre_attn_scalar)", family)
+        return family
     if cfg.num_experts:
+        _check_features(cfg, "qwen3_moe" if cfg.qk_norm else "mixtral", need)
         return _export_moe_family(cfg, need)
     family = cfg.model_type if cfg.model_type in ("llama", "qwen2", "qwen3", "mistral") else "llama"
     if family == "llama" and cfg.qk_norm:
@@ -400,7 +678,7 @@ def _export_family(cfg: ModelConfig) -> str:
         family = "qwen2"
     need(cfg.norm == "rmsnorm", "it needs RMSNorm", family)
     need(cfg.mlp == "gated", "it needs a gated MLP", family)
-    need(cfg.qk_norm == (family == "qwen3"), "only Qwen3 normalises queries and keys", family)
+    _check_features(cfg, family, need)
     if family == "qwen3":
         need(cfg.qkv_bias == cfg.out_bias and not cfg.mlp_bias, "Qwen3's attention_bias covers q/k/v and o",
              family)
@@ -434,7 +712,7 @@ def _export_moe_family(cfg: ModelConfig, need: Callable[[bool, str, str], None])
 def _moe_names(cfg: ModelConfig) -> dict[str, str]:
     """The HF names of a MoE block's router and experts for the model's family."""
     return _MOE_NAMES["mixtral" if cfg.model_type == "mixtral" or
-                      (cfg.model_type != "qwen3_moe" and not cfg.qk_norm) else "qwen"]
+                      (cfg.model_type not in ("qwen3_moe", "deepseek_v3", "glm4_moe") and not cfg.qk_norm) else "qwen"]
 
 
 def _stacked_names(ours: str, cfg: ModelConfig) -> Optional[list[str]]:
@@ -452,12 +730,21 @@ def _hf_module(module: str, cfg: ModelConfig) -> str:
     """The HF module name inside a layer for our `module` inside a block."""
     if module == "feed_forward.router.gate":
         return _moe_names(cfg)["router"]
-    return _LLAMA_NAMES_BACK[module]
+    return _FAMILY_NAMES.get(cfg.model_type, {}).get(module) or _LLAMA_NAMES_BACK[module]
 
 
 def _hf_names(ours: str, cfg: ModelConfig) -> list[str]:
     """Every HF tensor our parameter `ours` is read from."""
     return _stacked_names(ours, cfg) or [hf_tensor_for(ours, cfg)[0]]
+
+
+def hf_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a Hugging Face directory holds beside the parameters: the routers' correction biases of
+    a model whose router has one (DeepSeek-V3, GLM-4.5)."""
+    cfg = model.cfg
+    if not cfg.router_bias:
+        return []
+    return [(n, b) for n, b in model.named_buffers() if _EXPERT_BIAS.fullmatch(n)]
 
 
 # ------------------------------------------------------------- name maps ----
@@ -486,16 +773,18 @@ def _ours_to_hf(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         yield "model.embed_tokens.weight", params["tok_embeddings.weight"]
         named = cfg.model_copy(update={"model_type": _export_family(cfg)})  # the names of the family written
-        for name, t in params.items():
+        for name, t in [*params.items(), *hf_buffers(model)]:
             if not name.startswith("layers."):
                 continue
             experts = _stacked_names(name, named)
             if experts is not None:
                 yield from zip(experts, t.unbind(0))
                 continue
-            _, idx, rest = name.split(".", 2)
-            module, _, kind = rest.rpartition(".")
-            yield f"model.layers.{idx}.{_hf_module(module, named)}.{kind}", t
+            theirs, split = hf_tensor_for(name, named)
+            if split is None:
+                yield theirs, t
+            elif name.endswith("feed_forward.w1.weight"):  # GLM-4's fused tensor: w1's rows, then w3's
+                yield theirs, torch.cat([t, params[name.replace(".w1.", ".w3.")]])
         yield "model.norm.weight", params["norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", params["output.weight"]
@@ -564,8 +853,14 @@ def hf_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[
     if name == "output.weight":
         return "lm_head.weight", None
     _, idx, rest = name.split(".", 2)
+    if _EXPERT_BIAS.fullmatch(name):
+        return f"model.layers.{idx}.{_moe_names(cfg)['router']}.e_score_correction_bias", None
     module, _, kind = rest.rpartition(".")
-    return f"model.layers.{idx}.{_hf_module(module, cfg)}.{kind}", None
+    theirs = f"model.layers.{idx}.{_hf_module(module, cfg)}.{kind}"
+    if theirs.endswith(f"{_FUSED_GATE_UP}.weight"):
+        width = cfg.intermediate_size
+        return theirs, (lambda t: t[:width]) if module == "feed_forward.w1" else (lambda t: t[width:])
+    return theirs, None
 
 
 def _gpt2_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[torch.Tensor], torch.Tensor]]]:
@@ -645,6 +940,7 @@ def _open_weights(directory: Path, cfg: ModelConfig) -> Iterator[dict[str, tuple
         if cfg.position == "learned" and "wte.weight" in handles:  # the original gpt2 files: no prefix
             handles = {k if k.startswith(("transformer.", "lm_head")) else f"transformer.{k}": v
                        for k, v in handles.items()}
+        handles = _without_prediction_layers(handles, cfg, directory)
         _check_layer_count(handles, cfg, directory)  # before a model of cfg's size is built, even on meta
         every_name = _parameter_names(cfg)
         expected = {hf for n in every_name for hf in _hf_names(n, cfg)}
@@ -669,6 +965,24 @@ def _layer_index(pattern: re.Pattern, name: str) -> Optional[int]:
     """The layer a tensor name is in (ASCII digits only: int() also reads '٣'), None for no layer."""
     match = pattern.match(name)
     return int(match.group(1)) if match and ascii_digits(match.group(1)) else None
+
+
+def _without_prediction_layers(handles: dict[str, Any], cfg: ModelConfig, directory: Path) -> dict[str, Any]:
+    """`handles` without the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 ship after the last
+    block (config.json's num_nextn_predict_layers: model.layers.{L}... ), with a warning saying so:
+    shardwise trains next-token prediction only, as transformers runs these models."""
+    if cfg.model_type not in ("deepseek_v3", "glm4_moe"):
+        return handles
+    hf = _read_json(directory / "config.json", "config.json")
+    extra = _size(hf, "num_nextn_predict_layers", directory / "config.json", MAX_LAYERS, 0, lo=0)
+    skipped = [n for n in handles
+               if (i := _layer_index(_HF_LAYER, n)) is not None and cfg.num_layers <= i < cfg.num_layers + extra]
+    if skipped:
+        warnings.warn(f"{directory}: skipping the {extra} multi-token-prediction layer(s) after block "
+                      f"{cfg.num_layers - 1} ({len(skipped)} tensors, model.layers.{cfg.num_layers}.*): shardwise "
+                      "trains and exports next-token prediction only", stacklevel=4)
+    dropped = set(skipped)
+    return {n: h for n, h in handles.items() if n not in dropped}
 
 
 def _check_layer_count(handles: dict[str, Any], cfg: ModelConfig, directory: Path) -> None:
@@ -722,9 +1036,11 @@ def check_saved_shapes(cfg: ModelConfig, saved: dict[str, Any], source: str | os
 
 
 def _parameter_names(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter names (a tied matrix once) and shapes for `cfg`, from a meta-device model."""
+    """Our parameter names (a tied matrix once) and the buffers HF files hold (`hf_buffers`), with their
+    shapes for `cfg`, from a meta-device model."""
     with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+        model = Transformer(cfg)
+        return {n: tuple(p.shape) for n, p in [*model.named_parameters(), *hf_buffers(model)]}
 
 
 # The dtypes weights are stored in that torch reads and converts exactly (not F4 or F6, whose slices torch
@@ -812,7 +1128,7 @@ def load_hf_weights(model: Transformer, directory: str | os.PathLike[str]) -> No
     Raises CheckpointError for a missing shard file, a tensor of the wrong shape, and tensors missing
     from or unknown to the model. Tensors are converted to each parameter's dtype and device.
     """
-    load_hf_into(model.named_parameters(), directory, model.cfg)
+    load_hf_into([*model.named_parameters(), *hf_buffers(model)], directory, model.cfg)
     model.tie_weights()
 
 
@@ -831,6 +1147,7 @@ def from_hf(
     model.tie_weights()
     model.to(dtype=dtype)
     model.reset_rope_tables()
+    reset_moe_buffers(model)
     load_hf_weights(model, directory)
     return model
 

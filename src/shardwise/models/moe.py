@@ -126,12 +126,14 @@ class Router(nn.Module):
 
 def _best_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """`choice` [N, E] with the experts outside each token's best `topk_group` of `n_group` equal groups
-    set to zero (a group scored by the sum of its two best choices, DeepSeek-V3's rule)."""
+    set to -inf (a group scored by the sum of its two best choices, DeepSeek-V3's rule; not zero: with the
+    correction bias a kept expert's choice may be negative)."""
     n, e = choice.shape
     groups = choice.view(n, n_group, e // n_group)
     group_scores = groups.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)
-    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
-    return (groups * keep.unsqueeze(-1)).view(n, e)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(topk_group, dim=-1).indices,
+                                                                     True)
+    return groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n, e)
 
 
 class GroupedExperts(nn.Module):
@@ -279,3 +281,12 @@ def update_expert_bias(model: nn.Module, load: dict[str, torch.Tensor], rate: fl
     for name, m in moe_layers(model).items():
         counts = load[name]
         m.router.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
+
+
+def reset_moe_buffers(model: nn.Module) -> None:
+    """Zero every MoE block's buffers in fp32 on their device: the routers' correction biases and the load
+    counters (a model allocated without initialisation, or cast to 16 bits, before its weights are loaded)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.router.expert_bias = torch.zeros_like(m.router.expert_bias, dtype=torch.float32)
+            m.tokens_per_expert = torch.zeros_like(m.tokens_per_expert, dtype=torch.float32)

@@ -21,6 +21,33 @@ _QWEN3 = dict(_LLAMA, model_type="qwen3", vocab_size=151936, qk_norm=True, head_
               norm_eps=1e-6, max_position_embeddings=40960)
 # Qwen3-MoE: every block a mixture of 128 experts, 8 per token, the chosen weights normalised.
 _QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+# DeepSeek-V3: multi-head latent attention with YaRN (4K pretraining context x 40), interleaved RoPE
+# pairs; after the first dense blocks, 256 routed experts in 8 groups (4 chosen, 8 experts per token) scored
+# by sigmoid with a correction bias, one shared expert, routed weights scaled by 2.5.
+_DEEPSEEK_V3 = dict(_LLAMA, model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=61,
+                    num_heads=128, intermediate_size=18432, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                    head_dim=192, v_head_dim=128, rope_interleave=True, rope_theta=10000.0,
+                    rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                      beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+                    max_position_embeddings=163840, norm_eps=1e-6, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=2048, num_shared_experts=1, first_k_dense=3, router_score="sigmoid",
+                    router_bias=True, norm_topk_prob=True, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+# GLM-4 (the 0414 release, Glm4ForCausalLM): norms after attention and MLP too, q/k/v biases, RoPE on the
+# first half of each head in interleaved pairs.
+_GLM4 = dict(_LLAMA, model_type="glm4", vocab_size=151552, head_dim=128, qkv_bias=True, partial_rotary_factor=0.5,
+             rope_interleave=True, sandwich_norm=True, norm_eps=1e-5, max_position_embeddings=32768)
+# GLM-4.5: DeepSeek-V3-style routing (sigmoid, correction bias, shared expert), half-head RoPE in halves.
+_GLM45 = dict(_LLAMA, model_type="glm4_moe", vocab_size=151552, head_dim=128, qkv_bias=True,
+              partial_rotary_factor=0.5, rope_theta=1000000.0, max_position_embeddings=131072, norm_eps=1e-5,
+              num_experts_per_tok=8, num_shared_experts=1, router_score="sigmoid", router_bias=True,
+              norm_topk_prob=True)
+# Gemma 3 (text): five sliding-window blocks (1024 tokens, RoPE base 10K) per global one (base 1M, linear x8
+# from 4B up), norms after attention and MLP, norms scale by 1 + weight, embeddings x sqrt(hidden), tied.
+_GEMMA3 = dict(_LLAMA, model_type="gemma3", vocab_size=262208, activation="gelu_tanh", head_dim=256, qk_norm=True,
+               sandwich_norm=True, norm_unit_offset=True, scale_embeddings=True, attention_scale=256 ** -0.5,
+               sliding_window=1024, full_attention_every=6, rope_theta=1000000.0, rope_local_theta=10000.0,
+               rope_scaling=dict(type="linear", factor=8.0), max_position_embeddings=131072, norm_eps=1e-6,
+               tie_embeddings=True)
 _GPT2 = dict(
     model_type="gpt2", norm="layernorm", norm_eps=1e-5, mlp="plain", activation="gelu_tanh", position="learned",
     qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True, tie_embeddings=True,
@@ -86,6 +113,33 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
                          max_position_embeddings=32768, norm_eps=1e-5),
 
+    # DeepSeek-V3 (671B total, 37B active; its multi-token-prediction layer is not modelled).
+    "deepseek_v3_671b": dict(_DEEPSEEK_V3),
+    # Kimi-K2 (Moonshot AI, 2025): DeepSeek-V3's architecture at 1.04T parameters (32B active): 384 experts in
+    # one group, one dense block, 64 heads; the source documents' "beyond a trillion parameters" at today's shape.
+    "kimi_k2_1t": dict(_DEEPSEEK_V3, vocab_size=163840, num_heads=64, num_experts=384, first_k_dense=1, n_group=1,
+                       topk_group=1, routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=131072,
+                       rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                         beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+    "glm4_9b": dict(_GLM4, hidden_size=4096, num_layers=40, num_heads=32, num_kv_heads=2, intermediate_size=13696),
+    # GLM-4.5-Air (106B total, 12B active) and GLM-4.5 (355B, 32B); their multi-token-prediction layer is not
+    # modelled.
+    "glm4.5_air": dict(_GLM45, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+                       intermediate_size=10944, moe_intermediate_size=1408, num_experts=128, first_k_dense=1),
+    "glm4.5": dict(_GLM45, hidden_size=5120, num_layers=92, num_heads=96, num_kv_heads=8, intermediate_size=12288,
+                   moe_intermediate_size=1536, num_experts=160, first_k_dense=3, routed_scaling_factor=2.5,
+                   qk_norm=True),
+    # Gemma 3; the 1B has its own vocabulary, a 512-token window, a 32K context and no RoPE scaling; the 27B
+    # heads are 128 wide with query_pre_attn_scalar 168.
+    "gemma3_1b": dict(_GEMMA3, vocab_size=262144, hidden_size=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+                      intermediate_size=6912, sliding_window=512, rope_scaling=None, max_position_embeddings=32768),
+    "gemma3_4b": dict(_GEMMA3, hidden_size=2560, num_layers=34, num_heads=8, num_kv_heads=4,
+                      intermediate_size=10240),
+    "gemma3_12b": dict(_GEMMA3, hidden_size=3840, num_layers=48, num_heads=16, num_kv_heads=8,
+                       intermediate_size=15360),
+    "gemma3_27b": dict(_GEMMA3, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
+                       intermediate_size=21504, attention_scale=168 ** -0.5),
+
     # Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
     # is identical up to 4096 tokens.
     "mistral_7b": dict(_LLAMA, model_type="mistral", vocab_size=32000, hidden_size=4096,
@@ -129,6 +183,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny_qwen3_moe": dict(_QWEN3_MOE, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                            head_dim=16, intermediate_size=160, moe_intermediate_size=48, num_experts=16,
                            num_experts_per_tok=4, max_position_embeddings=256),
+    # DeepSeek-V3's shape scaled down: latent attention, one dense block then 16 experts in 4 groups.
+    "tiny_deepseek_v3": dict(_DEEPSEEK_V3, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                             intermediate_size=160, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, head_dim=24,
+                             v_head_dim=16, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+                             first_k_dense=1, n_group=4, topk_group=2, max_position_embeddings=256,
+                             rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                               mscale=1.0, mscale_all_dim=1.0)),
+    "tiny_gemma3": dict(_GEMMA3, vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                        head_dim=16, intermediate_size=160, sliding_window=32, full_attention_every=3,
+                        max_position_embeddings=256, attention_scale=16 ** -0.5),
     "bench_llama": dict(_LLAMA, vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8,
                         intermediate_size=1408, max_position_embeddings=512),
 }

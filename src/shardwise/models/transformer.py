@@ -28,71 +28,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shardwise.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_token_loss_sum
 from shardwise.models.attention import (
     AttentionMask,
+    BlockMask,
     attend,
     document_block_mask,
     document_mask,
     flex_available,
     flex_shapes,
 )
-from shardwise.models.config import ModelConfig, RopeScaling
+from shardwise.models.config import ModelConfig
 from shardwise.models.init import init_normal
-from shardwise.models.lean_ops import gated_activation, rms_norm, rotary
+from shardwise.models.latent_attention import LatentAttention
+from shardwise.models.lean_ops import gated_activation
 from shardwise.models.moe import MoE
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 as in Hugging Face LLaMA so logits match (saving only
-    its input and the rsqrt for backward: `lean_ops.rms_norm`)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension."""
-        return rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        """Set the scale to one."""
-        nn.init.ones_(self.weight)
-
-
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    """The norm layer the config asks for."""
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
-    """RoPE inverse frequencies (fp32) with optional linear or LLaMA-3 scaling, as Hugging Face computes them."""
-    # int64 arange then float, exactly as transformers does, so the tables agree bit for bit.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.type == "linear":
-        return inv_freq / scaling.factor
-    # LLaMA 3.1: long wavelengths are divided by `factor`, short ones kept, the middle band interpolated.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_position_embeddings, head_dim], fp32."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    positions = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
+from shardwise.models.norms import RMSNorm, build_norm
+from shardwise.models.rope import apply_rope, rope_tables, softmax_scale
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -103,7 +52,8 @@ _ACTIVATIONS = {
 
 
 class KVCache:
-    """Preallocated keys and values for incremental decoding: per layer [B, kv_heads, max_len, head_dim]."""
+    """Preallocated keys and values for incremental decoding: per layer [B, kv_heads, max_len, key_dim] and
+    [B, kv_heads, max_len, value_dim] (the two widths differ under latent attention)."""
 
     def __init__(
         self,
@@ -114,10 +64,12 @@ class KVCache:
         head_dim: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        value_dim: Optional[int] = None,
     ) -> None:
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        k_shape = (batch_size, num_kv_heads, max_len, head_dim)
+        v_shape = (batch_size, num_kv_heads, max_len, value_dim or head_dim)
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.max_len = max_len
         self.length = 0  # tokens already stored; the next forward's positions start here
 
@@ -134,6 +86,7 @@ class KVCache:
             head_dim=cfg.head_dim,
             device=weight.device,
             dtype=weight.dtype,
+            value_dim=cfg.value_dim,
         )
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,14 +115,16 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = softmax_scale(cfg)
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
-        # Qwen3: each head's queries and keys RMS-normalised over head_dim before RoPE.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: each head's queries and keys RMS-normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.resid_dropout = nn.Dropout(cfg.dropout)
         # Context parallelism (set from outside, `parallel.context`): x holds a chunk of the sequence, and this
         # exchange gives attention the whole sequence for a share of the heads (to_heads) and back (to_sequence).
@@ -194,13 +149,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)  # HF's x * cos + rotate_half(x) * sin
+            q, k = apply_rope(q, cos, sin, self.rope_interleave), apply_rope(k, cos, sin, self.rope_interleave)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_id, k, v)
         if self.sequence_exchange is not None:
             q, k, v = self.sequence_exchange.to_heads(q, k, v)
-        out = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)
+        out = attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, self.scale)
         if self.sequence_exchange is not None:
             out = self.sequence_exchange.to_sequence(out)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
@@ -250,14 +205,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(...)); the feed-forward is a
-    mixture of experts (`moe.MoE`) in the blocks `ModelConfig.is_moe_layer` names."""
+    """Pre-norm block: x + attention(norm(x)), then + feed_forward(norm(...)); with `sandwich_norm` each
+    output is normed again before its residual add (GLM-4, Gemma 3). The attention is latent
+    (`latent_attention.LatentAttention`) when the config gives kv_lora_rank; the feed-forward is a mixture
+    of experts (`moe.MoE`) in the blocks `ModelConfig.is_moe_layer` names. `sliding` says whether the block
+    attends through the sliding window (the model gives it that mask and RoPE table)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
+        self.sliding = cfg.is_sliding_layer(layer_id)
         self.attention_norm = build_norm(cfg)
-        self.attention = Attention(cfg, layer_id)
+        self.attention: nn.Module = LatentAttention(cfg, layer_id) if cfg.latent_attention else Attention(cfg, layer_id)
+        self.attention_post_norm = build_norm(cfg) if cfg.sandwich_norm else None
         self.ffn_norm = build_norm(cfg)
+        self.ffn_post_norm = build_norm(cfg) if cfg.sandwich_norm else None
         if cfg.is_moe_layer(layer_id):
             shared = FeedForward(cfg, cfg.num_shared_experts * cfg.moe_intermediate_size) \
                 if cfg.num_shared_experts else None
@@ -274,13 +235,16 @@ class TransformerBlock(nn.Module):
         kv_cache: Optional[KVCache],
     ) -> torch.Tensor:
         """Run one block on x [B, T, hidden]."""
-        h = x + self.attention(self.attention_norm(x), rope, mask, is_causal, kv_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, mask, is_causal, kv_cache)
+        h = x + (a if self.attention_post_norm is None else self.attention_post_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.ffn_post_norm is None else self.ffn_post_norm(f))
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Initialise the block's norms and linears."""
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+        for norm in (self.attention_norm, self.attention_post_norm, self.ffn_norm, self.ffn_post_norm):
+            if norm is not None:
+                norm.reset_parameters()
         self.attention.init_weights(std, out_std)
         self.feed_forward.init_weights(std, out_std)
 
@@ -306,14 +270,16 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        if cfg.position == "rope":
-            # Not saved in checkpoints: they are a function of the config, rebuilt by init_weights.
-            shape = (cfg.max_position_embeddings, cfg.head_dim)
-            self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
-        else:
-            self.rope_cos = None
-            self.rope_sin = None
+        # Not saved in checkpoints: they are a function of the config, rebuilt by init_weights. Sliding
+        # blocks may turn at their own base (Gemma 3's local RoPE).
+        shape = (cfg.max_position_embeddings, cfg.rope_dim)
+        for name, wanted in (("rope_cos", cfg.position == "rope"), ("rope_sin", cfg.position == "rope"),
+                             ("rope_local_cos", self._local_rope()), ("rope_local_sin", self._local_rope())):
+            self.register_buffer(name, torch.empty(shape, dtype=torch.float32) if wanted else None, persistent=False)
+
+    def _local_rope(self) -> bool:
+        """Whether the sliding blocks have RoPE tables of their own."""
+        return self.cfg.rope_local_theta is not None and self.cfg.sliding_window > 0
 
     def tie_weights(self) -> None:
         """Make `output.weight` the very tensor of `tok_embeddings.weight` when the config ties them."""
@@ -348,6 +314,8 @@ class Transformer(nn.Module):
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin  # assigning to a buffer name replaces the buffer
+            if self._local_rope():
+                self.rope_local_cos, self.rope_local_sin = rope_tables(self.cfg, self.rope_cos.device, local=True)
 
     def forward(
         self,
@@ -384,17 +352,16 @@ class Transformer(nn.Module):
 
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
+            if self.cfg.scale_embeddings:  # Gemma: by sqrt(hidden) rounded to the weights' dtype, as its code does
+                h = h * torch.tensor(self.cfg.hidden_size ** 0.5).to(h.dtype).item()
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(position_ids)
             h = self.emb_dropout(h)
         else:
             h = tokens  # a later pipeline stage receives hidden states
 
-        rope = None
-        if self.rope_cos is not None:
-            cos = self.rope_cos[position_ids].unsqueeze(2).to(h.dtype)
-            sin = self.rope_sin[position_ids].unsqueeze(2).to(h.dtype)
-            rope = (cos, sin)
+        rope = self._rope(self.rope_cos, self.rope_sin, position_ids, h.dtype)
+        local_rope = self._rope(self.rope_local_cos, self.rope_local_sin, position_ids, h.dtype) or rope
 
         if document_ids is not None:
             if attention_mask is not None or kv_cache is not None:
@@ -402,11 +369,17 @@ class Transformer(nn.Module):
             mask, is_causal = self._document_mask(document_ids)
         else:
             mask, is_causal = self._attention_mask(attention_mask, seqlen, past, h.device)
+        sliding = (mask, is_causal)
+        if self.cfg.sliding_window and past + seqlen > self.cfg.sliding_window:
+            sliding = self._sliding_mask(mask, document_ids, seqlen, past, h.device), False
         # use_flash_attention: false keeps SDPA to its plain (math) kernel, e.g. to rule out a fused one.
         kernels = contextlib.nullcontext() if self.cfg.use_flash_attention else sdpa_kernel(SDPBackend.MATH)
         with kernels, flex_shapes(mask):  # compiled blocks with flex inside: fewer recompiles
             for layer in self.layers.values():
-                h = layer(h, rope, mask, is_causal, kv_cache)
+                if layer.sliding:
+                    h = layer(h, local_rope, *sliding, kv_cache)
+                else:
+                    h = layer(h, rope, mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(seqlen)
 
@@ -420,6 +393,27 @@ class Transformer(nn.Module):
                                               gradients_in_forward=self.loss_gradients_in_forward)
             h = self.output(h)
         return h
+
+    @staticmethod
+    def _rope(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], position_ids: torch.Tensor,
+              dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The cos and sin rows of `position_ids` [B, T], as [B, T, 1, rope_dim] in `dtype` (None without tables)."""
+        if cos is None:
+            return None
+        return cos[position_ids].unsqueeze(2).to(dtype), sin[position_ids].unsqueeze(2).to(dtype)
+
+    def _sliding_mask(self, mask: Optional[AttentionMask], document_ids: Optional[torch.Tensor], seqlen: int,
+                      past: int, device: torch.device) -> AttentionMask:
+        """The sliding blocks' mask: the full mask (`mask`, or causal when None) narrowed to keys fewer than
+        `sliding_window` positions back (Gemma 3's window: key j is seen from query i when i - j < window)."""
+        window = self.cfg.sliding_window
+        if BlockMask is not None and isinstance(mask, BlockMask):
+            return document_block_mask(document_ids, window)
+        if mask is None:
+            mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=device).tril(diagonal=past)
+        queries = torch.arange(past, past + seqlen, device=device)[:, None]
+        keys = torch.arange(past + seqlen, device=device)[None, :]
+        return mask & (queries - keys < window)
 
     def _document_mask(self, document_ids: torch.Tensor) -> tuple[Optional[AttentionMask], bool]:
         """Flex block mask on CUDA (fused, no T x T tensor), else an explicit boolean mask for SDPA;

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..models.moe import reset_moe_buffers
 from .context import apply_context_parallel
 from .data_parallel import apply_data_parallel, one_process_fsdp_settings, shard_optimizer
 from .dims import Meshes, ParallelDims
@@ -144,6 +145,7 @@ def allocate(part: nn.Module, device: torch.device, on_host: Callable[[Optional[
                 module._buffers[name] = buf.to(device)
     part.tie_weights()
     part.reset_rope_tables()
+    reset_moe_buffers(part)  # the weights are loaded next; the buffers a checkpoint or HF directory holds too
 
 
 def distribute_optimizer(optimizer: torch.optim.Optimizer, parts: list[nn.Module]) -> torch.optim.Optimizer:

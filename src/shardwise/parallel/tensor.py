@@ -73,6 +73,10 @@ def check_tensor_parallel(cfg: Any, tp: int) -> None:
     heads (a GQA group must live on one rank) and the MLP width. The vocabulary may be uneven."""
     if tp <= 1:
         return
+    if getattr(cfg, "latent_attention", False):
+        raise ConfigError(f"tensor_parallel {tp} with multi-head latent attention (model.kv_lora_rank): its "
+                          "projections have no tensor-parallel plan yet; use data parallelism (ZeRO 0-3) and "
+                          "expert_parallel, and set tensor_parallel: 1")
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
     if heads % tp or kv_heads % tp:
         valid = [t for t in range(1, kv_heads + 1) if heads % t == 0 and kv_heads % t == 0]
@@ -127,6 +131,20 @@ class _ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return distribute_module(module, device_mesh, _broadcast_replicate, self._input_fn, self._output_fn)
+
+
+class _HeadNorm(_ReplicateParallel):
+    """A norm over each head's dims (Qwen3's and Gemma 3's q/k norms): its input holds this rank's heads
+    (dim 2 of [B, T, heads, head_dim]), so it enters as Shard(2) and the replicated weight's gradient, a sum
+    over every head, arrives Partial and is all-reduced (`_reduce_partial_grads`)."""
+
+    @staticmethod
+    def _input_fn(_mod: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        return tuple(
+            DTensor.from_local(x, mesh, [Shard(2)], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+            for x in inputs
+        )
 
 
 def _place_direct_params(module: nn.Module, mesh: Any, placements: dict[str, Any]) -> None:
@@ -257,6 +275,12 @@ def apply_tensor_parallel(
         }
         if ffn.w3 is not None:
             plan["feed_forward.w3"] = _colwise(ffn.w3)
+        if attn.q_norm is not None:
+            plan.update({"attention.q_norm": _HeadNorm(), "attention.k_norm": _HeadNorm()})
+        if block.attention_post_norm is not None:  # GLM-4's and Gemma 3's norms on the outputs, before the adds
+            # (their outputs join the residual stream, which is a local tensor between blocks)
+            post = (lambda: _SequenceParallelNorm(use_local_output=True)) if sp else norm_style
+            plan.update({"attention_post_norm": post(), "ffn_post_norm": post()})
         if sp:
             # Attention.forward(x, rope, mask, is_causal, kv_cache): only x is sequence-sharded; the
             # root builds rope (from position_ids) and the mask (from document_ids) unsharded, and
