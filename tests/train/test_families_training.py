@@ -24,7 +24,7 @@ def _family_config(root, preset: str, steps: int = 4, **model):  # noqa: ANN001,
 
 
 @pytest.mark.parametrize("preset, extra", [("tiny_deepseek_v3", {"moe_bias_update_rate": 0.01}),
-                                           ("tiny_gemma3", {})])
+                                           ("tiny_gemma3", {}), ("tiny_baichuan_13b", {})])
 def test_the_family_trains(tmp_path, dataset, preset, extra):
     trainer = Trainer(_family_config(tmp_path, preset, steps=5, **extra), train_dataset=dataset)
     losses = trainer.train().losses
@@ -65,6 +65,7 @@ def test_fine_tuning_a_deepseek_v3_directory_keeps_its_router_biases(tmp_path, d
     ("tiny_deepseek_v3", {"pipeline_parallel": 2}, "parallel.pipeline_parallel 2 with multi-head latent attention"),
     ("tiny_deepseek_v3", {"context_parallel": 2}, "parallel.context_parallel 2 with multi-head latent attention"),
     ("tiny_gemma3", {"context_parallel": 2}, "parallel.context_parallel 2 with sliding-window attention"),
+    ("tiny_baichuan_13b", {"tensor_parallel": 2}, "parallel.tensor_parallel 2 with ALiBi"),
 ])
 def test_layouts_the_family_lacks_are_refused_before_any_work(tmp_path, preset, parallel, message):
     raw = _family_config(tmp_path, preset).model_dump()

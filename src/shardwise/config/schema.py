@@ -667,6 +667,12 @@ class RunConfig(_Section):
                     raise ValueError(f"parallel.{what} {n} with multi-head latent attention (model.kv_lora_rank "
                                      f"{m.kv_lora_rank}): not supported yet; use data parallelism (ZeRO 0-3, "
                                      f"expert_parallel) and set {what}: 1")
+        if m.position == "alibi":
+            for what, n in (("tensor_parallel", p.tensor_parallel), ("context_parallel", p.context_parallel)):
+                if n > 1:
+                    raise ValueError(f"parallel.{what} {n} with ALiBi (model.position: alibi): its per-head biases "
+                                     f"are built for all heads and the whole sequence; set {what}: 1 (data and "
+                                     "pipeline parallelism work)")
         if m.sliding_window and p.context_parallel > 1:
             raise ValueError(f"parallel.context_parallel {p.context_parallel} with sliding-window attention "
                              f"(model.sliding_window {m.sliding_window}): the exchange gives attention the whole "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -75,6 +76,31 @@ def eager_document_block_mask(document_ids: torch.Tensor, window: int = 0) -> "B
 
     mask_mod = same_document_window if window else same_document_causal
     return create_block_mask(mask_mod, bsz, None, seqlen, seqlen, device=document_ids.device)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's slope of each head (Press et al. 2022, as Baichuan-13B computes them): a geometric sequence
+    from 2^(-8/n) for a power-of-two n; otherwise that of the nearest power below, then every other slope
+    of the next power's sequence."""
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return torch.tensor(power_of_two(num_heads))
+    below = 2 ** math.floor(math.log2(num_heads))
+    return torch.cat([torch.tensor(power_of_two(below)), alibi_slopes(2 * below)[0::2][:num_heads - below]])
+
+
+def alibi_mask(allowed: torch.Tensor, slopes: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, heads, T, S] for SDPA: slope x (key position - query position), -inf where
+    `allowed` [B or 1, 1, T, S] (True = may attend) is False. Each row differs from Baichuan's
+    slope x key position by a constant, which the softmax ignores, and stays small at long context."""
+    seqlen, keys = allowed.shape[-2], allowed.shape[-1]
+    distance = (torch.arange(keys, device=allowed.device)[None, :]
+                - torch.arange(past, past + seqlen, device=allowed.device)[:, None])
+    bias = slopes.to(allowed.device)[:, None, None] * distance
+    return bias.to(dtype).masked_fill(~allowed, float("-inf"))
 
 
 @functools.cache

@@ -67,7 +67,8 @@ class ModelConfig(BaseModel):
     norm_eps: float = Field(1e-5, gt=0, description="norm epsilon")
     mlp: Literal["gated", "plain"] = Field("gated", description="gated = SwiGLU-style, plain = GPT-2 style")
     activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = Field("silu", description="MLP activation")
-    position: Literal["rope", "learned"] = Field("rope", description="rotary or learned absolute positions")
+    position: Literal["rope", "learned", "alibi"] = Field("rope", description="rotary, learned absolute positions, "
+                                                           "or ALiBi's per-head distance biases (Baichuan-13B)")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     rope_scaling: Optional[RopeScaling] = Field(None, description="{type: linear|llama3, factor, ...}")
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2, GPT-2)")
@@ -153,6 +154,8 @@ class ModelConfig(BaseModel):
             self._check_latent_attention()
         if self.position == "rope" and self.rope_dim % 2:
             raise ValueError(f"RoPE needs an even number of rotary dims, got {self.rope_dim}")
+        if self.position == "alibi" and (self.sliding_window or self.latent_attention):
+            raise ValueError("ALiBi's biases are for full attention: no sliding_window or latent attention with it")
         if self.full_attention_every and not self.sliding_window:
             raise ValueError("full_attention_every picks the blocks that do not slide: set sliding_window too")
         if self.intermediate_size is None:

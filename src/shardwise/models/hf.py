@@ -51,6 +51,8 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Gemma3ForCausalLM": "gemma3",
+    "BaiChuanForCausalLM": "baichuan",  # Baichuan-7B (RoPE); its code, not transformers', defines both
+    "BaichuanForCausalLM": "baichuan",  # Baichuan-13B (ALiBi)
     "GPT2LMHeadModel": "gpt2",
 }
 _ARCH_BY_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -98,10 +100,13 @@ _FAMILY_NAMES = {
     "glm4": {"attention_post_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
              "ffn_post_norm": "post_mlp_layernorm", "feed_forward.w1": "mlp.gate_up_proj",
              "feed_forward.w3": "mlp.gate_up_proj"},
+    "baichuan": {"attention.wq": "self_attn.W_pack", "attention.wk": "self_attn.W_pack",
+                 "attention.wv": "self_attn.W_pack"},
     "gemma3": {"attention_post_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "ffn_post_norm": "post_feedforward_layernorm"},
 }
 _FUSED_GATE_UP = "mlp.gate_up_proj"  # GLM-4 keeps the gated MLP's w1 and w3 in one tensor, w1's rows first
+_FUSED_QKV = "self_attn.W_pack"  # Baichuan keeps q, k and v in one tensor, in that order
 # The router's correction bias is a buffer here (moved by the balancing update, not by the optimizer).
 _EXPERT_BIAS = re.compile(r"layers\.(\d+)\.feed_forward\.router\.expert_bias")
 GPT2_NAMES = {"ln_1": "attention_norm", "ln_2": "ffn_norm", "attn.c_proj": "attention.wo",
@@ -261,6 +266,8 @@ def _llama_like_config(hf: dict, family: str, source: str | os.PathLike) -> Mode
         fields.update(_glm_config(hf, family, source))
     elif family == "gemma3":
         fields.update(_gemma3_config(hf, source))
+    elif family == "baichuan":
+        fields.update(_baichuan_config(hf, source))
     return ModelConfig(**fields)
 
 
@@ -275,7 +282,9 @@ def _decoder_fields(hf: dict, family: str, source: str | os.PathLike) -> dict[st
         qkv_bias, out_bias = _flag(hf, "attention_bias", source, family == "glm4"), False
     else:
         qkv_bias = out_bias = _flag(hf, "attention_bias", source, False)
-    max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS, 4096 if family == "llama" else 32768)
+    max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS,
+                    _size(hf, "model_max_length", source, MAX_POSITIONS, 4096) if family in ("llama", "baichuan")
+                    else 32768)
     if family != "gemma3":
         _warn_sliding_window(hf, family, source, max_pos)
     head_dim = int_field(hf, "head_dim", source, CheckpointError, lo=1, hi=MAX_WIDTH, default=0,
@@ -409,6 +418,17 @@ def _gemma3_config(hf: dict, source: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _baichuan_config(hf: dict, source: str | os.PathLike) -> dict[str, Any]:
+    """Baichuan-7B (BaiChuanForCausalLM: RoPE) or Baichuan-13B (BaichuanForCausalLM: ALiBi, unless 4096 wide,
+    the rule of Baichuan's own code); Baichuan 2's normalised output head is refused."""
+    if "z_loss_weight" in hf or _size(hf, "vocab_size", source, MAX_VOCAB) == 125696:
+        raise ConfigError(f"{source} is a Baichuan 2 model, whose output head normalises its weights (NormHead); "
+                          "shardwise reads Baichuan-7B and Baichuan-13B only")
+    archs = hf.get("architectures") or []
+    rope = "BaiChuanForCausalLM" in archs or _size(hf, "hidden_size", source, MAX_WIDTH) == 4096
+    return {"position": "rope" if rope else "alibi"}
+
+
 def _full_attention_every(hf: dict, layers: int, source: str | os.PathLike) -> int:
     """Gemma 3's layer_types as `full_attention_every`: every n-th block full, the others sliding (0: all slide)."""
     types = hf.get("layer_types")
@@ -494,7 +514,9 @@ def load_hf_config(directory: str | os.PathLike[str]) -> ModelConfig:
 def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict:
     """config.json contents for `cfg`; ConfigError when no supported HF architecture expresses it."""
     family = _export_family(cfg)
-    hf: dict[str, Any] = {"architectures": [_ARCH_BY_TYPE[family]], "model_type": _HF_MODEL_TYPE.get(family, family)}
+    arch = _ARCH_BY_TYPE[family] if family != "baichuan" else \
+        "BaichuanForCausalLM" if cfg.position == "alibi" else "BaiChuanForCausalLM"
+    hf: dict[str, Any] = {"architectures": [arch], "model_type": _HF_MODEL_TYPE.get(family, family)}
     if family == "gpt2":
         hf.update(
             vocab_size=cfg.vocab_size, n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
@@ -537,6 +559,9 @@ def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) ->
         elif family == "mixtral":
             hf.update(intermediate_size=cfg.moe_intermediate_size)
         hf.update(_family_config_to_hf(cfg, family, rope))
+        if family == "baichuan":  # its code has RoPE base 10000 and head_dim hidden / heads built in
+            for key in ("rope_parameters", "rope_theta", "rope_scaling", "head_dim"):
+                hf.pop(key)
     if dtype is not None:
         hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     return hf
@@ -577,6 +602,8 @@ def _family_config_to_hf(cfg: ModelConfig, family: str, rope: dict[str, Any]) ->
         hf.update(use_qk_norm=cfg.qk_norm, partial_rotary_factor=cfg.partial_rotary_factor)
     elif family == "glm4":
         hf.update(attention_bias=cfg.qkv_bias, partial_rotary_factor=cfg.partial_rotary_factor)
+    elif family == "baichuan":  # Baichuan's own code reads model_max_length (13B) or max_position_embeddings (7B)
+        hf.update(model_max_length=cfg.max_position_embeddings)
     elif family == "gemma3":
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
         types = ["sliding_attention" if cfg.is_sliding_layer(i) else "full_attention" for i in range(cfg.num_layers)]
@@ -643,6 +670,16 @@ def _export_family(cfg: ModelConfig) -> str:
         if not ok:
             raise ConfigError(f"this model cannot be exported as {_ARCH_BY_TYPE[family]}: {what}")
 
+    if cfg.position == "alibi" or cfg.model_type == "baichuan":
+        family = "baichuan"
+        _check_features(cfg, family, need)
+        need(cfg.norm == "rmsnorm" and cfg.mlp == "gated" and not (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias)
+             and not cfg.num_experts and cfg.num_kv_heads == cfg.num_heads and cfg.rope_scaling is None
+             and cfg.rope_theta == 10000.0 and cfg.head_dim * cfg.num_heads == cfg.hidden_size,
+             "it needs RMSNorm, a gated MLP, no biases, no experts, full heads and plain RoPE", family)
+        need(cfg.position != "learned" and not (cfg.position == "alibi" and cfg.hidden_size == 4096),
+             "Baichuan's code takes a 4096-wide BaichuanForCausalLM for RoPE, not ALiBi", family)
+        return family
     if cfg.position == "learned":
         need(cfg.norm == "layernorm" and cfg.norm_bias, "GPT-2 needs LayerNorm with bias", "gpt2")
         need(cfg.mlp == "plain", "GPT-2 needs a plain MLP", "gpt2")
@@ -785,6 +822,8 @@ def _ours_to_hf(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
                 yield theirs, t
             elif name.endswith("feed_forward.w1.weight"):  # GLM-4's fused tensor: w1's rows, then w3's
                 yield theirs, torch.cat([t, params[name.replace(".w1.", ".w3.")]])
+            elif name.endswith("attention.wq.weight"):  # Baichuan's W_pack: q, k, v
+                yield theirs, torch.cat([t, params[name.replace(".wq.", ".wk.")], params[name.replace(".wq.", ".wv.")]])
         yield "model.norm.weight", params["norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", params["output.weight"]
@@ -860,6 +899,10 @@ def hf_tensor_for(name: str, cfg: ModelConfig) -> tuple[str, Optional[Callable[[
     if theirs.endswith(f"{_FUSED_GATE_UP}.weight"):
         width = cfg.intermediate_size
         return theirs, (lambda t: t[:width]) if module == "feed_forward.w1" else (lambda t: t[width:])
+    if theirs.endswith(f"{_FUSED_QKV}.weight"):
+        rows = cfg.num_heads * cfg.head_dim
+        which = ("attention.wq", "attention.wk", "attention.wv").index(module)
+        return theirs, lambda t: t[which * rows:(which + 1) * rows]
     return theirs, None
 
 

@@ -150,9 +150,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "baichuan_7b": dict(_LLAMA, model_type="baichuan", vocab_size=64000, hidden_size=4096,
                         num_layers=32, num_heads=32, intermediate_size=11008, max_position_embeddings=4096,
                         norm_eps=1e-6),
-    # Baichuan-13B really uses ALiBi position biases; we have no ALiBi, so this preset uses RoPE. The
-    # parameter count is unaffected (neither has weights), but official 13B weights will not give its logits.
-    "baichuan_13b": dict(_LLAMA, model_type="baichuan", vocab_size=64000, hidden_size=5120,
+    # Baichuan-13B: ALiBi position biases instead of RoPE.
+    "baichuan_13b": dict(_LLAMA, model_type="baichuan", position="alibi", vocab_size=64000, hidden_size=5120,
                          num_layers=40, num_heads=40, intermediate_size=13696, max_position_embeddings=4096,
                          norm_eps=1e-6),
 
@@ -190,6 +189,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                              first_k_dense=1, n_group=4, topk_group=2, max_position_embeddings=256,
                              rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
                                                mscale=1.0, mscale_all_dim=1.0)),
+    "tiny_baichuan_13b": dict(_LLAMA, model_type="baichuan", position="alibi", vocab_size=512, hidden_size=64,
+                              num_layers=2, num_heads=4, intermediate_size=160, max_position_embeddings=256),
     "tiny_gemma3": dict(_GEMMA3, vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                         head_dim=16, intermediate_size=160, sliding_window=32, full_attention_every=3,
                         max_position_embeddings=256, attention_scale=16 ** -0.5),

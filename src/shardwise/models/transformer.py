@@ -29,6 +29,8 @@ from shardwise.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_token_loss_sum
 from shardwise.models.attention import (
     AttentionMask,
     BlockMask,
+    alibi_mask,
+    alibi_slopes,
     attend,
     document_block_mask,
     document_mask,
@@ -372,6 +374,8 @@ class Transformer(nn.Module):
         sliding = (mask, is_causal)
         if self.cfg.sliding_window and past + seqlen > self.cfg.sliding_window:
             sliding = self._sliding_mask(mask, document_ids, seqlen, past, h.device), False
+        if self.cfg.position == "alibi":
+            mask, is_causal = self._alibi_mask(mask, seqlen, past, h), False
         # use_flash_attention: false keeps SDPA to its plain (math) kernel, e.g. to rule out a fused one.
         kernels = contextlib.nullcontext() if self.cfg.use_flash_attention else sdpa_kernel(SDPBackend.MATH)
         with kernels, flex_shapes(mask):  # compiled blocks with flex inside: fewer recompiles
@@ -415,13 +419,21 @@ class Transformer(nn.Module):
         keys = torch.arange(past + seqlen, device=device)[None, :]
         return mask & (queries - keys < window)
 
+    def _alibi_mask(self, mask: Optional[torch.Tensor], seqlen: int, past: int, h: torch.Tensor) -> torch.Tensor:
+        """ALiBi's additive mask over the boolean one (`mask`, or causal when None)."""
+        if mask is None:
+            mask = torch.ones(seqlen, past + seqlen, dtype=torch.bool, device=h.device).tril(diagonal=past)
+        if mask.dim() == 2:
+            mask = mask[None, None]
+        return alibi_mask(mask, alibi_slopes(self.cfg.num_heads), past, h.dtype)
+
     def _document_mask(self, document_ids: torch.Tensor) -> tuple[Optional[AttentionMask], bool]:
         """Flex block mask on CUDA (fused, no T x T tensor), else an explicit boolean mask for SDPA;
         plain causal attention when every sample holds one document (checked on CPU only, where it
         costs no device sync and the causal kernel is a few percent faster)."""
         if document_ids.device.type == "cpu" and not bool(document_ids.any()):
             return None, True
-        kind = self.document_attention
+        kind = "mask" if self.cfg.position == "alibi" else self.document_attention  # ALiBi adds to a mask
         if kind == "auto":
             use_flex = (
                 flex_available()
