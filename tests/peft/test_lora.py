@@ -56,13 +56,38 @@ def _gpt2():
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
 
 
-FAMILIES = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2}
+def _deepseek_v3():  # latent attention; block 1 routed with a shared expert (adapters on its shared MLP)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **_SMALL, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_shared_experts=1, pad_token_id=0))
+
+
+def _glm4():  # gate and up in one gate_up_proj: one peft adapter over our w1 and w3
+    return transformers.Glm4ForCausalLM(transformers.Glm4Config(**_SMALL, num_key_value_heads=2, head_dim=8,
+                                                                pad_token_id=0))
+
+
+def _gemma3():
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **_SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False))
+
+
+FAMILIES = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2, "deepseek_v3": _deepseek_v3,
+            "glm4": _glm4, "gemma3": _gemma3}
 # Every adaptable linear, in the HF names peft users write.
 TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "mistral": ["q_proj", "v_proj", "down_proj"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
+    # Latent attention only: peft (0.18+) reads any gate_proj/up_proj/down_proj target of a transformers-5 MoE
+    # model as the routed experts' fused tensors (its v4 -> v5 conversion), so adapters on the dense and shared
+    # MLPs are checked by merging instead (test_moe_shared_expert_adapters_merge_exactly).
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "glm4": ["q_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gemma3": ["q_proj", "k_proj", "o_proj", "up_proj"],
 }
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
 
@@ -108,15 +133,16 @@ def test_our_adapter_loads_in_peft(family, tmp_path):
     hf, path = _base(family, tmp_path)
     base_logits = _logits(hf)
     model = from_hf(path).eval()
-    names = apply_lora(model, r=4, alpha=8, dropout=0.1, target_modules=TARGETS[family])
+    drop = 0.1
+    names = apply_lora(model, r=4, alpha=8, dropout=drop, target_modules=TARGETS[family])
     _randomize_lora(model)
     ours = _logits(model)
-    adapter = save_adapter(lora_state_dict(model), model.cfg, r=4, alpha=8, dropout=0.1,
+    adapter = save_adapter(lora_state_dict(model), model.cfg, r=4, alpha=8, dropout=drop,
                            target_modules=TARGETS[family], out_dir=tmp_path / "adapter",
                            base_model_name_or_path=str(path))
 
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["lora_alpha"], config["lora_dropout"]) == ("LORA", 4, 8, 0.1)
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["lora_dropout"]) == ("LORA", 4, 8, drop)
     assert sorted(config["target_modules"]) == sorted(TARGETS[family])
     assert config["fan_in_fan_out"] == (family == "gpt2")
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
@@ -125,6 +151,12 @@ def test_our_adapter_loads_in_peft(family, tmp_path):
     if family == "gpt2":
         assert "base_model.model.transformer.h.0.attn.c_attn.lora_B.weight" in keys
         assert len(names) == 2 * 6 and len(keys) == 2 * 4 * 2  # c_attn, attn/mlp c_proj, c_fc per layer
+    elif family == "deepseek_v3":  # every latent-attention projection
+        assert "base_model.model.model.layers.1.self_attn.kv_b_proj.lora_A.weight" in keys
+        assert len(keys) == 2 * len(names) == 2 * 2 * 5
+    elif family == "glm4":  # w1 and w3 share one lora_A: one gate_up_proj adapter per layer
+        assert "base_model.model.model.layers.1.mlp.gate_up_proj.lora_B.weight" in keys
+        assert len(keys) == 2 * (len(names) - 2)
     else:
         assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in keys
         assert len(keys) == 2 * len(names)
@@ -140,7 +172,8 @@ def test_peft_adapter_loads_in_shardwise(family, tmp_path):
     hf, path = _base(family, tmp_path)
     base_logits = _logits(hf)
     rslora = family == "qwen2"  # alpha / sqrt(r) scaling
-    config = peft.LoraConfig(r=4, lora_alpha=16, lora_dropout=0.05, target_modules=TARGETS[family],
+    drop = 0.05
+    config = peft.LoraConfig(r=4, lora_alpha=16, lora_dropout=drop, target_modules=TARGETS[family],
                              use_rslora=rslora, fan_in_fan_out=family == "gpt2")
     peft_model = peft.get_peft_model(hf, config).eval()
     _randomize_lora(peft_model, seed=5)
@@ -154,9 +187,9 @@ def test_peft_adapter_loads_in_shardwise(family, tmp_path):
     assert (ours - theirs).abs().max() <= 1e-4
     module = model.get_submodule(names[0])
     assert module.scaling == pytest.approx(16 / math.sqrt(4) if rslora else 16 / 4)
-    assert isinstance(module.lora_dropout, nn.Dropout) and module.lora_dropout.p == 0.05
+    assert isinstance(module.lora_dropout, nn.Dropout) and module.lora_dropout.p == drop
     # Saving again gives peft's own tensors back (GPT-2's q/k/v re-fused exactly).
-    again = save_adapter(lora_state_dict(model), model.cfg, r=4, alpha=16, dropout=0.05, target_modules=None,
+    again = save_adapter(lora_state_dict(model), model.cfg, r=4, alpha=16, dropout=drop, target_modules=None,
                          out_dir=tmp_path / "again", use_rslora=rslora)
     assert json.loads((again / "adapter_config.json").read_text())["use_rslora"] == rslora
     with safe_open(str(tmp_path / "peft_adapter" / "adapter_model.safetensors"), "pt") as a, \
@@ -213,6 +246,28 @@ def test_merge_lora_equals_unmerged(family, tmp_path):
     assert [n for n, _ in model.named_parameters()] == base_names
     assert type(model.layers["0"].attention.wq) is nn.Linear and model.layers["0"].attention.wq.weight is wq
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert (_logits(model) - unmerged).abs().max() <= 1e-4
+
+
+def test_moe_shared_expert_adapters_merge_exactly(tmp_path):
+    """Adapters on a MoE model's attention, dense MLP and shared experts (DeepSeek-V3): they change the
+    logits, merging them gives the same logits, and the adapter saves and loads back exactly."""
+    _, path = _base("deepseek_v3", tmp_path)
+    model = from_hf(path).eval()
+    names = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    assert "layers.1.feed_forward.shared.w3" in names and "layers.0.feed_forward.w1" in names
+    assert not any("router" in n or "experts." in n for n in names)  # routed experts and the router stay frozen
+    base = _logits(from_hf(path).eval())
+    _randomize_lora(model)
+    unmerged = _logits(model)
+    assert (unmerged - base).abs().max() > 0.05
+    adapter = save_adapter(lora_state_dict(model), model.cfg, 4, 8, 0.0, "all-linear", tmp_path / "adapter")
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        assert "base_model.model.model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight" in set(f.keys())
+    again = from_hf(path).eval()
+    load_adapter(again, adapter)
+    assert torch.equal(_logits(again), unmerged)
+    merge_lora(model)
     assert (_logits(model) - unmerged).abs().max() <= 1e-4
 
 

@@ -70,7 +70,7 @@ class ModelConfig(BaseModel):
     position: Literal["rope", "learned", "alibi"] = Field("rope", description="rotary, learned absolute positions, "
                                                            "or ALiBi's per-head distance biases (Baichuan-13B)")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
-    rope_scaling: Optional[RopeScaling] = Field(None, description="{type: linear|llama3, factor, ...}")
+    rope_scaling: Optional[RopeScaling] = Field(None, description="{type: linear|llama3|yarn, factor, ...}")
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2, GPT-2)")
     out_bias: bool = Field(False, description="bias on the attention output projection")
     mlp_bias: bool = Field(False, description="bias on MLP projections (GPT-2)")

@@ -16,10 +16,10 @@ from shardwise.models.config import ModelConfig
 
 def _attention_weights(cfg: ModelConfig) -> int:
     """Weight elements of one layer's attention projections."""
-    return sum(d_in * d_out for d_in, d_out in _attention_dims(cfg).values())
+    return sum(d_in * d_out for d_in, d_out in attention_dims(cfg).values())
 
 
-def _attention_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def attention_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(input, output) width of each attention linear: q, k, v and output, or latent attention's
     (`models.latent_attention`: the query bottleneck or one query projection, the key/value latent with the
     shared rotary key, its expansion into each head's key and value, the output)."""
@@ -155,7 +155,7 @@ def _linear_dims(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, int]]
     experts count as one linear per projection as wide as the token's experts together (k x F); the
     router and the shared experts' MLP as linears."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    dims = _attention_dims(cfg)
+    dims = attention_dims(cfg)
     if cfg.is_moe_layer(layer):
         routed = cfg.num_experts_per_tok * cfg.moe_intermediate_size
         dims.update({"feed_forward.router.gate": (h, cfg.num_experts), "feed_forward.experts.w1": (h, routed),

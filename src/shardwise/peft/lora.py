@@ -31,7 +31,8 @@ from torch import nn
 
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
-from shardwise.models.hf import GPT2_NAMES, LLAMA_NAMES, check_weight_dtype, open_safetensors, save_safetensors
+from shardwise.models.flops import attention_dims
+from shardwise.models.hf import GPT2_NAMES, check_weight_dtype, hf_layer_module, open_safetensors, save_safetensors
 from shardwise.peft.quantize import is_quantized, lora_linear
 from shardwise.untrusted import (
     bool_field,
@@ -52,13 +53,17 @@ PEFT_PREFIX = "base_model.model."
 # Safetensors metadata key holding the architecture the adapter was trained on (JSON).
 ARCH_METADATA_KEY = "shardwise_architecture"
 
-# The linears inside one block that LoRA may wrap, in forward order (names relative to layers.{i}).
+# The linears inside one block that LoRA may wrap, in forward order (names relative to layers.{i}): attention
+# (latent attention's down and up projections too), the dense MLP or a MoE block's shared experts. Where
+# several of them are one HF module (GPT-2's c_attn, Baichuan's W_pack: q, k, v; GLM-4's gate_up_proj:
+# w1, w3), they share one lora_A and peft's lora_B stacks theirs, in this order.
 BLOCK_LINEARS = (
-    "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+    "attention.wq", "attention.wk", "attention.wv", "attention.wq_a", "attention.wq_b", "attention.wkv_a",
+    "attention.wkv_b", "attention.wo",
     "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
+    "feed_forward.shared.w1", "feed_forward.shared.w3", "feed_forward.shared.w2",
 )
 _QKV = ("attention.wq", "attention.wk", "attention.wv")
-_LLAMA_BACK = {ours: hf for hf, ours in LLAMA_NAMES.items() if ours in BLOCK_LINEARS}
 _GPT2_BACK = {ours: hf for hf, ours in GPT2_NAMES.items() if ours in BLOCK_LINEARS}
 _GPT2_BACK.update({name: "attn.c_attn" for name in _QKV})
 
@@ -164,39 +169,52 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
     return cfg.position == "learned"
 
 
+def block_hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our block linears (relative to layers.{i}) -> the HF module inside a layer that holds each."""
+    if _is_gpt2(cfg):
+        return _GPT2_BACK
+    names = {ours: hf_layer_module(ours, cfg) for ours in BLOCK_LINEARS}
+    return {ours: theirs for ours, theirs in names.items() if theirs is not None}
+
+
+def _fused_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """HF module -> our block linears it holds, where it holds several (c_attn, W_pack, gate_up_proj)."""
+    groups: dict[str, list[str]] = {}
+    for ours, theirs in block_hf_names(cfg).items():
+        groups.setdefault(theirs, []).append(ours)
+    return {theirs: tuple(ours) for theirs, ours in groups.items() if len(ours) > 1}
+
+
 def hf_module_name(name: str, cfg: ModelConfig) -> str:
     """The Hugging Face module name of one of our block linears (`layers.0.attention.wq` ->
     `model.layers.0.self_attn.q_proj`, or `transformer.h.0.attn.c_attn` for GPT-2)."""
     _, idx, rest = name.split(".", 2)
-    if _is_gpt2(cfg):
-        return f"transformer.h.{idx}.{_GPT2_BACK[rest]}"
-    return f"model.layers.{idx}.{_LLAMA_BACK[rest]}"
+    prefix = "transformer.h" if _is_gpt2(cfg) else "model.layers"
+    return f"{prefix}.{idx}.{block_hf_names(cfg)[rest]}"
 
 
 def our_module_names(hf_name: str, cfg: ModelConfig) -> Optional[list[str]]:
-    """Our block linears behind an HF module name (three for GPT-2's c_attn); None if it is not one."""
+    """Our block linears behind an HF module name (several for a fused one); None if it is not one."""
     if _is_gpt2(cfg):
         match = re.fullmatch(r"(?:transformer\.)?h\.(0|[1-9][0-9]*)\.(.+)", hf_name)
-        back = _GPT2_BACK
     else:
         match = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)", hf_name)
-        back = _LLAMA_BACK
     if match is None:  # the index in ASCII digits without leading zeros: '٣' or '03' name no layer of ours
         return None
     idx, rest = match.groups()
-    names = [f"layers.{idx}.{ours}" for ours, theirs in back.items() if theirs == rest]
+    names = [f"layers.{idx}.{ours}" for ours, theirs in block_hf_names(cfg).items() if theirs == rest]
     return names or None
 
 
 def _linear_dims(name: str, cfg: ModelConfig) -> tuple[int, int]:
     """(in_features, out_features) of one of our block linears."""
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, width = cfg.hidden_size, cfg.intermediate_size
+    shared = cfg.num_shared_experts * (cfg.moe_intermediate_size or 0)
     dims = {
-        "attention.wq": (cfg.hidden_size, q_dim), "attention.wk": (cfg.hidden_size, kv_dim),
-        "attention.wv": (cfg.hidden_size, kv_dim), "attention.wo": (q_dim, cfg.hidden_size),
-        "feed_forward.w1": (cfg.hidden_size, cfg.intermediate_size),
-        "feed_forward.w3": (cfg.hidden_size, cfg.intermediate_size),
-        "feed_forward.w2": (cfg.intermediate_size, cfg.hidden_size),
+        **attention_dims(cfg),
+        "feed_forward.w1": (h, width), "feed_forward.w3": (h, width), "feed_forward.w2": (width, h),
+        "feed_forward.shared.w1": (h, shared), "feed_forward.shared.w3": (h, shared),
+        "feed_forward.shared.w2": (shared, h),
     }
     return dims[name.split(".", 2)[2]]
 
@@ -211,32 +229,36 @@ def _split_lora_name(name: str) -> tuple[str, str]:
 
 
 def to_peft_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """peft's adapter tensors for our LoRA state (full tensors); GPT-2's q/k/v become one c_attn adapter
-    (the shared lora_A, lora_B stacked, zeros for a projection without LoRA)."""
+    """peft's adapter tensors for our LoRA state (full tensors); the linears of one fused HF module (GPT-2's
+    c_attn, Baichuan's W_pack, GLM-4's gate_up_proj) become one adapter: the shared lora_A, lora_B stacked,
+    zeros for a member without LoRA."""
     out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # layer prefix -> qkv name -> kind -> tensor
+    groups = _fused_groups(cfg)
+    members = {ours: theirs for theirs, group in groups.items() for ours in group}
+    fused: dict[tuple[str, str], dict[str, dict[str, torch.Tensor]]] = {}  # (layer, HF module) -> ours -> kind
     for name, tensor in state.items():
         module, kind = _split_lora_name(name)
-        prefix, _, rest = module.partition(".attention.")
-        if _is_gpt2(cfg) and f"attention.{rest}" in _QKV:
-            fused.setdefault(prefix, {}).setdefault(f"attention.{rest}", {})[kind] = tensor
+        _, idx, rest = module.split(".", 2)
+        if rest in members:
+            fused.setdefault((idx, members[rest]), {}).setdefault(rest, {})[kind] = tensor
         else:
             out[f"{PEFT_PREFIX}{hf_module_name(module, cfg)}.{kind}.weight"] = tensor
-    for prefix, parts in fused.items():
-        key = f"{PEFT_PREFIX}{hf_module_name(f'{prefix}.attention.wq', cfg)}"
-        shared = [parts[q]["lora_A"] for q in _QKV if "lora_A" in parts.get(q, {})]
+    for (idx, theirs), parts in fused.items():
+        group = groups[theirs]
+        key = f"{PEFT_PREFIX}{hf_module_name(f'layers.{idx}.{group[0]}', cfg)}"
+        shared = [parts[m]["lora_A"] for m in group if "lora_A" in parts.get(m, {})]
         if not shared:
-            raise ValueError(f"no lora_A for {prefix}'s q/k/v in the LoRA state")
+            raise ValueError(f"no lora_A for layer {idx}'s {theirs} in the LoRA state")
         if any(not torch.equal(a, shared[0]) for a in shared[1:]):
             raise CheckpointError(
-                f"{prefix}: GPT-2's fused c_attn needs one lora_A shared by q, k and v, but they differ; "
+                f"layer {idx}: the fused {theirs} needs one lora_A shared by {', '.join(group)}, but they differ; "
                 "apply LoRA with shardwise.peft.apply_lora, which shares it"
             )
         lora_a = shared[0]
         blocks = []
-        for q in _QKV:
-            b = parts.get(q, {}).get("lora_B")
-            out_dim = _linear_dims(f"{prefix}.{q}", cfg)[1]
+        for m in group:
+            b = parts.get(m, {}).get("lora_B")
+            out_dim = _linear_dims(f"layers.{idx}.{m}", cfg)[1]
             blocks.append(b if b is not None else torch.zeros(out_dim, lora_a.shape[0], dtype=lora_a.dtype))
         out[f"{key}.lora_A.weight"] = lora_a
         out[f"{key}.lora_B.weight"] = torch.cat([b.to(lora_a.device) for b in blocks], dim=0)
@@ -277,8 +299,10 @@ def _eligible(model: nn.Module) -> list[str]:
     names = []
     for idx, block in model.layers.items():
         for rest in BLOCK_LINEARS:
-            parent, leaf = rest.split(".")
-            if isinstance(getattr(getattr(block, parent), leaf, None), nn.Linear):  # w3 is None in plain MLPs
+            module: Any = block
+            for part in rest.split("."):  # w3 is None in plain MLPs; wq_a only in latent attention...
+                module = getattr(module, part, None)
+            if isinstance(module, nn.Linear):
                 names.append(f"layers.{idx}.{rest}")
     return names
 
@@ -407,7 +431,8 @@ def _wrap(model: nn.Module, names: Iterable[str], r: int, alpha: float, dropout:
     only LoRA parameters trainable."""
     wanted = set(names)
     wrapped = []
-    shared: dict[str, nn.Linear] = {}  # layer index -> lora_A shared by its q/k/v (GPT-2)
+    shared: dict[tuple[str, str], nn.Linear] = {}  # (layer, fused HF module) -> the lora_A its members share
+    members = {ours: theirs for theirs, group in _fused_groups(model.cfg).items() for ours in group}
     for name in _eligible(model):  # model order, so the first of q/k/v owns the shared lora_A's name
         if name not in wanted:
             continue
@@ -415,10 +440,10 @@ def _wrap(model: nn.Module, names: Iterable[str], r: int, alpha: float, dropout:
         parent = model.get_submodule(parent_name)
         base = getattr(parent, leaf)
         idx, rest = name.split(".")[1], name.split(".", 2)[2]
-        fuse = _is_gpt2(model.cfg) and rest in _QKV
-        module = LoRALinear(base, r, alpha, dropout, lora_A=shared.get(idx) if fuse else None, use_rslora=use_rslora)
+        fuse = (idx, members[rest]) if rest in members else None
+        module = LoRALinear(base, r, alpha, dropout, lora_A=shared.get(fuse) if fuse else None, use_rslora=use_rslora)
         if fuse:
-            shared.setdefault(idx, module.lora_A)
+            shared.setdefault(fuse, module.lora_A)
         setattr(parent, leaf, module)
         wrapped.append(name)
     for name, param in model.named_parameters():
@@ -507,7 +532,7 @@ def _peft_target_modules(modules: list[str], cfg: ModelConfig) -> Union[list[str
         per_layer.setdefault(match.group(2), set()).add(match.group(1))
     everywhere = {str(i) for i in range(cfg.num_layers)}
     if all(layers == everywhere for layers in per_layer.values()):
-        every = set((_GPT2_BACK if _is_gpt2(cfg) else _LLAMA_BACK).values())
+        every = set(block_hf_names(cfg).values())
         suffixes = set()
         for inner in per_layer:
             leaf = inner.rsplit(".", 1)[-1]
