@@ -166,7 +166,9 @@ class GroupedExperts(nn.Module):
         else:
             out = self.run_local(rows, counts)
         back = out[order.argsort()].view(n, k, -1)  # each copy back in its token's place
-        return (back * weights.unsqueeze(-1)).sum(dim=1)
+        del out  # not saved for backward: free it before the weighted sum
+        # [N, 1, k] @ [N, k, hidden]: the weighted sum without a [N, k, hidden] product in between
+        return torch.bmm(weights.unsqueeze(1), back).squeeze(1)
 
     def run_local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` sorted by expert, `counts` [experts held here] of them each, through those experts' MLPs."""

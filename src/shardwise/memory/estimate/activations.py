@@ -56,7 +56,7 @@ def layer_bytes(cfg: Any, sh: Shape, flags: dict[str, bool], device: str, level:
     linear ("wq", ... "w2") whether its weight trains or it has a LoRA adapter ("lora_wq", ...).
     """
     m = cfg.model
-    if not any(flags.values()):
+    if not any(v for k, v in flags.items() if k != "moe"):
         return 0  # nothing in or before it trains: autograd records nothing
     bt, s = sh.b * sh.t, sh.s
     lora = cfg.lora
@@ -77,24 +77,21 @@ def layer_bytes(cfg: Any, sh: Shape, flags: dict[str, bool], device: str, level:
         # The norm output is saved once (q/k/v or w1/w3 share it); under SP it is the all-gathered copy.
         if any(_saves_input(flags, n) for n in ("wq", "wk", "wv")):
             total += bt * sh.h * s
-        if any(_saves_input(flags, n) for n in (("w1", "w3") if m.mlp == "gated" else ("w1",))):
+        if any(_saves_input(flags, n) for n in (("w1", "w3") if m.mlp == "gated" else ("w1",))) or flags.get("experts"):
             total += bt * sh.h * s
-    # Attention: q (after RoPE), k and v (repeated for GQA), output and log-sum-exp (fp32).
+    # Attention: q (after RoPE), k and v (repeated for GQA), output and log-sum-exp (fp32); Qwen3's q/k norms
+    # keep their inputs and an rsqrt per head and token (fp32).
     if attn_grad:
         total += 4 * bt * sh.q * s + sh.b * sh.heads * sh.t * 4
+        if m.qk_norm:
+            total += bt * (sh.q + sh.kv) * s + bt * (sh.q + sh.kv) // m.head_dim * 4
         if sh.mask:
             total += sh.b * (sh.t * sh.cp) ** 2 * s  # SDPA turns the boolean mask into a float one, per layer
     if drop:
         # Attention dropout runs the math kernel: it keeps the probabilities, the mask and the result.
         total += 3 * sh.b * sh.heads * sh.t * sh.t * sh.cp * s + bt * sh.q * s  # heads / cp over cp x t tokens
         total += 2 * sh.b * sh.tn * sh.h * _MASK_BYTES.get(device, 1)  # residual dropouts
-    # MLP.
-    if m.mlp == "gated":
-        total += bt * sh.f * s * 2  # models/lean_ops.gated_activation: the gate and up projections
-    else:
-        total += bt * sh.f * s * (1 if m.activation != "relu" else 0)
-    if _saves_input(flags, "w2"):
-        total += bt * sh.f * s
+    total += mlp_bytes(cfg, sh, flags, s)
     # LoRA: each adapter saves the rank-r activation between A and B (and its dropout's input and mask).
     if lora is not None:
         for name, width in (("wq", sh.h), ("wk", sh.h), ("wv", sh.h), ("wo", sh.q), ("w1", sh.h), ("w3", sh.h),
@@ -169,9 +166,31 @@ def layer_transient(cfg: Any, sh: Shape, flags: dict[str, bool]) -> tuple[int, i
     """
     bt = sh.b * sh.t
     mlp = ((2 if cfg.model.mlp == "gated" else 1) + (0 if _saves_input(flags, "w2") else 1)) * bt * sh.f * sh.s
+    if flags.get("moe"):
+        mlp = moe_transient(cfg.model, sh)
     attention = 4 * bt * sh.q * sh.s
     residual = sh.b * sh.tn * sh.h * sh.s
     return mlp + residual, attention + 2 * residual
+
+
+def moe_forward(m: Any, sh: Shape, flags: dict[str, bool]) -> int:
+    """What a mixture-of-experts block's forward holds above what it saves, at its peak (measured): the
+    experts' outputs in expert order [n k, hidden] while they are put back in token order, that order
+    (int64), the router's logits (fp32 [n, E], kept for the balance losses) and, when the experts are frozen,
+    the routed copies [n k, hidden] and the norm's output [n, hidden], which then are not saved but live
+    until the experts are done."""
+    n, k = sh.b * sh.t, m.num_experts_per_tok
+    rows = 0 if flags.get("experts") else (n * k + n) * sh.h * sh.s
+    return n * k * (sh.h * sh.s + 8) + n * m.num_experts * 4 + rows
+
+
+def moe_transient(m: Any, sh: Shape) -> int:
+    """A mixture-of-experts block's backward at its peak (measured), putting the experts' output gradients
+    back in expert order: indexing's backward makes zeros [n k, hidden] and puts the token-ordered gradient
+    into a copy of them, beside that gradient, while the weighted sum's backward has released the saved
+    outputs (net: two [n k, hidden]); no expert's weight gradient exists yet, and the later steps release
+    more than they make."""
+    return 2 * sh.b * sh.t * m.num_experts_per_tok * sh.h * sh.s
 
 
 def qlora_transient(held: list[Param], prec: Precision, backward: bool = False, tokens: int = 0,
@@ -219,10 +238,13 @@ def exchange_bytes(m: Any, sh: Shape) -> int:
     return bt * sh.s * (sh.q + 2 * kv) + 2 * bt * sh.s * sh.q
 
 
-def mlp_bytes(cfg: Any, sh: Shape, flags: dict[str, bool]) -> int:
-    """The part of a block's saved activations that its MLP keeps (freed before attention's backward)."""
+def mlp_bytes(cfg: Any, sh: Shape, flags: dict[str, bool], s: Optional[int] = None) -> int:
+    """The part of a block's saved activations that its MLP keeps (freed before attention's backward);
+    `s`: bytes of an activation element (default the micro-batch's)."""
     bt = sh.b * sh.t
-    s = sh.s
+    s = s or sh.s
+    if flags.get("moe"):
+        return moe_bytes(cfg.model, sh, flags, s)
     if cfg.model.mlp == "gated":
         mlp = bt * sh.f * s * 2
     else:
@@ -230,3 +252,26 @@ def mlp_bytes(cfg: Any, sh: Shape, flags: dict[str, bool]) -> int:
     if _saves_input(flags, "w2"):
         mlp += bt * sh.f * s
     return mlp
+
+
+def moe_bytes(m: Any, sh: Shape, flags: dict[str, bool], s: int) -> int:
+    """What a mixture-of-experts block's feed-forward saves for backward (models/moe.py), per micro-batch of
+    n tokens routed to k experts each: the router's fp32 scores [n, E] and chosen experts (int64 [n, k]), with
+    normalised weights their sum and the weights before it (fp32); the experts' order and the way back (int64
+    [n k] each) and the per-expert offsets (int32 [E]), the routed copies of the input [n k, hidden], the gate,
+    up and activated projections [n k, F] each, the weights [n, k] and the experts' outputs [n k, hidden] for
+    the weighted sum; the shared experts as a gated MLP (their input is the norm's output, counted with it).
+    Frozen experts whose input needs a gradient (LoRA on attention) keep neither the routed copies nor the
+    activated projections (they fed only weight gradients)."""
+    upstream = flags.get("input_grad") or flags.get("norm") or any(_saves_input(flags, n)
+                                                                    for n in ("wq", "wk", "wv", "wo"))
+    if not (flags.get("experts") or upstream):
+        return 0
+    n, k, e = sh.b * sh.t, m.num_experts_per_tok, m.num_experts
+    copies = n * k
+    router = n * e * 4 + copies * 8 + ((n + copies) * 4 if m.norm_topk_prob else 0)
+    trains = bool(flags.get("experts"))
+    experts = 2 * copies * 8 + e * 4 + (1 + trains) * copies * sh.h * s \
+        + (2 + trains) * copies * m.moe_intermediate_size * s + copies * s
+    shared = 3 * n * m.num_shared_experts * m.moe_intermediate_size * s
+    return router + experts + shared

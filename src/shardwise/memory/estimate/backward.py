@@ -71,8 +71,9 @@ def backward_walk(cfg: Any, sh: Shape, st: Stage, saved: dict[int, int], full: d
 
 
 def _grad_shares(held: list[Param], layer: int) -> tuple[float, float]:
-    """Fractions of a block's trainable elements whose gradients exist at its MLP's backward (the
-    down projection's) and at its attention's backward (all but q, k, v and the first norm)."""
+    """Fractions of a block's trainable elements whose gradients exist at its MLP's backward (the down
+    projection's; none in a MoE block, whose peak comes before its experts' gradients) and at its attention's
+    backward (all but q, k, v and the first norm)."""
     mine = [p for p in held if p.layer == layer and p.trainable]
     total = sum(numel(p.shape) for p in mine) or 1
     mlp = sum(numel(p.shape) for p in mine if ".feed_forward.w2." in p.name)

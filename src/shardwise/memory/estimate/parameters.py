@@ -164,6 +164,9 @@ def _layer_flags_of(num_layers: int, params: tuple[Param, ...]) -> dict[int, dic
             prefix = f"layers.{i}.{module}."
             flags[lin] = any(p.trainable for p in mine if p.name.startswith(prefix) and ".lora_" not in p.name)
             flags[f"lora_{lin}"] = any(p.trainable for p in mine if p.name.startswith(prefix) and ".lora_" in p.name)
+        # A mixture-of-experts block: whether it has one, and whether its router and experts train.
+        flags["moe"] = any(".feed_forward.experts." in p.name for p in mine)
+        flags["experts"] = any(p.trainable for p in mine if ".feed_forward.experts." in p.name)
         out[i] = flags
         upstream = upstream or any(p.trainable for p in mine)
     return out

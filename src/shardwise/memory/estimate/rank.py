@@ -19,6 +19,7 @@ from .activations import (
     input_aliased,
     layer_bytes,
     mlp_bytes,
+    moe_forward,
     qlora_transient,
     recompute_bytes,
     stage_bytes,
@@ -286,6 +287,10 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
             if act_live:  # the last block's MLP, before the head's tensors exist
                 head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
                 forward = max(forward, static + gathered + others + st.act - head_part + act_live)
+            if st.layers and flags[st.layers[-1]].get("moe"):  # the last block's experts' outputs, unsorted
+                head_part = head["saved"] + head["logits"] + head["lsm"] if st.last else 0
+                forward = max(forward, static + gathered + others + st.act - head_part
+                              + moe_forward(m, sh, flags[st.layers[-1]]))
             held_mb[st_id] += 1
         elif kind in ("B", "I"):
             rest = others - st.act - (st.grads if has_grads[st_id] else 0)
@@ -389,12 +394,27 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
         "host_offload": {"optimizer": host_static + host_grads, "activations": act_host},
         "async_save_host_bytes": staged,  # train.async_save: the staged copy of what a checkpoint saves
     }
-    if m.num_experts:
-        detail["approximate"] = (
-            "mixture-of-experts blocks: the experts' parameters, gradients and optimizer state are counted "
-            "exactly, their activations and routing buffers as a dense block's; not yet checked against a "
-            "count of live tensors")
+    approximate = _approximations(m, ep)
+    if approximate:
+        detail["approximate"] = "; ".join(approximate)
     return MemoryEstimate(params=param_bytes, grads=grads_at_peak, optimizer=optimizer_bytes + master_bytes,
                           activations=activations, buffers=buffers, overhead=int(tensor_peak * frac),
                           peak=max(phases.values()), phases=phases, detail=detail, host=host,
                           host_phases=host_phases)
+
+
+def _approximations(m: Any, ep: int) -> list[str]:
+    """What this estimate counts only roughly, named for the reader (nothing: exact on a CPU)."""
+    out = []
+    if ep > 1:
+        out.append("expert parallelism: each rank is taken to receive its even share of the routed copies, and "
+                   "the token exchange's send and receive buffers are not counted")
+    if m.latent_attention:
+        out.append("latent attention: its activations are counted as standard attention's of head_dim (not its "
+                   "latent projections' inputs, nor, on a CPU, the scores of the math kernel its unequal key "
+                   "and value heads take)")
+    if m.sandwich_norm or m.norm_unit_offset:
+        out.append("the norms after attention and the MLP (GLM-4, Gemma 3) and Gemma's fp32 norms are not counted")
+    if m.sliding_window or m.position == "alibi":
+        out.append("the sliding window's and ALiBi's attention masks are not counted")
+    return out
