@@ -35,6 +35,15 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   per rank); recompute repeats the forward's. Not overlapped (attention waits for them). Compute,
   activations and tensor-parallel traffic are per rank for s / cp tokens, and the gradients are reduced
   over dp x cp ranks (dp_comm).
+- ep_comm: expert parallelism (`parallel.expert`): per MoE block and micro-batch two all-to-alls forward (the
+  routed copies to their experts' ranks and the results back) and two backward (their gradients), each of
+  the rank's [tokens x num_experts_per_tok, hidden] copies over the `expert_parallel` ranks; a fully
+  recomputed block exchanges its forward's again. Not overlapped (the experts wait for their tokens). The
+  load is taken as even: a router that sends one rank more copies makes every rank wait for it (the step
+  records' `expert_load` shows how far from even a run is). Each rank holds num_experts / expert_parallel
+  of every block's experts, computes and updates only those, and sums their gradients over the
+  data-parallel replicas that hold the same experts (when expert_parallel is below data_parallel); the other
+  weights are reduced over every data-parallel rank as usual.
 - pp_comm: a point-to-point send of the stage's activations (forward) and their gradients (backward)
   per micro-batch and model chunk.
 - bubble: idle pipeline time, one micro-batch time of each rank other than the busiest (the fill and
@@ -80,7 +89,7 @@ from .config import RunConfig
 from .hardware import Hardware
 from .memory.estimate import estimate_memory, head_recomputes_logits, offloaded_share, run_flops, trainable_shapes
 from .models.config import ModelConfig
-from .models.flops import TrainingFlops, count_parameters_by_kind, flops_per_token
+from .models.flops import TrainingFlops, count_parameters_by_kind, feed_forward_weights, flops_per_token
 from .parallel.data_parallel import ONE_PROCESS_ZERO_STAGE
 from .parallel.float8 import converts, float8_all_gather, float8_on
 from .parallel.pipeline import schedule_style, stage_layer_counts
@@ -108,6 +117,7 @@ class StepTime:
     dp_comm: float = 0.0
     pp_comm: float = 0.0
     cp_comm: float = 0.0
+    ep_comm: float = 0.0
     bubble: float = 0.0
     optimizer: float = 0.0
     offload: float = 0.0
@@ -117,7 +127,8 @@ class StepTime:
     peak_flops: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
-    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "bubble", "optimizer", "offload")
+    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "ep_comm", "bubble", "optimizer",
+             "offload")
 
     @property
     def total(self) -> float:
@@ -171,12 +182,25 @@ class RankLoad:
     float8_params: int = 0  # converted weights: cast twice per micro-batch, all-gathered in 1 byte under ZeRO 2/3
     params: int = 0
     trainable: int = 0
+    moe_layers: int = 0  # mixture-of-experts blocks
+    expert_params: int = 0  # their routed experts' weights (all of them: expert parallelism divides them)
+    expert_trainable: int = 0  # ... of those, the ones that train
 
 
-def _layer_params(m: ModelConfig) -> int:
+def _layer_params(m: ModelConfig, layer: int) -> int:
+    """Parameters of block `layer` (the blocks' mean for a dense model, whose blocks are alike)."""
     kinds = count_parameters_by_kind(m)
     per_norm = kinds["norm"] // (2 * m.num_layers + 1)
-    return (kinds["attention"] + kinds["mlp"]) // m.num_layers + 2 * per_norm
+    if not m.num_experts:
+        return (kinds["attention"] + kinds["mlp"]) // m.num_layers + 2 * per_norm
+    dense_bias = (2 * m.intermediate_size + m.hidden_size) if m.mlp_bias and not m.is_moe_layer(layer) else 0
+    return (kinds["attention"] + kinds["norm"] - per_norm) // m.num_layers + feed_forward_weights(m, layer) \
+        + dense_bias
+
+
+def _expert_params(m: ModelConfig, layer: int) -> int:
+    """Routed experts' weight elements of block `layer` (0 in a dense block)."""
+    return 3 * m.num_experts * m.hidden_size * m.moe_intermediate_size if m.is_moe_layer(layer) else 0
 
 
 def lora_adapter_params(cfg: RunConfig) -> int:
@@ -263,7 +287,6 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
     work = work or work_of(cfg)
     flops, adapters = work.flops, work.adapter_params
     shapes = trainable_shapes(cfg) if cfg.lora is not None else {}  # the adapters selective recompute reruns
-    layer_params = _layer_params(m)
     embed = m.vocab_size * m.hidden_size + (m.max_position_embeddings * m.hidden_size if m.position == "learned" else 0)
     head_weights = m.vocab_size * m.hidden_size
 
@@ -280,8 +303,14 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
                 load.float8_flops_per_token += f8.flops
                 load.float8_cast_elements_per_token += f8.cast_elements
                 load.float8_params += f8.params
+            layer_params = _layer_params(m, i)
+            trains = cfg.lora is None and i >= cfg.freeze.layers
             load.params += layer_params + adapters
-            load.trainable += adapters if cfg.lora is not None else (0 if i < cfg.freeze.layers else layer_params)
+            load.trainable += adapters if cfg.lora is not None else (layer_params if trains else 0)
+            if m.is_moe_layer(i):
+                load.moe_layers += 1
+                load.expert_params += _expert_params(m, i)
+                load.expert_trainable += _expert_params(m, i) if trains else 0
         # Per layer of the chunk (full every `recompute_every`-th block of each chunk, from its first).
         for i, mode in zip(here, cfg.optimize.layer_recompute(list(here))):
             if mode == "full":
@@ -438,6 +467,10 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     exchange = tokens_mb * m.head_dim * b["activation"] / tp * (2 * m.num_heads + 2 * kv_heads)
     pp_link = _link(hw, nodes > 1, slowdown)
     act_bytes = tokens_mb * m.hidden_size * b["activation"]
+    # Expert parallelism: each MoE block sends the rank's routed copies out and takes the results back.
+    ep = p.expert_parallel if m.num_experts else 1
+    ep_link = _link(hw, ep * tp > per_node, slowdown)
+    routed = tokens_mb * m.num_experts_per_tok * m.hidden_size * b["activation"]
     # optimize.float8 where the hardware has float8 tensor cores (the planner refuses it elsewhere).
     rate8 = hw.tflops_8 * 1e12 * hw.compute_efficiency / slowdown if work.float8 and hw.tflops_8 else 0.0
     cast_bytes = FLOAT8_CAST_BYTES["compiled" if cfg.compiles(hw.kind) else "eager"]
@@ -469,8 +502,10 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         # counts 2 tensor-parallel volumes per layer, selective fewer: as many halves of an exchange).
         cp_comm = load.layers * (2 + load.recompute_collectives / max(1, load.layers) / 2) * \
             all_to_all_time(exchange, cp, cp_link)
+        ep_comm = load.moe_layers * (4 + load.recompute_collectives / max(1, load.layers)) * \
+            all_to_all_time(routed, ep, ep_link) if ep > 1 else 0.0
         return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm + tp_host, "pp_comm": pp_comm,
-                "cp_comm": cp_comm, "host": tp_host}
+                "cp_comm": cp_comm, "ep_comm": ep_comm, "host": tp_host}
 
     per_rank = [rank_times(load) for load in loads]
     host_work = [r.pop("host") for r in per_rank]
@@ -479,7 +514,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     load = loads[busiest]
     micro_time = sum(t.values())  # one micro-batch on the slowest rank (all its chunks)
     step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], tp_comm=ga * t["tp_comm"],
-                    pp_comm=ga * t["pp_comm"], cp_comm=ga * t["cp_comm"],
+                    pp_comm=ga * t["pp_comm"], cp_comm=ga * t["cp_comm"], ep_comm=ga * t["ep_comm"],
                     tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
                     model_flops_per_token=work.flops.total, peak_flops=peak)
     if pp > 1:
@@ -491,15 +526,22 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
 
     # Data parallelism, on this rank's share of the parameters; the context-parallel ranks reduce theirs too.
     ranks = dp * cp
-    params_dev = load.params / tp
-    trainable_dev = load.trainable / tp
+    # Expert parallelism: a rank holds 1/ep of the experts, outside FSDP2 and ZeRO; their gradients are summed
+    # over the ranks//ep replicas holding the same ones (none when ep covers the data-parallel ranks).
+    experts_dev = load.expert_params / tp * (1 - 1 / ep) if ep > 1 else 0.0
+    expert_grads = load.expert_trainable / tp / ep if ep > 1 else 0.0
+    params_dev = load.params / tp - experts_dev
+    trainable_dev = load.trainable / tp - (load.expert_trainable / tp * (1 - 1 / ep) if ep > 1 else 0.0)
+    replicas = ranks // ep
     # optimize.offload_params on one accelerator: FSDP2's CPU offload alone, at ZeRO-3 (no collective).
     alone = cfg.optimize.offload_params and world == 1 and hw.kind != "cpu"
     zero = p.zero_stage if ranks > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
     comm = 0.0
     if ranks > 1:
-        grads = trainable_dev * b["grad"]
-        params_bytes = params_dev * b["param"]
+        if replicas > 1:
+            comm += all_reduce_time(expert_grads * b["grad"], replicas, dp_link)
+        grads = (trainable_dev - expert_grads) * b["grad"]
+        params_bytes = (params_dev - load.expert_params / tp / ep) * b["param"] if ep > 1 else params_dev * b["param"]
         if rate8 and float8_all_gather(cfg, ranks):  # FSDP2 all-gathers the float8 linears' weights in 1 byte
             params_bytes -= load.float8_params / tp * (b["param"] - 1)
         if zero <= 1:
@@ -523,8 +565,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         # Reductions overlap the last backward; gathers are prefetched under each micro-batch's compute.
         window = (t["compute"] + t["recompute"]) * (ga if zero >= 2 else 2 / 3)
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
-    # The optimizer step on this device's (ZeRO-sharded) trainable parameters.
-    shard = trainable_dev / (ranks if zero >= 1 else 1)
+    # The optimizer step on this device's (ZeRO-sharded) trainable parameters; its experts are stepped whole.
+    shard = (trainable_dev - expert_grads) / (ranks if zero >= 1 else 1) + expert_grads
     o = cfg.optimize
     host = hw.host_bandwidth_gbps * 1e9 / slowdown
     params_share, trainable_share = offloaded_share(cfg) if o.offload_params and zero >= 2 else (0.0, 0.0)
@@ -566,7 +608,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         step.offload += ga * _host_link(weights, acts, forward_s, block, hw) \
             + (ga - 1) * _host_link(weights + acts, 0.0, backward_s, block, hw) \
             + _host_link(weights + acts + state / 2, state / 2, backward_s, block, hw)
-    step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual_stages": v, "gradient_accumulation": ga,
+    step.detail = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "virtual_stages": v, "gradient_accumulation": ga,
                    "busiest_rank": busiest, "layers_on_rank": load.layers, "slowdown": slowdown, "nodes": nodes,
                    "tp_spans_nodes": tp > per_node, "dp_spans_nodes": dp * tp > per_node,
                    "dp_comm_total": comm, "micro_batch_time": micro_time, "loads": loads,

@@ -203,7 +203,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     with pytest.raises(ConfigError, match="FalconForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
                                           "Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                                           "DeepseekV3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, "
-                                          "Gemma3ForCausalLM, GPT2LMHeadModel"):
+                                          "Gemma3ForCausalLM, BaiChuanForCausalLM, BaichuanForCausalLM, "
+                                          "GPT2LMHeadModel"):
         load_hf_config(tmp_path)
 
 

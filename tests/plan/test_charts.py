@@ -109,7 +109,7 @@ def test_estimate_report_per_pipeline_rank(tmp_path: Path, capsys: pytest.Captur
     assert main(argv) == 0
     assert "report:" in capsys.readouterr().out
     args = SimpleNamespace(config=None, model="llama_7b", set=[], seq_length=2048, micro_batch=1, dp=2, tp=1, pp=2,
-                           cp=1, zero=1, precision="bf16", level=None, recompute="none", offload=False,
+                           cp=1, ep=1, zero=1, precision="bf16", level=None, recompute="none", offload=False,
                            offload_params=False, offload_activations=False, lora_r=None, freeze_layers=0)
     expected = estimate_all_ranks(config_from_args(args), 4, "cuda")
     shown = json.loads((tmp_path / "estimate.json").read_text())

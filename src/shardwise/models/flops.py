@@ -58,7 +58,7 @@ def _moe_weights(cfg: ModelConfig, experts: int) -> int:
     return h * cfg.num_experts + 3 * h * f * (experts + cfg.num_shared_experts)
 
 
-def _feed_forward_weights(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+def feed_forward_weights(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     """Weight elements of block `layer`'s feed-forward: every expert's, or with `active` a token's."""
     if not cfg.is_moe_layer(layer):
         return _mlp_weights(cfg)
@@ -77,7 +77,7 @@ def count_parameters_by_kind(cfg: ModelConfig) -> dict[str, int]:
     attention = _attention_weights(cfg) + biases
 
     dense_bias = (2 if cfg.mlp == "gated" else 1) * cfg.intermediate_size + h if cfg.mlp_bias else 0
-    mlp = sum(_feed_forward_weights(cfg, i) + (0 if cfg.is_moe_layer(i) else dense_bias) for i in range(n_layers))
+    mlp = sum(feed_forward_weights(cfg, i) + (0 if cfg.is_moe_layer(i) else dense_bias) for i in range(n_layers))
 
     per_norm = 2 * h if cfg.norm == "layernorm" and cfg.norm_bias else h
     block_norms = 4 if cfg.sandwich_norm else 2
@@ -101,7 +101,7 @@ def count_parameters(cfg: ModelConfig) -> int:
 def count_active_parameters(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of a dense model's; in MoE blocks the router, the token's
     `num_experts_per_tok` experts and the shared experts (Qwen3-30B-A3B: about 3.3 of 30.5 billion)."""
-    inactive = sum(_feed_forward_weights(cfg, i) - _feed_forward_weights(cfg, i, active=True)
+    inactive = sum(feed_forward_weights(cfg, i) - feed_forward_weights(cfg, i, active=True)
                    for i in range(cfg.num_layers))
     return count_parameters(cfg) - inactive
 
@@ -109,7 +109,7 @@ def count_active_parameters(cfg: ModelConfig) -> int:
 def matmul_parameters(cfg: ModelConfig) -> int:
     """Weight elements a token multiplies by: its blocks' linears (a MoE block's router and active experts)
     plus the output head."""
-    return sum(_attention_weights(cfg) + _feed_forward_weights(cfg, i, active=True) for i in range(cfg.num_layers)) \
+    return sum(_attention_weights(cfg) + feed_forward_weights(cfg, i, active=True) for i in range(cfg.num_layers)) \
         + cfg.vocab_size * cfg.hidden_size
 
 

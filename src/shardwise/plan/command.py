@@ -68,7 +68,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     for flag, what in (("--dp", "data-parallel degrees"), ("--tp", "tensor-parallel degrees"),
                        ("--pp", "pipeline stages"), ("--zero", "ZeRO stages"), ("--micro-batch", "micro-batch sizes"),
                        ("--cp", "context-parallel degrees (each sequence split over that many devices; tried by "
-                                "default from 16k tokens, or when nothing fits without)")):
+                                "default from 16k tokens, or when nothing fits without)"),
+                       ("--ep", "expert-parallel degrees (mixture-of-experts models: each block's experts spread "
+                                "over that many data-parallel ranks; every degree that divides both is tried)")):
         s.add_argument(flag, metavar="LIST", help=what)
     s.add_argument("--recompute", metavar="LIST", help="none, selective, full, auto (per layer, the least that fits)")
     s.add_argument("--schedule", metavar="LIST", help="1f1b, interleaved_1f1b, zero_bubble, gpipe")
@@ -210,7 +212,7 @@ def _pins(args: argparse.Namespace) -> dict[str, list[Any]]:
     """The search dimensions the options pin."""
     pins: dict[str, list[Any]] = {}
     for key, flag in (("dp", "--dp"), ("tp", "--tp"), ("pp", "--pp"), ("zero", "--zero"),
-                      ("micro_batch", "--micro-batch"), ("cp", "--cp")):
+                      ("micro_batch", "--micro-batch"), ("cp", "--cp"), ("ep", "--ep")):
         values = _ints(getattr(args, key), flag)
         if values is not None:
             pins[key] = values

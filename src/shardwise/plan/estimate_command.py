@@ -43,6 +43,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     flags.add_argument("--pp", type=int, default=1, help="pipeline stages")
     flags.add_argument("--cp", type=int, default=1, help="context-parallel degree (each sequence split over it)")
+    flags.add_argument("--ep", type=int, default=1, help="expert-parallel degree (a MoE model's experts spread over "
+                                                         "that many data-parallel ranks)")
     flags.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
     flags.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     flags.add_argument("--level", choices=["O0", "O1", "O2", "O3"], default=None, help="precision level")
@@ -71,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "train": {"max_steps": 1, "micro_batch_size": args.micro_batch},
         "parallel": {"data_parallel": args.dp, "tensor_parallel": args.tp, "pipeline_parallel": args.pp,
                      "zero_stage": args.zero, "context_parallel": args.cp,
+                     "expert_parallel": args.ep,
                      **({"micro_batch_num": max(2, args.pp)} if args.pp > 1 else {})},
         "optimize": {"mixed_precision": args.precision, "recompute": args.recompute,
                      "offload_optimizer": args.offload, "offload_params": args.offload_params,

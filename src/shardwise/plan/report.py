@@ -16,7 +16,8 @@ from .search import Candidate, PlanResult
 
 PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
               "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends",
-              "cp_comm": "context-parallel all-to-alls", "bubble": "the pipeline bubble",
+              "cp_comm": "context-parallel all-to-alls", "ep_comm": "expert-parallel all-to-alls",
+              "bubble": "the pipeline bubble",
               "optimizer": "the optimizer step", "offload": "host transfers (CPU offload)"}
 
 
@@ -124,8 +125,15 @@ def explain_winner(result: PlanResult) -> str:
         parts.append(f"Context parallelism splits each {best.cfg.data.seq_length}-token sequence over {best.layout.cp} "
                      "devices (two all-to-alls around every attention), so each holds the activations of "
                      f"{best.cfg.data.seq_length // best.layout.cp} tokens.")
-    if best.layout.tp == 1 and best.layout.pp == 1 and best.layout.cp == 1:
-        parts.append("Plain data parallelism wins, as the documents advise.")
+    if best.layout.ep > 1:
+        m = best.cfg.model
+        parts.append(f"Expert parallelism holds {m.num_experts // best.layout.ep} of each block's {m.num_experts} "
+                     f"experts per device (groups of {best.layout.ep} data-parallel ranks exchange the routed tokens "
+                     "by all-to-all in every MoE block).")
+    data_only = best.layout.tp == 1 and best.layout.pp == 1 and best.layout.cp == 1  # EP spans data ranks
+    if data_only:
+        if best.layout.ep == 1:
+            parts.append("Plain data parallelism wins, as the documents advise.")
     elif dp is None:
         parts.append("No pure data-parallel layout fits, so model parallelism is needed here.")
     else:

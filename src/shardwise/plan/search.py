@@ -65,10 +65,12 @@ class Layout:
     offload_params: bool = False  # one device: FSDP2's CPU offload (parameters, gradients, state on the host)
     offload_blocks: Optional[int] = None  # with offload_params: only the first this many blocks (None: all)
     cp: int = 1  # parallel.context_parallel: devices each sequence is split over
+    ep: int = 1  # parallel.expert_parallel: data-parallel ranks each MoE block's experts are spread over
 
     def short(self) -> str:
-        """'DP4 TP2 PP1' style degrees (and 'CP2' under context parallelism)."""
-        return f"DP{self.dp} TP{self.tp} PP{self.pp}" + (f" CP{self.cp}" if self.cp > 1 else "")
+        """'DP4 TP2 PP1' style degrees (and 'CP2' under context parallelism, 'EP8' under expert parallelism)."""
+        return f"DP{self.dp} TP{self.tp} PP{self.pp}" + (f" CP{self.cp}" if self.cp > 1 else "") + \
+            (f" EP{self.ep}" if self.ep > 1 else "")
 
     def describe(self) -> str:
         """All settings in one line."""
@@ -230,13 +232,9 @@ def check_request(req: PlanRequest) -> None:
     if not 0 <= req.memory_margin < 1:
         raise ConfigError(f"--memory-margin {req.memory_margin}: give a fraction in [0, 1), e.g. 0.1")
     m = req.cfg.model
-    if m.num_experts:
-        raise ConfigError(f"shardwise plan does not rank layouts of mixture-of-experts models yet (model.num_experts "
-                          f"{m.num_experts}): their activations are estimated as a dense block's; `shardwise "
-                          "estimate` gives the approximate figure of one layout")
     for key, values in req.pins.items():
         for v in values:
-            if key in ("tp", "pp", "dp", "cp", "micro_batch") and v < 1:
+            if key in ("tp", "pp", "dp", "cp", "ep", "micro_batch") and v < 1:
                 raise ConfigError(f"--{key.replace('_', '-')} {v}: degrees and sizes are at least 1")
             if key in ("tp", "pp", "dp", "cp") and n % v:
                 raise ConfigError(f"--{key} {v} does not divide {n} devices; degrees that do: "
@@ -311,14 +309,20 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     nodes = req.nodes or req.hardware.nodes_for(n)
     per_node = n // nodes
     out = []
+    # What the model's kind runs with (RunConfig refuses the rest): mixture-of-experts models and latent
+    # attention data and expert parallelism only, ALiBi no tensor or context parallelism.
+    only_data = bool(m.num_experts) or m.latent_attention
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
+            continue
+        if tp > 1 and (only_data or m.position == "alibi"):
             continue
         if tp > per_node and "tp" not in pins:
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
         for pp, cp in [(pp, cp) for pp in _allowed(pins, "pp", divisors(n // tp))
                        for cp in context_parallel_degrees(req, tp, pp, context_parallel)]:
-            if pp > m.num_layers:
+            if pp > m.num_layers or (only_data and (pp > 1 or cp > 1)) or (cp > 1 and (m.position == "alibi"
+                                                                                    or m.sliding_window)):
                 continue
             dp = n // (tp * pp * cp)
             if "dp" in pins and dp not in pins["dp"]:
@@ -342,9 +346,10 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                             check_pipeline(m.num_layers, pp, v, schedule, None, ga)
                         except ConfigError:
                             continue
-                    for zero in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                    for zero, ep in [(z, e) for z in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,))
+                                     for e in _allowed(pins, "ep", expert_parallel_degrees(m, dp))]:
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
-                        can_offload = req.offload and req.hardware.kind != "cpu" and (
+                        can_offload = req.offload and req.hardware.kind != "cpu" and ep == 1 and (
                             zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1)) and \
                             cfg.train.optimizer not in PAGED_OPTIMIZERS  # their state pages to the host itself:
                         # no offload lever beside bitsandbytes' paged optimizers
@@ -372,9 +377,18 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                                 for reduce in reductions:
                                     layout = Layout(dp, tp, pp, zero, recompute, mbs, ga, schedule, v,
                                                     offload if offload in ("cpu", "stream") else False, reduce,
-                                                    acts, offload_params=bool(params), offload_blocks=blocks, cp=cp)
+                                                    acts, offload_params=bool(params), offload_blocks=blocks, cp=cp,
+                                                    ep=ep)
                                     out.append((layout, layout_config(cfg, layout)))
     return out
+
+
+def expert_parallel_degrees(m: Any, dp: int) -> list[int]:
+    """The parallel.expert_parallel degrees to try: 1, and for a mixture-of-experts model every degree above
+    it that divides both the data-parallel ranks and the experts."""
+    if not m.num_experts:
+        return [1]
+    return [e for e in divisors(dp) if m.num_experts % e == 0]
 
 
 def offload_block_counts(layers: int) -> list[Optional[int]]:
@@ -419,7 +433,8 @@ def layout_config(base: RunConfig, layout: Layout) -> RunConfig:
                               zero_stage=layout.zero, micro_batch_num=layout.accumulation if layout.pp > 1 else 1,
                               schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                               sequence_parallel=base.parallel.sequence_parallel,
-                              reduce_gradients=layout.reduce_gradients, context_parallel=layout.cp)
+                              reduce_gradients=layout.reduce_gradients, context_parallel=layout.cp,
+                              expert_parallel=layout.ep)
     optimize = base.optimize.model_copy(update={"recompute": layout.recompute, "recompute_every": 1,
                                                "recompute_layers": None,
                                                "gradient_accumulation_steps": None,
