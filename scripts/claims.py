@@ -212,8 +212,7 @@ def row_1t(m: Optional[dict]) -> dict[str, str]:
         if best is None:
             near = res.smallest
             parts.append(f"{where}: no layout fits; the most frugal, {near.layout.describe()}, needs "
-                         f"{gb(near.peak)} per card of the {gb(near.usable)} usable (its experts' fp32 weights, "
-                         "gradients and state alone: one expert per block and card)" if near else f"{where}: none fits")
+                         f"{gb(near.peak)} per card of the {gb(near.usable)} usable" if near else f"{where}: none fits")
             continue
         days = 15.5e12 / best.step.tokens_per_s / 86400
         parts.append(f"{where}: {best.layout.describe()}, {gb(best.peak)} per card, "
@@ -233,10 +232,11 @@ def row_1t(m: Optional[dict]) -> dict[str, str]:
             f"of a dense 1T ({count_parameters(dense.model) / 1e12:.2f}T, LLaMA-shaped) "
             f"{lim_dense['flops_per_token']:.3g} ({lim_dense['tokens_per_s_per_device']:,.0f})")
     verdict = ("plausible for a mixture of experts only: a 1T MoE with ~33B active parameters costs per token what a "
-               "33B dense model does, a dense 1T ~30x more (years on a thousand cards). With shardwise today it fits "
-               "80 GB H100s at one expert per block and card, and the all-to-alls across 48 nodes dominate the step; "
-               "on 64 GB 910Bs it does not fit yet: that takes sharding the experts over their data-parallel replicas "
-               "(FSDP) or expert tensor parallelism, neither built yet, and overlapping the exchanges with compute")
+               "33B dense model does, a dense 1T ~30x more (years on a thousand cards). shardwise fits it on both "
+               "clusters (estimates) by spreading each block's experts over an expert-parallel group and sharding them "
+               "by FSDP over their replicas; the all-to-alls across nodes then take a large share of the step: "
+               "overlapping them with compute, and limiting each token to a few nodes as DeepSeek-V3 does, are not "
+               "built yet")
     return {"claim": "beyond 1T parameters, pre-trained stably", "source": "seed 002, intro",
             "ours": ours, "measured": "- (needs hundreds of accelerators; the MoE and expert-parallel code is "
             "checked on this CPU against one process: docs/mixture-of-experts.md)", "verdict": verdict}

@@ -42,8 +42,10 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   load is taken as even: a router that sends one rank more copies makes every rank wait for it (the step
   records' `expert_load` shows how far from even a run is). Each rank holds num_experts / expert_parallel
   of every block's experts, computes and updates only those, and sums their gradients over the
-  data-parallel replicas that hold the same experts (when expert_parallel is below data_parallel); the other
-  weights are reduced over every data-parallel rank as usual.
+  data-parallel replicas that hold the same experts (when expert_parallel is below data_parallel: after the
+  backward under ZeRO 0/1; under ZeRO 2/3 FSDP2 shards the experts over those replicas, reduce-scattering
+  their gradients and gathering them like the other weights); the other weights are reduced over every
+  data-parallel rank as usual.
 - pp_comm: a point-to-point send of the stage's activations (forward) and their gradients (backward)
   per micro-batch and model chunk.
 - bubble: idle pipeline time, one micro-batch time of each rank other than the busiest (the fill and
@@ -538,8 +540,12 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     zero = p.zero_stage if ranks > 1 else (ONE_PROCESS_ZERO_STAGE if alone else 0)
     comm = 0.0
     if ranks > 1:
-        if replicas > 1:
+        if replicas > 1 and zero <= 1:  # the replicas' gradients summed after the backward
             comm += all_reduce_time(expert_grads * b["grad"], replicas, dp_link)
+        elif replicas > 1:  # FSDP2 over the replicas: reduce-scattered, and gathered like the other weights
+            gathers = (1 if zero == 2 else 2) * ga
+            comm += ga * gather_time(expert_grads * b["grad"], replicas, dp_link) \
+                + gathers * gather_time(load.expert_params / tp / ep * b["param"], replicas, dp_link)
         grads = (trainable_dev - expert_grads) * b["grad"]
         params_bytes = (params_dev - load.expert_params / tp / ep) * b["param"] if ep > 1 else params_dev * b["param"]
         if rate8 and float8_all_gather(cfg, ranks):  # FSDP2 all-gathers the float8 linears' weights in 1 byte
@@ -566,7 +572,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         window = (t["compute"] + t["recompute"]) * (ga if zero >= 2 else 2 / 3)
         step.dp_comm = comm - min(comm * (1 - 1 / max(load.layers, 1)), hw.comm_overlap * window)
     # The optimizer step on this device's (ZeRO-sharded) trainable parameters; its experts are stepped whole.
-    shard = (trainable_dev - expert_grads) / (ranks if zero >= 1 else 1) + expert_grads
+    shard = (trainable_dev - expert_grads) / (ranks if zero >= 1 else 1) \
+        + expert_grads / (replicas if zero >= 2 and ep > 1 else 1)
     o = cfg.optimize
     host = hw.host_bandwidth_gbps * 1e9 / slowdown
     params_share, trainable_share = offloaded_share(cfg) if o.offload_params and zero >= 2 else (0.0, 0.0)

@@ -61,3 +61,16 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts(tmp_path: Path) -
     assert "expert parallelism" in shared.detail["approximate"] and "approximate:" in shared.table()
     dense = estimate_memory(tiny_config(tmp_path), 1, "cpu")
     assert "approximate" not in dense.detail
+
+
+def test_zero3_shards_the_experts_over_their_replicas(tmp_path: Path) -> None:
+    """EP2 within DP4: under ZeRO 0 each rank holds half the experts (whole, beside a replica), under ZeRO 3
+    FSDP2 shards them over the two replicas as well: a quarter."""
+    model = build_model(with_changes(tiny_config(tmp_path), model=MOE).model, device="meta")
+    expert_bytes = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) * 4
+    zero0, zero3 = (estimate_memory(with_changes(tiny_config(tmp_path), model=MOE, parallel={
+        "data_parallel": 4, "zero_stage": zero, "expert_parallel": 2}), 4, "cpu") for zero in (0, 3))
+    cfg = model.cfg
+    rope = 2 * cfg.max_position_embeddings * cfg.rope_dim * 4  # fp32 tables, whole on every rank
+    others = zero0.params - expert_bytes // 2 - rope  # every other weight, whole on every rank under ZeRO 0
+    assert zero3.params - rope - others / 4 == pytest.approx(expert_bytes / 4, abs=64)

@@ -18,12 +18,14 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, 
        "router_bias": True, "moe_bias_update_rate": 0.01, "moe_aux_loss_coef": 0.01}
 
 
-def _moe(run_dir: Path, ep: int = 1, **train: object):  # noqa: ANN202
-    """The MoE run with its experts over `ep` data-parallel ranks (ZeRO 3), ROWS samples a step as always."""
+def _moe(run_dir: Path, ep: int = 1, dp: int = 0, **train: object):  # noqa: ANN202
+    """The MoE run with its experts over `ep` of `dp` (default ep) data-parallel ranks (ZeRO 3: below dp the
+    experts are sharded over their replicas too), ROWS samples a step as always."""
     cfg = _config(run_dir, **train)
-    accumulation = ROWS // ep // cfg.train.micro_batch_size if ep <= MICRO else 1
-    return with_changes(cfg, model=MOE, train={"micro_batch_size": ROWS // ep // accumulation},
-                        parallel={"data_parallel": ep, "zero_stage": 3 if ep > 1 else 0, "expert_parallel": ep},
+    dp = dp or ep
+    accumulation = ROWS // dp // cfg.train.micro_batch_size if dp <= MICRO else 1
+    return with_changes(cfg, model=MOE, train={"micro_batch_size": ROWS // dp // accumulation},
+                        parallel={"data_parallel": dp, "zero_stage": 3 if dp > 1 else 0, "expert_parallel": ep},
                         optimize={"gradient_accumulation_steps": accumulation})
 
 
@@ -51,7 +53,11 @@ def _two_ranks(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]
 def _four_ranks(rank: int, world: int, root: Path) -> dict[str, dict[int, float]]:
     return {"single_to_dp2_tp2": _train(_config(root / "single_to_2d", dp=2, tp=2, zero=3),
                                         resume=_checkpoint(root / "single")).losses,
-            "moe_ep2_to_ep4": _train(_moe(root / "moe_ep2_to_ep4", ep=4), resume=_checkpoint(root / "moe_ep2")).losses}
+            "moe_ep2_to_ep4": _train(_moe(root / "moe_ep2_to_ep4", ep=4), resume=_checkpoint(root / "moe_ep2")).losses,
+            # EP2 within DP4: each expert sharded over its two replicas as well
+            "moe_single_to_ep2_dp4": _train(_moe(root / "moe_single_to_ep2_dp4", ep=2, dp=4),
+                                            resume=_checkpoint(root / "moe_single")).losses,
+            "moe_ep2_dp4_written": _train(_moe(root / "moe_ep2_dp4", ep=2, dp=4, max_steps=2)).losses}
 
 
 @pytest.mark.timeout(600)
@@ -62,10 +68,13 @@ def test_checkpoints_resume_under_another_layout(tmp_path: Path) -> None:
     _train(_moe(tmp_path / "moe_single", max_steps=2))
     results = run_distributed(_two_ranks, 2, tmp_path, timeout=300)
     results += run_distributed(_four_ranks, 4, tmp_path, timeout=300)
-    # EP2's checkpoint continued by one process (EP1)
+    # EP2's checkpoints (within DP2, and within DP4 with the experts sharded over replicas) continued by one process
     results.append({"moe_ep2_to_single": _train(_moe(tmp_path / "moe_ep2_to_single"),
-                                                resume=_checkpoint(tmp_path / "moe_ep2")).losses})
+                                                resume=_checkpoint(tmp_path / "moe_ep2")).losses,
+                    "moe_ep2_dp4_to_single": _train(_moe(tmp_path / "moe_ep2_dp4_to_single"),
+                                                    resume=_checkpoint(tmp_path / "moe_ep2_dp4")).losses})
     for rank, rank_result in enumerate(results):
+        rank_result.pop("moe_ep2_dp4_written", None)  # steps 1-2 only: the checkpoint is what it is for
         for name, got in rank_result.items():
             assert sorted(got) == list(range(3, STEPS + 1)), name
             want = moe_reference if name.startswith("moe") else reference

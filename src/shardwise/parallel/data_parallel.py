@@ -86,7 +86,7 @@ from ..errors import ConfigError
 from .collectives import all_gather, all_reduce
 from .dims import ParallelDims
 from .dtensors import local_tensor
-from .expert import expert_parameters
+from .expert import expert_parameters, shard_over_replicas
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +156,17 @@ def apply_data_parallel(
     if param_dtype in _HALF:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         store_frozen_in(model, param_dtype)  # the policy then leaves them as they are
-    experts = expert_parameters(model)  # expert parallelism: held whole by their rank, outside FSDP2
+    if zero_stage >= 2:  # expert parallelism below data parallelism: experts sharded over their replicas
+        reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
+        # Along dim 1 (an expert's width), not the experts: a rank may hold fewer experts than there are replicas.
+        shard_over_replicas(model, lambda module, mesh: fully_shard(
+            module, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=lambda _: Shard(1), **kwargs))
+    experts = expert_parameters(model) - _fsdp_managed(model)  # each rank holds its experts whole, outside FSDP2
     apart = (frozen_16_bit(model) | experts) or None
     if zero_stage >= 2:
         # Context parallel ranks hold other tokens of the same samples: their gradients are summed too.
         mesh = meshes.hsdp_mesh() if dims.dp_replicate > 1 else meshes.gradient_mesh("dp_shard")
         device_type = mesh.device_type
-        reshard = zero_stage == 3 if reshard_after_forward is None else reshard_after_forward
 
         def wrap(module: nn.Module, on_host: bool) -> None:
             # Pinned host memory needs an accelerator; on a CPU-only run there is nothing to pin for.
@@ -195,6 +199,11 @@ def apply_data_parallel(
     model._shardwise_hsdp = zero_stage >= 2 and dims.dp_replicate > 1
     model._shardwise_dp_mesh = meshes.gradient_mesh("dp")  # ZeRO-1's group: with context parallelism dp x cp
     return model
+
+
+def _fsdp_managed(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of the FSDP2 units already inside `model` (experts sharded over their replicas)."""
+    return {p for m in model.modules() if _is_fsdp(m) for p in m.parameters()}
 
 
 def _is_fsdp(module: nn.Module) -> bool:

@@ -21,7 +21,7 @@ from outside, as context parallelism's `sequence_exchange` is.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,23 +34,25 @@ from ..errors import ConfigError
 from ..models.moe import GroupedExperts
 
 
-def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, Any]:
-    """(the expert-parallel mesh, the group of each rank's expert replicas or None) for `ep` ranks per group
+def expert_mesh(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, Optional[DeviceMesh]]:
+    """(the expert-parallel mesh, the mesh of each rank's expert replicas or None) for `ep` ranks per group
     over the data-parallel ranks: the whole data-parallel mesh when `ep` is its size; else groups of `ep`
-    consecutive ranks, the ranks at the same place in every group holding the same experts."""
+    consecutive ranks, the ranks at the same place in every group holding the same experts (the two are
+    dimensions of one mesh, so that FSDP2 can shard the experts over their replicas, `shard_over_replicas`)."""
     dp = dp_mesh.size()
     if ep == dp:
         return dp_mesh, None
     ranks = torch.tensor(dp_mesh.mesh.flatten().tolist()).view(dp // ep, ep)
     mesh = DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("expert_replicate", "expert"))
-    return mesh["expert"], mesh["expert_replicate"].get_group()
+    return mesh["expert"], mesh["expert_replicate"]
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, replicas: Any = None) -> nn.Module:
     """Spread the experts of every MoE block of `model` over `mesh` (see the module docstring); the model,
     changed in place. Its expert weights must be whole (as built or loaded) and the same on every rank.
-    `replicas`: the group of ranks that hold the same experts (`expert_mesh`), over which
-    `reduce_expert_gradients` sums their gradients; None when each expert lives on one rank."""
+    `replicas`: the mesh of the ranks that hold the same experts (`expert_mesh`), over which
+    `reduce_expert_gradients` sums their gradients (or FSDP2 shards them, `shard_over_replicas`); None when
+    each expert lives on one rank."""
     size = mesh.size()
     exchange = TokenExchange(mesh.get_group(), size)
     for name, module in model.named_modules():
@@ -76,13 +78,24 @@ def reduce_expert_gradients(model: nn.Module) -> None:
     for m in model.modules():
         if not isinstance(m, GroupedExperts) or m.expert_replicas is None:
             continue
-        group = m.expert_replicas
+        group = m.expert_replicas.get_group()
         grads = [p.grad.to_local() for p in m.parameters() if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
+
+
+def shard_over_replicas(model: nn.Module, wrap: Callable[[nn.Module, DeviceMesh], None]) -> None:
+    """ZeRO 2/3 with expert parallelism below the data-parallel degree: each MoE block's experts sharded by
+    FSDP2 (`wrap(module, mesh)`) over the ranks holding the same experts, so that each rank keeps
+    1 / data_parallel of every block's experts, and FSDP2's reduce-scatter sums the replicas' gradients
+    (`reduce_expert_gradients` then has nothing to do for them)."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts) and m.expert_replicas is not None:
+            wrap(m, m.expert_replicas)
+            m.expert_replicas = None
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:

@@ -118,11 +118,11 @@ def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape) if shape else 1
 
 
-def fsdp_shard(shape: tuple[int, ...], n: int) -> int:
-    """Elements of one FSDP2 shard of a tensor: dim 0 padded to a multiple of n, split n ways."""
+def fsdp_shard(shape: tuple[int, ...], n: int, dim: int = 0) -> int:
+    """Elements of one FSDP2 shard of a tensor: dimension `dim` padded to a multiple of n, split n ways."""
     if not shape:
         return 1
-    return chunk_size(shape[0], n) * numel(shape[1:])
+    return chunk_size(shape[dim], n) * numel(shape) // shape[dim]
 
 
 def zero1_part(p: Param, shape: tuple[int, ...], lay: "Layout") -> tuple[int, int]:

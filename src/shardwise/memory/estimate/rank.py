@@ -100,14 +100,17 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
         held.append(Param("output.weight", emb.shape, emb.trainable, None, "head", 0))
     sharded = lay.zero >= 2
     local = {p.name: tp_shape(p, lay.tp) for p in held}
-    # parallel.expert_parallel: each rank holds its 1/ep of every MoE block's experts, outside FSDP2.
+    # parallel.expert_parallel: each rank holds its 1/ep of every MoE block's experts, outside the model's
+    # FSDP2 units; under ZeRO 2/3 below the data-parallel degree FSDP2 shards them over their replicas too.
     ep = cfg.parallel.expert_parallel
     experts = {p.name for p in held if ".feed_forward.experts." in p.name} if ep > 1 else set()
+    replicas = lay.dp_shard // ep if sharded and ep > 1 else 1
     for name in experts:
         local[name] = (local[name][0] // ep, *local[name][1:])
     # FSDP2 keeps each shard padded to even rows; the optimizer state sees the unpadded local rows.
-    stored = {p.name: (fsdp_shard(local[p.name], lay.dp_shard) if sharded and p.name not in experts
-                       else numel(local[p.name])) for p in held}
+    stored = {p.name: (fsdp_shard(local[p.name], replicas, dim=1) if p.name in experts
+                       else fsdp_shard(local[p.name], lay.dp_shard) if sharded else numel(local[p.name]))
+              for p in held}
     trainable = [p for p in held if p.trainable]
     rope = 2 * m.max_position_embeddings * m.head_dim * 4 if m.position == "rope" else 0  # fp32 tables per rank
     param_bytes = stored_param_bytes(held, stored, prec) + rope
@@ -222,7 +225,8 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
     batch = batch_bytes(cfg, lay, device)
     pipe_buffers = pipeline_buffers(lay, stage_ids, hidden)
     f8_gather = float8_all_gather(cfg, lay.dp)
-    fsdp = fsdp_buffers(lay, prec, [p for p in held if p.name not in experts], local, layers, f8_gather)
+    fsdp = fsdp_buffers(lay, prec, [p for p in held if p.name not in experts or replicas > 1], local, layers,
+                        f8_gather, shard_of={n: (replicas, 1) for n in experts})
     gathered = replicate_buffers(lay, prec, held, local) + (fsdp.forward() if fsdp else 0)
     exchange = exchange_bytes(m, sh)
     dequant = qlora_transient(held, prec)  # QLoRA: inside a block's forward and backward, not the head's

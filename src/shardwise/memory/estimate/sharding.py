@@ -59,16 +59,24 @@ class Fsdp:
 
 
 def fsdp_buffers(lay: Layout, prec: Precision, held: list[Param], local: dict[str, tuple[int, ...]],
-          layers: dict[int, int], float8: bool = False) -> Optional[Fsdp]:
+          layers: dict[int, int], float8: bool = False,
+          shard_of: Optional[dict[str, tuple[int, int]]] = None) -> Optional[Fsdp]:
+    """FSDP2's gathering buffers; `shard_of`: (ranks, dimension) of the parameters sharded otherwise than over
+    the data-parallel ranks along dimension 0 (expert parallelism's experts, over their replicas along 1)."""
     if lay.zero < 2:
         return None
     c, n = prec.compute, lay.dp_shard
+    shard_of = shard_of or {}
 
     def gathered(p: Param) -> int:  # optimize.float8: the converted linears' weights are gathered in 1 byte
         return 1 if float8 and p.layer is not None and converts(local[p.name], p.trainable) else c
 
+    def padded_size(p: Param) -> int:  # the whole tensor as gathered: each rank's padded shard, n of them
+        ranks, dim = shard_of.get(p.name, (n, 0))
+        return fsdp_shard(local[p.name], ranks, dim) * ranks
+
     blocks = {i: sum(numel(local[p.name]) * gathered(p) for p in held if p.layer == i) for i in layers}
-    padded = {i: sum(fsdp_shard(local[p.name], n) * n * gathered(p) for p in held if p.layer == i) for i in layers}
+    padded = {i: sum(padded_size(p) * gathered(p) for p in held if p.layer == i) for i in layers}
     grads = {i: sum(numel(local[p.name]) for p in held if p.layer == i and p.trainable) * c for i in layers}
     root = sum(numel(local[p.name]) for p in held if p.layer is None) * c
     # The embedding's gradient comes last, after every block's backward.
