@@ -175,6 +175,7 @@ class RankLoad:
     embedding: bool = False
     head: bool = False
     flops_per_token: float = 0.0          # forward + backward, with frozen weights' savings
+    routed_flops_per_token: float = 0.0   # ... of those, MoE routers' and routed experts': whole on every TP rank
     recompute_flops_per_token: float = 0.0
     selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
     recompute_collectives: float = 0.0  # tensor-parallel collective volumes the recomputed forwards repeat
@@ -299,6 +300,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         load.layers += n_layers
         here = range(first_layer, first_layer + n_layers)
         load.flops_per_token += sum(flops.layers[i] for i in here)
+        load.routed_flops_per_token += sum(flops.routed[i] for i in here if flops.routed)
         for i in here:
             if work.float8:
                 f8 = work.float8[i]
@@ -485,7 +487,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
 
     def rank_times(load: RankLoad) -> dict[str, float]:
         """Per micro-batch times of one pipeline rank."""
-        compute = tokens_mb * load.flops_per_token / tp / rate
+        # A MoE block's router and routed experts run whole on every tensor-parallel rank (parallel.tensor).
+        compute = tokens_mb * (load.flops_per_token + (tp - 1) * load.routed_flops_per_token) / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
         if rate8:  # optimize.float8: the converted linears at the float8 rate, and their casts

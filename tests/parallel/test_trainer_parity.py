@@ -136,7 +136,12 @@ LAYOUTS = [
     Layout("moe_ep2_zero0", 2, dict(data_parallel=2, zero_stage=0, expert_parallel=2), 2, 2, finetune="moe"),
     Layout("moe_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2, finetune="moe"),
     Layout("moe_ep2_zero3", 2, dict(data_parallel=2, zero_stage=3, expert_parallel=2), 1, 4, finetune="moe"),
+    Layout("moe_tp2_sp", 2, dict(tensor_parallel=2), 2, 4, finetune="moe"),  # router, experts replicated over TP
     # 4 ranks
+    Layout("moe_ep2_tp2_zero3", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=3, expert_parallel=2), 1, 4,
+           finetune="moe"),
+    Layout("moe_ep2_tp2_no_sp", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=1, expert_parallel=2,
+                                        sequence_parallel=False), 2, 2, finetune="moe"),
     Layout("moe_ep2_dp4_zero0", 4, dict(data_parallel=4, zero_stage=0, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("moe_ep2_dp4_zero3", 4, dict(data_parallel=4, zero_stage=3, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,

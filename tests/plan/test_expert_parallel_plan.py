@@ -58,14 +58,32 @@ def test_each_rank_reduces_and_steps_only_its_share_of_the_experts() -> None:
 
 def test_the_planner_chooses_expert_parallelism_among_layouts_the_trainer_runs() -> None:
     """Qwen3-30B-A3B on 64 H100s: the best layout spreads the experts over a node's ranks (EP8), and every
-    layout ranked is data (and expert) parallel only, its degree dividing the ranks and the experts."""
+    layout ranked is one the trainer runs: no pipeline or context parallelism, the expert-parallel degree
+    dividing the data-parallel ranks and the experts (all the data-parallel ranks under tensor parallelism)."""
     cfg = moe(devices=64)
     res = plan(PlanRequest(cfg=cfg, devices=64, hardware=H100, top=50))
     assert res.best is not None and res.best.layout.ep == 8
     assert res.best.step.ep_comm > 0 and res.best.fits
     for c in res.ranked:
         lay = c.layout
-        assert (lay.tp, lay.pp, lay.cp) == (1, 1, 1) and lay.dp == 64 and 128 % lay.ep == 0
+        assert (lay.pp, lay.cp) == (1, 1) and lay.dp * lay.tp == 64 and 128 % lay.ep == 0 and lay.dp % lay.ep == 0
+        assert lay.tp == 1 or lay.ep in (1, lay.dp)
         assert c.cfg.parallel.expert_parallel == lay.ep
     pinned = plan(PlanRequest(cfg=cfg, devices=64, hardware=H100, top=5, pins={"ep": [1]}))
     assert pinned.best is None or pinned.best.layout.ep == 1
+
+
+def test_tensor_parallel_ranks_each_run_the_whole_router_and_experts() -> None:
+    """Under tensor parallelism a MoE block's router and routed experts run whole on every rank of the group
+    (parallel/tensor.py), so only the rest of the FLOPs is divided by tp."""
+    one = moe(devices=8, ep=8)
+    two = validate({**one.model_dump(), "parallel": {**one.parallel.model_dump(), "tensor_parallel": 2,
+                                                     "data_parallel": 4, "expert_parallel": 4}})
+    load = rank_loads(one)[0]
+    m = one.model
+    routed_weights = m.hidden_size * m.num_experts + 3 * m.hidden_size * m.moe_intermediate_size * m.num_experts_per_tok
+    assert load.routed_flops_per_token == pytest.approx(48 * 6 * routed_weights, rel=1e-12)
+    rate = H100.peak_tflops("bf16") * 1e12 * H100.compute_efficiency
+    micro_batches = 2  # 8 sequences a step over 4 data-parallel ranks
+    assert predict_step(two, 8, H100).compute == pytest.approx(
+        micro_batches * 4096 * (load.flops_per_token + load.routed_flops_per_token) / 2 / rate, rel=1e-9)

@@ -50,7 +50,8 @@ def test_resuming_a_moe_run_continues_it_exactly(tmp_path, dataset):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"parallel": {"tensor_parallel": 2}}, "parallel.tensor_parallel 2 with a mixture-of-experts model"),
+    ({"parallel": {"tensor_parallel": 2, "data_parallel": 4, "expert_parallel": 2}},
+     "parallel.expert_parallel 2 below data_parallel 4 with tensor_parallel 2"),
     ({"parallel": {"pipeline_parallel": 2}}, "parallel.pipeline_parallel 2 with a mixture-of-experts model"),
     ({"parallel": {"context_parallel": 2}}, "parallel.context_parallel 2 with a mixture-of-experts model"),
     ({"optimize": {"float8": True, "mixed_precision": "bf16"}}, "optimize.float8 converts nn.Linear layers"),

@@ -679,9 +679,9 @@ class RunConfig(_Section):
                              "sequence without the window; set context_parallel: 1")
 
     def _check_experts(self) -> None:
-        """What a mixture-of-experts model does not run with yet: it trains on one device and under data
-        parallelism (ZeRO 0-3), its experts spread over the data-parallel ranks (expert_parallel), with
-        recompute, freezing, LoRA on attention and on dense blocks."""
+        """What a mixture-of-experts model does not run with yet: it trains on one device, under data
+        parallelism (ZeRO 0-3) and tensor parallelism, its experts spread over the data-parallel ranks
+        (expert_parallel), with recompute, freezing, LoRA on attention, dense blocks and shared experts."""
         p, o = self.parallel, self.optimize
         ep = p.expert_parallel
         if ep > 1:
@@ -701,8 +701,11 @@ class RunConfig(_Section):
             if o.offload_params or o.offload_optimizer:
                 raise ValueError("parallel.expert_parallel with optimize.offload_params / offload_optimizer: the "
                                  "experts' shards are not offloaded yet; turn the offload off")
-        for what, n in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel),
-                        ("context_parallel", p.context_parallel)):
+            if p.tensor_parallel > 1 and ep < p.data_parallel:
+                raise ValueError(f"parallel.expert_parallel {ep} below data_parallel {p.data_parallel} with "
+                                 f"tensor_parallel {p.tensor_parallel}: with tensor parallelism the experts spread "
+                                 f"over all the data-parallel ranks; set expert_parallel: {p.data_parallel} (or 1)")
+        for what, n in (("pipeline_parallel", p.pipeline_parallel), ("context_parallel", p.context_parallel)):
             if n > 1:
                 raise ValueError(f"parallel.{what} {n} with a mixture-of-experts model (model.num_experts "
                                  f"{self.model.num_experts}): not supported yet; use data parallelism (ZeRO 0-3) "

@@ -143,6 +143,7 @@ class TrainingFlops:
     layers: tuple[float, ...]  # per block, forward + backward, attention scores included
     layers_forward: tuple[float, ...]  # per block, the forward alone (what recompute runs again)
     head: float  # the output projection, forward + backward
+    routed: tuple[float, ...] = ()  # per block, the part of `layers` in a MoE block's router and routed experts
 
     @property
     def total(self) -> float:
@@ -198,6 +199,7 @@ class _Walk:
     def __init__(self, trainable: Mapping[str, Sequence[int]] | None) -> None:
         self.trainable = trainable
         self.flops = 0.0
+        self.routed = 0.0  # the current MoE block's router and routed experts (`_moe_walk`)
         # Every module (dotted prefix) that holds a trainable parameter, for constant-time lookups.
         self._training_modules = {module for name in trainable or () for module in _modules_of(name)}
 
@@ -237,7 +239,7 @@ def training_flops(cfg: ModelConfig, seq_length: int,
     walk = _Walk(trainable)
     scores = 2 * cfg.num_heads * (cfg.head_dim + cfg.value_dim) * seq_length
     grad = walk.trains("tok_embeddings") or walk.trains("pos_embeddings")  # the residual stream needs one
-    layers, forward = [], []
+    layers, forward, routed = [], [], []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         dims = _linear_dims(cfg, i)
@@ -253,11 +255,14 @@ def training_flops(cfg: ModelConfig, seq_length: int,
             hidden = any([walk.linear(p + n, dims[n], x) for n in _MLP_INPUTS if n in dims])
             grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
         layers.append(walk.flops - before)
+        routed.append(walk.routed)
+        walk.routed = 0.0
         forward.append(_forward_flops(cfg, trainable, p, dims, scores))
     head_trains = walk.trains("output") or (cfg.tie_embeddings and walk.trains("tok_embeddings"))
     x = grad or walk.trains("norm")
     head = cfg.vocab_size * cfg.hidden_size * (2 + 2 * head_trains + 2 * x)
-    return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head))
+    return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head),
+                         routed=tuple(routed))
 
 
 def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
@@ -277,9 +282,11 @@ def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bo
 def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
     """A MoE block's feed-forward along `walk` (its input needs a gradient: `x`); whether its output does.
     The router's output weights the experts' outputs, so it needs a gradient when they train."""
+    start = walk.flops
     routed = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.experts.w1", "feed_forward.experts.w3")])
     out = walk.linear(p + "feed_forward.experts.w2", dims["feed_forward.experts.w2"], routed)
     out = walk.linear(p + "feed_forward.router.gate", dims["feed_forward.router.gate"], x) or out
+    walk.routed = walk.flops - start  # what every tensor-parallel rank runs whole
     if "feed_forward.shared.w1" in dims:
         shared = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.shared.w1", "feed_forward.shared.w3")])
         out = walk.linear(p + "feed_forward.shared.w2", dims["feed_forward.shared.w2"], shared) or out

@@ -73,10 +73,10 @@ def parallelize_model(
     `reshard_after_forward`: overrides ZeRO-3's resharding after forward (None: as the stage says).
     """
     apply_float8(model, cfg, dims)  # first: recompute, compile and FSDP2 wrap the float8 linears
+    if cfg.parallel.expert_parallel > 1:  # the experts over the data-parallel ranks, before TP and FSDP2 wrap the rest
+        apply_expert_parallel(model, *expert_mesh(meshes["dp"], cfg.parallel.expert_parallel))
     if dims.tp > 1:
         apply_tensor_parallel(model, meshes["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
-    if cfg.parallel.expert_parallel > 1:  # the experts over the data-parallel ranks, before FSDP2 wraps the rest
-        apply_expert_parallel(model, *expert_mesh(meshes["dp"], cfg.parallel.expert_parallel))
     if dims.cp > 1:  # before recompute and compile wrap the blocks, before FSDP2 hooks the root
         apply_context_parallel(model, meshes["cp"])
     apply_recompute(model, cfg.optimize.layer_recompute([int(name) for name in model.layers]))

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -54,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..errors import ConfigError
+from ..models.moe import MoE
 from .dtensors import full_value
 
 __all__ = [
@@ -270,11 +272,14 @@ def apply_tensor_parallel(
             "attention.wk": _colwise(attn.wk),
             "attention.wv": _colwise(attn.wv),
             "attention.wo": _rowwise(attn.wo, act),
-            "feed_forward.w1": _colwise(ffn.w1),
-            "feed_forward.w2": _rowwise(ffn.w2, act),
         }
-        if ffn.w3 is not None:
-            plan["feed_forward.w3"] = _colwise(ffn.w3)
+        moe = isinstance(ffn, MoE)
+        if moe:
+            plan.update(_moe_plan(ffn, tp_mesh))
+        else:
+            plan.update({"feed_forward.w1": _colwise(ffn.w1), "feed_forward.w2": _rowwise(ffn.w2, act)})
+            if ffn.w3 is not None:
+                plan["feed_forward.w3"] = _colwise(ffn.w3)
         if attn.q_norm is not None:
             plan.update({"attention.q_norm": _HeadNorm(), "attention.k_norm": _HeadNorm()})
         if block.attention_post_norm is not None:  # GLM-4's and Gemma 3's norms on the outputs, before the adds
@@ -289,7 +294,13 @@ def apply_tensor_parallel(
             plan["attention"] = PrepareModuleInput(
                 input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest
             )
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            if moe:  # the whole sequence in (as local tensors), this rank's part of it out
+                plan["feed_forward"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            else:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                          desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
 
     leftover = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -309,6 +320,29 @@ def apply_tensor_parallel(
     if sp and _has_dropout(model):
         _install_rank_rng(model, tp_mesh)
     model._shardwise_tp = {"tp": tp, "sequence_parallel": sp, "loss_parallel": loss_parallel}
+
+
+def _moe_plan(moe: nn.Module, tp_mesh: Any) -> dict[str, ParallelStyle]:
+    """A mixture-of-experts block under tensor parallelism: every rank of the group routes the same tokens
+    and runs the same experts (the router and, without expert parallelism, the experts replicated over the
+    group; expert parallelism's experts are spread over the data-parallel ranks already); the shared experts
+    are split as a dense MLP, their output summed over the group."""
+    plan: dict[str, ParallelStyle] = {"feed_forward.router.gate": _ReplicateParallel()}
+    if not any(isinstance(w, DTensor) for w in moe.experts.parameters()):  # no expert parallelism
+        for name in ("w1", "w3", "w2"):
+            _broadcast_replicate_param(moe.experts, name, tp_mesh)
+    if moe.shared is not None:
+        plan.update({"feed_forward.shared.w1": _colwise(moe.shared.w1), "feed_forward.shared.w3":
+                     _colwise(moe.shared.w3), "feed_forward.shared.w2": _rowwise(moe.shared.w2, Replicate())})
+    return plan
+
+
+def _broadcast_replicate_param(module: nn.Module, name: str, mesh: Any) -> None:
+    """`module.name` as a Replicate DTensor over `mesh`, broadcast from rank 0 (its forward is not hooked:
+    GroupedExperts multiplies with the local tensor, and each rank computes the same gradient)."""
+    param = getattr(module, name)
+    dt = distribute_tensor(param.data, mesh, [Replicate()], src_data_rank=0)
+    module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
 def _replicate_partial_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -309,13 +309,13 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     nodes = req.nodes or req.hardware.nodes_for(n)
     per_node = n // nodes
     out = []
-    # What the model's kind runs with (RunConfig refuses the rest): mixture-of-experts models and latent
-    # attention data and expert parallelism only, ALiBi no tensor or context parallelism.
+    # What the model's kind runs with (RunConfig refuses the rest): latent attention data and expert
+    # parallelism only, mixture-of-experts models tensor parallelism too, ALiBi no tensor or context parallelism.
     only_data = bool(m.num_experts) or m.latent_attention
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
             continue
-        if tp > 1 and (only_data or m.position == "alibi"):
+        if tp > 1 and (m.latent_attention or m.position == "alibi"):
             continue
         if tp > per_node and "tp" not in pins:
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
@@ -347,7 +347,8 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                         except ConfigError:
                             continue
                     for zero, ep in [(z, e) for z in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,))
-                                     for e in _allowed(pins, "ep", expert_parallel_degrees(m, dp))]:
+                                     for e in _allowed(pins, "ep", expert_parallel_degrees(m, dp))
+                                     if tp == 1 or e in (1, dp)]:  # with TP, the experts over all data ranks
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
                         can_offload = req.offload and req.hardware.kind != "cpu" and ep == 1 and (
                             zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1)) and \

@@ -37,10 +37,10 @@ def _tp_dim(name: str) -> Optional[int]:
     """The dimension tensor parallel shards (shardwise/parallel/tensor.py's plan), None if replicated."""
     if name.startswith(("tok_embeddings.", "pos_embeddings.", "output.")):
         return 0
-    leaf = name.split(".")
-    module = ".".join(leaf[2:4]) if name.startswith("layers.") else ""
-    column = module in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-    row = module in ("attention.wo", "feed_forward.w2")
+    rest = name.split(".", 2)[2] + "." if name.startswith("layers.") else ""  # "attention.wq.weight."
+    column = rest.startswith(("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.",
+                              "feed_forward.w3.", "feed_forward.shared.w1.", "feed_forward.shared.w3."))
+    row = rest.startswith(("attention.wo.", "feed_forward.w2.", "feed_forward.shared.w2."))
     if ".lora_A." in name:
         return 1 if row else None
     if ".lora_B." in name:
