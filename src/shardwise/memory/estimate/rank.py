@@ -398,7 +398,7 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
         "host_offload": {"optimizer": host_static + host_grads, "activations": act_host},
         "async_save_host_bytes": staged,  # train.async_save: the staged copy of what a checkpoint saves
     }
-    approximate = _approximations(m, ep)
+    approximate = _approximations(m, ep, lay.tp)
     if approximate:
         detail["approximate"] = "; ".join(approximate)
     return MemoryEstimate(params=param_bytes, grads=grads_at_peak, optimizer=optimizer_bytes + master_bytes,
@@ -407,9 +407,12 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
                           host_phases=host_phases)
 
 
-def _approximations(m: Any, ep: int) -> list[str]:
+def _approximations(m: Any, ep: int, tp: int) -> list[str]:
     """What this estimate counts only roughly, named for the reader (nothing: exact on a CPU)."""
     out = []
+    if m.num_experts and tp > 1:
+        out.append("tensor parallelism with mixture-of-experts blocks: the sequence each block gathers and splits "
+                   "again is not counted")
     if ep > 1:
         out.append("expert parallelism: each rank is taken to receive its even share of the routed copies, and "
                    "the token exchange's send and receive buffers are not counted")
