@@ -285,7 +285,12 @@ def _decoder_fields(hf: dict, family: str, source: str | os.PathLike) -> dict[st
     max_pos = _size(hf, "max_position_embeddings", source, MAX_POSITIONS,
                     _size(hf, "model_max_length", source, MAX_POSITIONS, 4096) if family in ("llama", "baichuan")
                     else 32768)
-    if family != "gemma3":
+    window = 0
+    if family in ("mistral", "mixtral"):  # every block slides (Gemma 3 reads its pattern itself)
+        window = int_field(hf, "sliding_window", source, CheckpointError, lo=0, hi=MAX_POSITIONS, default=0,
+                           advice=_CONFIG_ADVICE) or 0
+        window = window if window < max_pos else 0  # a window the context never exceeds changes nothing
+    elif family != "gemma3":
         _warn_sliding_window(hf, family, source, max_pos)
     head_dim = int_field(hf, "head_dim", source, CheckpointError, lo=1, hi=MAX_WIDTH, default=0,
                          advice=_CONFIG_ADVICE) or None
@@ -315,6 +320,7 @@ def _decoder_fields(hf: dict, family: str, source: str | os.PathLike) -> dict[st
         tie_embeddings=_flag(hf, "tie_word_embeddings", source, False),
         initializer_range=_positive(hf, "initializer_range", source, 0.02),
         qk_norm=family in ("qwen3", "qwen3_moe"),
+        sliding_window=window,
     )
 
 
@@ -544,7 +550,7 @@ def model_config_to_hf(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) ->
         if family == "llama":
             hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
         elif family in ("mistral", "mixtral"):
-            hf.update(sliding_window=None)
+            hf.update(sliding_window=cfg.sliding_window or None)
         elif family in ("qwen2", "qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None)
         if family in ("qwen3", "qwen3_moe"):
@@ -629,7 +635,8 @@ _FEATURES = {
     "norm_unit_offset": ("gemma3",),
     "scale_embeddings": ("gemma3",),
     "attention_scale": ("gemma3",),
-    "sliding_window": ("gemma3",),
+    "sliding_window": ("gemma3", "mistral", "mixtral"),
+    "full_attention_every": ("gemma3",),
     "rope_local_theta": ("gemma3",),
     "latent_attention": ("deepseek_v3",),
 }
@@ -638,6 +645,7 @@ _FIXED = {"glm4": {"rope_interleave": True, "sandwich_norm": True},
           "qwen3": {"qk_norm": True}, "qwen3_moe": {"qk_norm": True}, "deepseek_v3": {"latent_attention": True}}
 _OFF = {"qk_norm": False, "partial_rotary_factor": 1.0, "rope_interleave": False, "sandwich_norm": False,
         "norm_unit_offset": False, "scale_embeddings": False, "attention_scale": None, "sliding_window": 0,
+        "full_attention_every": 0,
         "rope_local_theta": None, "latent_attention": False}
 
 

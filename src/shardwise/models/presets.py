@@ -140,11 +140,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gemma3_27b": dict(_GEMMA3, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
                        intermediate_size=21504, attention_scale=168 ** -0.5),
 
-    # Mistral-7B-v0.1. Its 4096-token sliding window is not implemented: attention is full causal, which
-    # is identical up to 4096 tokens.
+    # Mistral-7B-v0.1: every block attends through a 4096-token sliding window.
     "mistral_7b": dict(_LLAMA, model_type="mistral", vocab_size=32000, hidden_size=4096,
                        num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                       max_position_embeddings=32768, norm_eps=1e-5),
+                       max_position_embeddings=32768, norm_eps=1e-5, sliding_window=4096),
 
     # Baichuan: LLaMA shapes with a 64K vocabulary (its fused W_pack q/k/v is only a storage layout).
     "baichuan_7b": dict(_LLAMA, model_type="baichuan", vocab_size=64000, hidden_size=4096,
