@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from shardwise.models import build_model, count_active_parameters, count_parameters, resolve_model_config
 from shardwise.models.hf import from_hf, model_config_to_hf
+from shardwise.models.transformer import KVCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,35 +84,31 @@ def test_sliding_window_blocks_see_only_the_window_and_documents_stay_apart():
         assert not torch.allclose(full(tokens[:, :70]), model(tokens[:, :70]), atol=1e-3)
 
 
-def test_sliding_window_with_a_kv_cache_decodes_like_the_full_forward():
-    torch.manual_seed(0)
-    from shardwise.models.transformer import KVCache
+def _decoded_in_steps(model, tokens: torch.Tensor, prompt: int) -> tuple[torch.Tensor, KVCache]:
+    """Logits of `tokens` from a KV cache: the first `prompt` at once, then one token at a time."""
+    cache = KVCache.for_model(model, batch_size=tokens.shape[0], max_len=tokens.shape[1] + 4)
+    with torch.no_grad():
+        steps = [model(tokens[:, :prompt], kv_cache=cache)] + [model(tokens[:, i:i + 1], kv_cache=cache)
+                                                               for i in range(prompt, tokens.shape[1])]
+    return torch.cat(steps, dim=1), cache
 
-    cfg = resolve_model_config({"preset": "tiny_gemma3"})
+
+@pytest.mark.parametrize("preset, batch, length, prompt", [("tiny_gemma3", 2, 50, 40),  # past the 32-token window
+                                                           ("tiny_deepseek_v3", 1, 12, 8)])
+def test_decoding_with_a_kv_cache_equals_the_full_forward(preset, batch, length, prompt):
+    """Sliding windows and latent attention (whose cache holds keys and values of two widths) decode as
+    the whole sequence's forward computes."""
+    torch.manual_seed(0)
+    cfg = resolve_model_config({"preset": preset})
     model = build_model(cfg).eval()
-    tokens = torch.randint(0, cfg.vocab_size, (2, 50))
+    tokens = torch.randint(0, cfg.vocab_size, (batch, length))
     with torch.no_grad():
         whole = model(tokens)
-        cache = KVCache.for_model(model, batch_size=2, max_len=64)
-        steps = [model(tokens[:, :40], kv_cache=cache)] + [model(tokens[:, i:i + 1], kv_cache=cache)
-                                                          for i in range(40, 50)]
-    assert torch.allclose(torch.cat(steps, dim=1), whole, atol=1e-5)
-
-
-def test_latent_attention_decodes_with_a_cache_of_two_widths():
-    torch.manual_seed(0)
-    from shardwise.models.transformer import KVCache
-
-    cfg = resolve_model_config({"preset": "tiny_deepseek_v3"})
-    model = build_model(cfg).eval()
-    tokens = torch.randint(0, cfg.vocab_size, (1, 12))
-    with torch.no_grad():
-        whole = model(tokens)
-        cache = KVCache.for_model(model, batch_size=1, max_len=16)
-        assert cache.k[0].shape[-1] == cfg.head_dim and cache.v[0].shape[-1] == cfg.v_head_dim != cfg.head_dim
-        steps = [model(tokens[:, :8], kv_cache=cache)] + [model(tokens[:, i:i + 1], kv_cache=cache)
-                                                         for i in range(8, 12)]
-    assert torch.allclose(torch.cat(steps, dim=1), whole, atol=1e-5)
+    steps, cache = _decoded_in_steps(model, tokens, prompt)
+    assert torch.allclose(steps, whole, atol=1e-5)
+    assert cache.k[0].shape[-1] == cfg.head_dim and cache.v[0].shape[-1] == cfg.value_dim
+    if cfg.latent_attention:
+        assert cfg.value_dim != cfg.head_dim
 
 
 def test_multi_token_prediction_layers_are_skipped_with_a_warning(tmp_path):

@@ -199,7 +199,6 @@ class _Walk:
     def __init__(self, trainable: Mapping[str, Sequence[int]] | None) -> None:
         self.trainable = trainable
         self.flops = 0.0
-        self.routed = 0.0  # the current MoE block's router and routed experts (`_moe_walk`)
         # Every module (dotted prefix) that holds a trainable parameter, for constant-time lookups.
         self._training_modules = {module for name in trainable or () for module in _modules_of(name)}
 
@@ -249,14 +248,15 @@ def training_flops(cfg: ModelConfig, seq_length: int,
         walk.flops += scores * (3 if attended else 1)
         grad = walk.linear(p + "attention.wo", dims["attention.wo"], attended) or grad
         x = grad or walk.trains(p + "ffn_norm")
+        routed_here = 0.0
         if cfg.is_moe_layer(i):
-            grad = _moe_walk(walk, p, dims, x) or grad
+            out, routed_here = _moe_walk(walk, p, dims, x)
+            grad = out or grad
         else:
             hidden = any([walk.linear(p + n, dims[n], x) for n in _MLP_INPUTS if n in dims])
             grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
         layers.append(walk.flops - before)
-        routed.append(walk.routed)
-        walk.routed = 0.0
+        routed.append(routed_here)
         forward.append(_forward_flops(cfg, trainable, p, dims, scores))
     head_trains = walk.trains("output") or (cfg.tie_embeddings and walk.trains("tok_embeddings"))
     x = grad or walk.trains("norm")
@@ -279,18 +279,19 @@ def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bo
     return walk.linear(p + "attention.wkv_b", dims["attention.wkv_b"], latent) or latent or query
 
 
-def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
-    """A MoE block's feed-forward along `walk` (its input needs a gradient: `x`); whether its output does.
-    The router's output weights the experts' outputs, so it needs a gradient when they train."""
+def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> tuple[bool, float]:
+    """A MoE block's feed-forward along `walk` (its input needs a gradient: `x`): whether its output does, and
+    the FLOPs of its router and routed experts (what every tensor-parallel rank runs whole). The router's
+    output weights the experts' outputs, so it needs a gradient when they train."""
     start = walk.flops
     routed = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.experts.w1", "feed_forward.experts.w3")])
     out = walk.linear(p + "feed_forward.experts.w2", dims["feed_forward.experts.w2"], routed)
     out = walk.linear(p + "feed_forward.router.gate", dims["feed_forward.router.gate"], x) or out
-    walk.routed = walk.flops - start  # what every tensor-parallel rank runs whole
+    routed_flops = walk.flops - start
     if "feed_forward.shared.w1" in dims:
         shared = any([walk.linear(p + n, dims[n], x) for n in ("feed_forward.shared.w1", "feed_forward.shared.w3")])
         out = walk.linear(p + "feed_forward.shared.w2", dims["feed_forward.shared.w2"], shared) or out
-    return out
+    return out, routed_flops
 
 
 def _forward_flops(cfg: ModelConfig, trainable: Mapping[str, Sequence[int]] | None, prefix: str,

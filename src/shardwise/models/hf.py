@@ -778,17 +778,22 @@ def _hf_module(module: str, cfg: ModelConfig) -> str:
     return _FAMILY_NAMES.get(cfg.model_type, {}).get(module) or _LLAMA_NAMES_BACK[module]
 
 
-def hf_layer_module(module: str, cfg: ModelConfig) -> Optional[str]:
-    """The HF module inside model.layers.{i} that holds our `module` of a block (`attention.wq_a` ->
-    `self_attn.q_a_proj`), named as the family the model exports as; None for a module it has no name for.
-    Modules that share one HF tensor (GLM-4's gate_up_proj, Baichuan's W_pack) give the same name."""
+def hf_layer_modules(modules: Iterable[str], cfg: ModelConfig) -> dict[str, str]:
+    """Our `modules` of a block (`attention.wq_a`...) -> the HF module inside model.layers.{i} that holds each
+    (`self_attn.q_a_proj`), named as the family the model exports as; modules it has no name for are left out.
+    Modules that share one HF tensor (GLM-4's gate_up_proj, Baichuan's W_pack) map to the same name."""
     try:
         family = _export_family(cfg)
     except ConfigError:
         family = cfg.model_type
-    if module == "feed_forward.router.gate":
-        return _moe_names(cfg.model_copy(update={"model_type": family}))["router"]
-    return _FAMILY_NAMES.get(family, {}).get(module) or _LLAMA_NAMES_BACK.get(module)
+    named = cfg.model_copy(update={"model_type": family})
+    out = {}
+    for module in modules:
+        theirs = _moe_names(named)["router"] if module == "feed_forward.router.gate" else \
+            _FAMILY_NAMES.get(family, {}).get(module) or _LLAMA_NAMES_BACK.get(module)
+        if theirs is not None:
+            out[module] = theirs
+    return out
 
 
 def _hf_names(ours: str, cfg: ModelConfig) -> list[str]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from shardwise.models.attention import AttentionMask, attend
 from shardwise.models.config import ModelConfig
-from shardwise.models.init import init_normal
+from shardwise.models.init import init_linears
 from shardwise.models.norms import RMSNorm
 from shardwise.models.rope import apply_rope, softmax_scale
 
@@ -92,13 +92,8 @@ class LatentAttention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Normal weights, zero biases, unit norms; the output projection gets the depth-scaled std."""
-        for lin, s in ((self.wq, std), (self.wq_a, std), (self.wq_b, std), (self.wkv_a, std), (self.wkv_b, std),
-                       (self.wo, out_std)):
-            if lin is None:
-                continue
-            init_normal(lin.weight, s)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        init_linears(((self.wq, std), (self.wq_a, std), (self.wq_b, std), (self.wkv_a, std), (self.wkv_b, std),
+                      (self.wo, out_std)))
         for norm in (self.q_norm, self.kv_norm):
             if norm is not None:
                 norm.reset_parameters()

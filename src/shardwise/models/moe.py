@@ -117,11 +117,8 @@ class Router(nn.Module):
         return weights.to(x.dtype), experts, scores, logits
 
     def reset_parameters(self, std: float) -> None:
-        """Normal router weights; no bias towards any expert."""
+        """Normal router weights (the bias: `MoE.reset_buffers`)."""
         init_normal(self.gate.weight, std)
-        # Replaced, not zeroed: a model cast to 16 bits has cast this buffer too, and the balancing steps
-        # (moe_bias_update_rate) are far below bf16's resolution; it stays fp32.
-        self.expert_bias = torch.zeros_like(self.expert_bias, dtype=torch.float32)
 
 
 def _best_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
@@ -243,6 +240,13 @@ class MoE(nn.Module):
         self.experts.reset_parameters(std, out_std)
         if self.shared is not None:
             self.shared.init_weights(std, out_std)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """No bias towards any expert, no load counted. Replaced, not zeroed: a model cast to 16 bits has cast
+        these buffers too, and the balancing steps (moe_bias_update_rate) are far below bf16's resolution;
+        they stay fp32."""
+        self.router.expert_bias = torch.zeros_like(self.router.expert_bias, dtype=torch.float32)
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, dtype=torch.float32)
 
 
@@ -290,5 +294,4 @@ def reset_moe_buffers(model: nn.Module) -> None:
     counters (a model allocated without initialisation, or cast to 16 bits, before its weights are loaded)."""
     for m in model.modules():
         if isinstance(m, MoE):
-            m.router.expert_bias = torch.zeros_like(m.router.expert_bias, dtype=torch.float32)
-            m.tokens_per_expert = torch.zeros_like(m.tokens_per_expert, dtype=torch.float32)
+            m.reset_buffers()

@@ -38,7 +38,7 @@ from shardwise.models.attention import (
     flex_shapes,
 )
 from shardwise.models.config import ModelConfig
-from shardwise.models.init import init_normal
+from shardwise.models.init import init_linears, init_normal
 from shardwise.models.latent_attention import LatentAttention
 from shardwise.models.lean_ops import gated_activation
 from shardwise.models.moe import MoE
@@ -165,10 +165,7 @@ class Attention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Normal weights, zero biases; the output projection gets the depth-scaled std."""
-        for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
-            init_normal(lin.weight, s)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        init_linears(((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)))
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -198,12 +195,7 @@ class FeedForward(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Normal weights, zero biases; the down projection gets the depth-scaled std."""
-        for lin, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
-            if lin is None:
-                continue
-            init_normal(lin.weight, s)
-            if lin.bias is not None:
-                nn.init.zeros_(lin.bias)
+        init_linears(((self.w1, std), (self.w3, std), (self.w2, out_std)))
 
 
 class TransformerBlock(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.models.flops import attention_dims
-from shardwise.models.hf import GPT2_NAMES, check_weight_dtype, hf_layer_module, open_safetensors, save_safetensors
+from shardwise.models.hf import GPT2_NAMES, check_weight_dtype, hf_layer_modules, open_safetensors, save_safetensors
 from shardwise.peft.quantize import is_quantized, lora_linear
 from shardwise.untrusted import (
     bool_field,
@@ -173,8 +173,7 @@ def block_hf_names(cfg: ModelConfig) -> dict[str, str]:
     """Our block linears (relative to layers.{i}) -> the HF module inside a layer that holds each."""
     if _is_gpt2(cfg):
         return _GPT2_BACK
-    names = {ours: hf_layer_module(ours, cfg) for ours in BLOCK_LINEARS}
-    return {ours: theirs for ours, theirs in names.items() if theirs is not None}
+    return hf_layer_modules(BLOCK_LINEARS, cfg)
 
 
 def _fused_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
