@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from shardwise.models import ModelConfig
 from shardwise.models import moe as moe_module
 from shardwise.models.moe import MoE, set_aux_loss_scale, take_expert_load, update_expert_bias
+from shardwise.peft.lora import LoRAExperts
 
 H, E, FFN = 16, 8, 12
 
@@ -33,7 +34,7 @@ def _expert(layer: MoE, j: int, x: torch.Tensor) -> torch.Tensor:
     return (F.silu(x @ ex.w1[j].t()) * (x @ ex.w3[j].t())) @ ex.w2[j].t()
 
 
-def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+def _reference(layer: MoE, x: torch.Tensor, expert=_expert) -> torch.Tensor:
     """Token by token: scores, the choice (plain sorting; groups and bias as DeepSeek-V3 describes them), the
     weights and the weighted sum of the chosen experts."""
     c = layer.cfg
@@ -54,7 +55,7 @@ def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
         if c.norm_topk_prob:
             w = w / w.sum()
         w = w * c.routed_scaling_factor
-        out.append(sum(w[i] * _expert(layer, e, token) for i, e in enumerate(chosen)))
+        out.append(sum(w[i] * expert(layer, e, token) for i, e in enumerate(chosen)))
     return torch.stack(out).view_as(x)
 
 
@@ -80,6 +81,43 @@ def test_the_layer_equals_a_token_by_token_reference(routing):
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
     for name, p in layer.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "padded"])
+def test_lora_on_the_routed_experts_equals_each_experts_own_update(grouped, monkeypatch):
+    """LoRA on the gate and down projections of every expert: outputs and the gradients of the input and of
+    every adapter equal the token-by-token reference whose expert e multiplies by W_e + scaling B_e A_e."""
+    if not grouped:
+        monkeypatch.setattr(moe_module, "_grouped_mm_runs", lambda *_: False)
+    layer = _layer(_cfg())
+    layer.experts = LoRAExperts(layer.experts, ["w1", "w2"], r=3, alpha=6)
+    for adapter in layer.experts.lora.values():
+        for factor in (adapter.lora_A, adapter.lora_B):
+            factor.weight.data = torch.randn(factor.weight.shape) * 0.3
+    scaling = 2.0
+
+    def adapted(lay: MoE, j: int, token: torch.Tensor) -> torch.Tensor:
+        ex = lay.experts
+        w = {name: getattr(ex, name)[j] + (scaling * ex.lora[name].lora_B.weight[j] @ ex.lora[name].lora_A.weight[j]
+                                           if name in ex.lora else 0) for name in ("w1", "w3", "w2")}
+        return (F.silu(token @ w["w1"].t()) * (token @ w["w3"].t())) @ w["w2"].t()
+
+    x = torch.randn(2, 5, H, requires_grad=True)
+    got = layer(x)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = _reference(layer, ref_x, adapted)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
+    assert {n for n in grads if "lora" in n} == {f"experts.lora.{w}.lora_{k}.weight" for w in ("w1", "w2")
+                                                  for k in "AB"}
+    for name, p in layer.named_parameters():
+        if "lora" in name:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_the_padded_fallback_gives_the_grouped_matmul_results(monkeypatch):

@@ -68,7 +68,11 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, 
        "router_z_loss_coef": 0.001}
 FINETUNE: dict[str, dict[str, Any]] = {"full": {}, "lora": {"lora": LORA},
                                        "freeze": {"freeze": {"embeddings": True, "layers": 1}},
-                                       "moe": {"model": {"preset": "tiny_llama", **MODEL, **MOE}}}
+                                       "moe": {"model": {"preset": "tiny_llama", **MODEL, **MOE}},
+                                       # LoRA on attention and on every routed expert's three projections
+                                       "moe_lora": {"model": {"preset": "tiny_llama", **MODEL, **MOE},
+                                                    "lora": {**LORA, "target_modules": ["q_proj", "experts.w1",
+                                                                                        "experts.w3", "experts.w2"]}}}
 # The tensor fault (a) halves: its largest first-step gradient is ~1e-4 (checked in test_parity_faults).
 HALVED = {"full": "layers.1.attention.wq.weight", "freeze": "layers.1.attention.wq.weight",
           "lora": "layers.1.attention.wq.lora_B.weight"}
@@ -136,12 +140,20 @@ LAYOUTS = [
     Layout("moe_ep2_zero0", 2, dict(data_parallel=2, zero_stage=0, expert_parallel=2), 2, 2, finetune="moe"),
     Layout("moe_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2, finetune="moe"),
     Layout("moe_ep2_zero3", 2, dict(data_parallel=2, zero_stage=3, expert_parallel=2), 1, 4, finetune="moe"),
+    # ZB-V: MoE blocks on both ranks, two stages a rank (fails when the stages' shape inference counts in the
+    # experts' load, which moves the routers' bias)
+    Layout("moe_pp2_zero_bubble_v", 2, _pp("zero_bubble", 2, 2), 2, 4, finetune="moe"),
+    Layout("moe_lora_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2,
+           finetune="moe_lora"),  # the experts' adapters spread with them
+    Layout("moe_lora_tp2", 2, dict(tensor_parallel=2), 4, 2, finetune="moe_lora"),  # ... replicated with them
     Layout("moe_tp2_sp", 2, dict(tensor_parallel=2), 2, 4, finetune="moe"),  # router, experts replicated over TP
     # 4 ranks
     Layout("moe_ep2_tp2_zero3", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=3, expert_parallel=2), 1, 4,
            finetune="moe"),
     Layout("moe_ep2_tp2_no_sp", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=1, expert_parallel=2,
                                         sequence_parallel=False), 2, 2, finetune="moe"),
+    Layout("moe_pp2_ep2_zero3", 4, dict(data_parallel=2, zero_stage=3, expert_parallel=2, **_pp("1f1b")), 1, 4,
+           finetune="moe"),
     Layout("moe_ep2_dp4_zero0", 4, dict(data_parallel=4, zero_stage=0, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("moe_ep2_dp4_zero3", 4, dict(data_parallel=4, zero_stage=3, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,

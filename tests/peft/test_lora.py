@@ -231,6 +231,70 @@ def test_gpt2_q_only_exports_zero_k_v_blocks(tmp_path):
     assert (_logits(peft_model) - _logits(model)).abs().max() <= 1e-4
 
 
+def _qwen3_moe():  # every block a mixture of 4 experts, no shared expert
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **_SMALL, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **_SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None))
+
+
+@pytest.mark.parametrize("family, targets", [("qwen3_moe", ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+                                             ("mixtral", ["q_proj", "w1", "w3", "w2"])])
+def test_routed_expert_adapters_load_in_peft(family, targets, tmp_path):
+    """LoRA on the routed experts, one adapter per expert's gate, up and down projection: saved per expert
+    (as peft saves LoRA on transformers 4's expert linears), which peft converts for transformers 5's fused
+    experts, with our logits; it loads back exactly, and merges into the stacked weights."""
+    FAMILIES[family] = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}[family]
+    try:
+        hf, path = _base(family, tmp_path)
+    finally:
+        del FAMILIES[family]
+    base_logits = _logits(hf)
+    model = from_hf(path).eval()
+    names = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=targets)
+    assert {"layers.0.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2"} <= set(names)
+    assert model.layers["1"].feed_forward.experts.lora["w3"].lora_A.weight.shape == (4, 4, 32)  # [experts, r, in]
+    _randomize_lora(model)
+    ours = _logits(model)
+    adapter = save_adapter(lora_state_dict(model), model.cfg, r=4, alpha=8, dropout=0.0, target_modules=targets,
+                           out_dir=tmp_path / "adapter")
+    assert sorted(json.loads((adapter / "adapter_config.json").read_text())["target_modules"]) == sorted(targets)
+    experts = "mlp.experts" if family == "qwen3_moe" else "block_sparse_moe.experts"
+    down = "down_proj" if family == "qwen3_moe" else "w2"
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice(f"base_model.model.model.layers.1.{experts}.3.{down}.lora_A.weight").get_shape()) \
+            == (4, model.cfg.moe_intermediate_size)
+    theirs = _logits(peft.PeftModel.from_pretrained(hf, adapter).eval())
+    assert (ours - base_logits).abs().max() > 0.05
+    assert (theirs - ours).abs().max() <= 1e-4
+    again = from_hf(path).eval()
+    assert load_adapter(again, adapter) == names
+    assert torch.equal(_logits(again), ours)
+    merge_lora(again)
+    assert (_logits(again) - ours).abs().max() <= 1e-4
+
+
+def test_routed_expert_adapters_need_every_expert_and_no_dropout(tmp_path):
+    cfg = _tiny_cfg(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, qk_norm=True,
+                    model_type="qwen3_moe")
+    with pytest.raises(ConfigError, match=r"lora.dropout 0.1 with LoRA on the routed experts.*set lora.dropout: 0"):
+        apply_lora(build_model(cfg), r=2, alpha=2, dropout=0.1, target_modules=["experts.w1"])
+    model = build_model(cfg)
+    apply_lora(model, r=2, alpha=2, dropout=0.0, target_modules=["gate_proj", "up_proj"])
+    adapter = save_adapter(lora_state_dict(model), cfg, 2, 2, 0.0, None, tmp_path / "adapter")
+    path = adapter / "adapter_model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if ".experts.2." not in k}
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"lora_A for 3 of the 4 experts of model\.layers\.0\.mlp\.experts\.2\."
+                                              r"gate_proj \(none for expert 2\)"):
+        load_adapter(build_model(cfg), adapter)
+
+
 # ---- merging ----
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -249,25 +313,29 @@ def test_merge_lora_equals_unmerged(family, tmp_path):
     assert (_logits(model) - unmerged).abs().max() <= 1e-4
 
 
-def test_moe_shared_expert_adapters_merge_exactly(tmp_path):
-    """Adapters on a MoE model's attention, dense MLP and shared experts (DeepSeek-V3): they change the
-    logits, merging them gives the same logits, and the adapter saves and loads back exactly."""
+def test_moe_adapters_merge_exactly(tmp_path):
+    """Adapters on a MoE model's attention, dense MLP, shared and routed experts (DeepSeek-V3, all-linear):
+    they change the logits, merging them gives the same logits, and the adapter saves and loads back exactly."""
     _, path = _base("deepseek_v3", tmp_path)
     model = from_hf(path).eval()
     names = apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
-    assert "layers.1.feed_forward.shared.w3" in names and "layers.0.feed_forward.w1" in names
-    assert not any("router" in n or "experts." in n for n in names)  # routed experts and the router stay frozen
+    assert {"layers.1.feed_forward.shared.w3", "layers.0.feed_forward.w1", "layers.1.feed_forward.experts.w1",
+            "layers.1.feed_forward.experts.w2"} <= set(names)
+    assert not any("router" in n for n in names)  # the router stays frozen
     base = _logits(from_hf(path).eval())
     _randomize_lora(model)
     unmerged = _logits(model)
     assert (unmerged - base).abs().max() > 0.05
     adapter = save_adapter(lora_state_dict(model), model.cfg, 4, 8, 0.0, "all-linear", tmp_path / "adapter")
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
-        assert "base_model.model.model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight" in set(f.keys())
+        assert {"base_model.model.model.layers.1.mlp.shared_experts.gate_proj.lora_A.weight",
+                "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight"} <= set(f.keys())
     again = from_hf(path).eval()
     load_adapter(again, adapter)
     assert torch.equal(_logits(again), unmerged)
+    base_names = [n for n, _ in from_hf(path).named_parameters()]
     merge_lora(model)
+    assert [n for n, _ in model.named_parameters()] == base_names
     assert (_logits(model) - unmerged).abs().max() <= 1e-4
 
 

@@ -52,7 +52,6 @@ def test_resuming_a_moe_run_continues_it_exactly(tmp_path, dataset):
 @pytest.mark.parametrize("change, message", [
     ({"parallel": {"tensor_parallel": 2, "data_parallel": 4, "expert_parallel": 2}},
      "parallel.expert_parallel 2 below data_parallel 4 with tensor_parallel 2"),
-    ({"parallel": {"pipeline_parallel": 2}}, "parallel.pipeline_parallel 2 with a mixture-of-experts model"),
     ({"parallel": {"context_parallel": 2}}, "parallel.context_parallel 2 with a mixture-of-experts model"),
     ({"optimize": {"float8": True, "mixed_precision": "bf16"}}, "optimize.float8 converts nn.Linear layers"),
     ({"lora": {"r": 4, "quantize_base": "nf4"}, "optimize": {"mixed_precision": "bf16"}},

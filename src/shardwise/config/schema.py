@@ -507,7 +507,8 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: Union[str, list[str]] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="projections to adapt: names (ours wq.. or HF q_proj..; suffix match) or regexes",
+        description="projections to adapt: names (ours wq.. or HF q_proj..; suffix match) or regexes; a MoE "
+        "block's routed experts by their projections (gate_proj / experts.w1 ...: one adapter per expert)",
     )
     quantize_base: Literal["none", "nf4", "int8"] = Field(
         "none", description="QLoRA: store the adapted projections' frozen base weights in 4 bits (nf4, torchao's "
@@ -681,7 +682,8 @@ class RunConfig(_Section):
     def _check_experts(self) -> None:
         """What a mixture-of-experts model does not run with yet: it trains on one device, under data
         parallelism (ZeRO 0-3) and tensor parallelism, its experts spread over the data-parallel ranks
-        (expert_parallel), with recompute, freezing, LoRA on attention, dense blocks and shared experts."""
+        (expert_parallel), in pipelines, with recompute, freezing, LoRA on attention, dense blocks, shared and
+        routed experts."""
         p, o = self.parallel, self.optimize
         ep = p.expert_parallel
         if ep > 1:
@@ -705,11 +707,10 @@ class RunConfig(_Section):
                 raise ValueError(f"parallel.expert_parallel {ep} below data_parallel {p.data_parallel} with "
                                  f"tensor_parallel {p.tensor_parallel}: with tensor parallelism the experts spread "
                                  f"over all the data-parallel ranks; set expert_parallel: {p.data_parallel} (or 1)")
-        for what, n in (("pipeline_parallel", p.pipeline_parallel), ("context_parallel", p.context_parallel)):
-            if n > 1:
-                raise ValueError(f"parallel.{what} {n} with a mixture-of-experts model (model.num_experts "
-                                 f"{self.model.num_experts}): not supported yet; use data parallelism (ZeRO 0-3) "
-                                 f"and set {what}: 1")
+        if p.context_parallel > 1:
+            raise ValueError(f"parallel.context_parallel {p.context_parallel} with a mixture-of-experts model "
+                             f"(model.num_experts {self.model.num_experts}): not supported yet; use data "
+                             "parallelism (ZeRO 0-3) and set context_parallel: 1")
         if o.float8:
             raise ValueError("optimize.float8 converts nn.Linear layers, and a mixture-of-experts block's experts "
                              "are grouped matrix multiplies it does not convert (its router would be): set "

@@ -771,6 +771,14 @@ def _stacked_names(ours: str, cfg: ModelConfig) -> Optional[list[str]]:
     return [f"model.layers.{idx}.{names['experts']}.{j}.{names[w]}.weight" for j in range(cfg.num_experts)]
 
 
+def routed_expert_names(weight: str, cfg: ModelConfig) -> tuple[str, str]:
+    """(the experts' module inside a layer, each expert's linear) for our stacked `weight` ("w1", "w3" or
+    "w2"), named as the family the model exports as: ("mlp.experts", "gate_proj"), Mixtral's
+    ("block_sparse_moe.experts", "w1"); expert j's linear is `{experts}.{j}.{linear}`."""
+    names = _moe_names(_as_exported(cfg))
+    return names["experts"], names[weight]
+
+
 def _hf_module(module: str, cfg: ModelConfig) -> str:
     """The HF module name inside a layer for our `module` inside a block."""
     if module == "feed_forward.router.gate":
@@ -778,15 +786,21 @@ def _hf_module(module: str, cfg: ModelConfig) -> str:
     return _FAMILY_NAMES.get(cfg.model_type, {}).get(module) or _LLAMA_NAMES_BACK[module]
 
 
-def hf_layer_modules(modules: Iterable[str], cfg: ModelConfig) -> dict[str, str]:
-    """Our `modules` of a block (`attention.wq_a`...) -> the HF module inside model.layers.{i} that holds each
-    (`self_attn.q_a_proj`), named as the family the model exports as; modules it has no name for are left out.
-    Modules that share one HF tensor (GLM-4's gate_up_proj, Baichuan's W_pack) map to the same name."""
+def _as_exported(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` under the family it exports as (its own model_type when it exports as none)."""
     try:
         family = _export_family(cfg)
     except ConfigError:
         family = cfg.model_type
-    named = cfg.model_copy(update={"model_type": family})
+    return cfg.model_copy(update={"model_type": family})
+
+
+def hf_layer_modules(modules: Iterable[str], cfg: ModelConfig) -> dict[str, str]:
+    """Our `modules` of a block (`attention.wq_a`...) -> the HF module inside model.layers.{i} that holds each
+    (`self_attn.q_a_proj`), named as the family the model exports as; modules it has no name for are left out.
+    Modules that share one HF tensor (GLM-4's gate_up_proj, Baichuan's W_pack) map to the same name."""
+    named = _as_exported(cfg)
+    family = named.model_type
     out = {}
     for module in modules:
         theirs = _moe_names(named)["router"] if module == "feed_forward.router.gate" else \

@@ -59,16 +59,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, groups: 
     return torch.bmm(padded, w)[groups, position]
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
+def local_experts(w: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight: a DTensor's local shard (expert parallelism), else `w`."""
     return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes these operands on their device (16-bit needs 16-byte strides)."""
-    aligned = x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+    """Whether `torch._grouped_mm` takes these operands on their device: every stride of the operands and
+    the output a multiple of 16 bytes (a LoRA adapter's rank 4 in fp32 is, rank 3 is not)."""
+    size = x.element_size()
+    aligned = all(s * size % 16 == 0 for t in (x, w) for s in t.stride() if s != 1) and w.shape[-1] * size % 16 == 0
     if x.device.type == "cpu":
-        return x.dtype == torch.float32 or (x.dtype in (torch.bfloat16, torch.float16) and aligned)
+        return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and aligned and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return False
@@ -157,11 +159,10 @@ class GroupedExperts(nn.Module):
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)  # the routed copies grouped by expert, each group in token order
         counts = torch.bincount(flat, minlength=self.num_experts)
-        rows = x[order // k]
-        if self.token_exchange is not None:
-            out = self.token_exchange(rows, counts, self.run_local)
+        if self.token_exchange is not None:  # given the copies to hold: it drops them once they are sent
+            out = self.token_exchange([x[order // k]], counts, self.run_local)
         else:
-            out = self.run_local(rows, counts)
+            out = self.run_local(x[order // k], counts)
         back = out[order.argsort()].view(n, k, -1)  # each copy back in its token's place
         del out  # not saved for backward: free it before the weighted sum
         # [N, 1, k] @ [N, k, hidden]: the weighted sum without a [N, k, hidden] product in between
@@ -171,13 +172,18 @@ class GroupedExperts(nn.Module):
         """`rows` sorted by expert, `counts` [experts held here] of them each, through those experts' MLPs."""
         # Under data parallelism at O2 expert-parallel weights stay fp32 (FSDP2, which casts the others for
         # compute, leaves them out): cast them here as it would.
-        w1, w3, w2 = (_local(w).to(rows.dtype) for w in (self.w1, self.w3, self.w2))
         groups = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts,
                                          output_size=rows.shape[0])
         offsets = counts.cumsum(0).to(torch.int32)
-        h = gated_activation(grouped_mm(rows, w1.transpose(1, 2), offsets, groups),
-                             grouped_mm(rows, w3.transpose(1, 2), offsets, groups), self.activation)
-        return grouped_mm(h, w2.transpose(1, 2), offsets, groups)
+        h = gated_activation(self.project(rows, "w1", offsets, groups), self.project(rows, "w3", offsets, groups),
+                             self.activation)
+        return self.project(h, "w2", offsets, groups)
+
+    def project(self, rows: torch.Tensor, weight: str, offsets: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert through each one's `weight` ("w1", "w3" or "w2", [experts, out, in]): [rows, out].
+        LoRA on the routed experts (`peft.lora.LoRAExperts`) adds its low-rank path here."""
+        w = local_experts(getattr(self, weight)).to(rows.dtype)
+        return grouped_mm(rows, w.transpose(1, 2), offsets, groups)
 
     def reset_parameters(self, std: float, out_std: float) -> None:
         """Normal weights; the down projections get the depth-scaled std."""

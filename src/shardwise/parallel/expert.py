@@ -61,10 +61,12 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, replicas: Any = No
         if module.num_experts % size:
             raise ConfigError(f"parallel.expert_parallel {size} must divide model.num_experts {module.num_experts} "
                               f"({name}): each rank holds the same number of experts")
-        for weight in ("w1", "w3", "w2"):
-            full = getattr(module, weight)
+        # Every parameter here is stacked by expert along its first dimension: the weights, and LoRA's
+        # adapters on them (`peft.lora.LoRAExperts`).
+        for name, full in list(module.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
             shard = distribute_tensor(full.detach(), mesh, [Shard(0)])
-            setattr(module, weight, nn.Parameter(shard, requires_grad=full.requires_grad))
+            setattr(module.get_submodule(owner), leaf, nn.Parameter(shard, requires_grad=full.requires_grad))
         module.token_exchange = exchange
         module.expert_replicas = replicas
     return model
@@ -112,10 +114,12 @@ class TokenExchange:
     def __init__(self, group: Any, size: int) -> None:
         self.group, self.size = group, size
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+    def __call__(self, held: list[torch.Tensor], counts: torch.Tensor,
                  run_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`rows` [copies, hidden] sorted by expert, `counts` [num_experts] of them each, through their
-        experts wherever those live; the results in the order of `rows`."""
+        """The routed copies [copies, hidden] sorted by expert (`held`: a list holding them, emptied once
+        they are sent, so that they do not outlive their send), `counts` [num_experts] of them each, through
+        their experts wherever those live; the results in the order of the copies. Each buffer is dropped
+        as soon as the next one exists: at most a send and a receive buffer beside the experts' own tensors."""
         n = self.size
         sent = counts.view(n, -1)  # [rank, its experts]: copies this rank sends to each expert
         received = funcol.wait_tensor(funcol.all_to_all_single(sent.contiguous(), None, None, group=self.group))
@@ -123,10 +127,15 @@ class TokenExchange:
         recv_splits = received.sum(dim=1)
         splits = torch.cat([send_splits, recv_splits]).tolist()  # the split sizes, on the host at once
         out_sizes, in_sizes = splits[n:], splits[:n]
-        got = funcol.wait_tensor(funcol.all_to_all_single_autograd(rows, out_sizes, in_sizes, group=self.group))
+        got = funcol.wait_tensor(funcol.all_to_all_single_autograd(held.pop(), out_sizes, in_sizes,
+                                                                   group=self.group))
         order = _by_expert(received, sum(out_sizes))
-        done = run_local(got[order], received.sum(dim=0))
+        rows = got[order]
+        del got
+        done = run_local(rows, received.sum(dim=0))
+        del rows
         back = torch.empty_like(done).index_copy(0, order, done)  # in the order the copies arrived
+        del done
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, in_sizes, out_sizes, group=self.group))
 
 

@@ -329,8 +329,9 @@ def _moe_plan(moe: nn.Module, tp_mesh: Any) -> dict[str, ParallelStyle]:
     are split as a dense MLP, their output summed over the group."""
     plan: dict[str, ParallelStyle] = {"feed_forward.router.gate": _ReplicateParallel()}
     if not any(isinstance(w, DTensor) for w in moe.experts.parameters()):  # no expert parallelism
-        for name in ("w1", "w3", "w2"):
-            _broadcast_replicate_param(moe.experts, name, tp_mesh)
+        for name, _ in list(moe.experts.named_parameters()):  # the weights and any LoRA adapters on them
+            owner, _, leaf = name.rpartition(".")
+            _broadcast_replicate_param(moe.experts.get_submodule(owner), leaf, tp_mesh)
     if moe.shared is not None:
         plan.update({"feed_forward.shared.w1": _colwise(moe.shared.w1), "feed_forward.shared.w3":
                      _colwise(moe.shared.w3), "feed_forward.shared.w2": _rowwise(moe.shared.w2, Replicate())})

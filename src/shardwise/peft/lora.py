@@ -32,7 +32,15 @@ from torch import nn
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.config import ModelConfig
 from shardwise.models.flops import attention_dims
-from shardwise.models.hf import GPT2_NAMES, check_weight_dtype, hf_layer_modules, open_safetensors, save_safetensors
+from shardwise.models.hf import (
+    GPT2_NAMES,
+    check_weight_dtype,
+    hf_layer_modules,
+    open_safetensors,
+    routed_expert_names,
+    save_safetensors,
+)
+from shardwise.models.moe import GroupedExperts, grouped_mm, local_experts
 from shardwise.peft.quantize import is_quantized, lora_linear
 from shardwise.untrusted import (
     bool_field,
@@ -63,6 +71,10 @@ BLOCK_LINEARS = (
     "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
     "feed_forward.shared.w1", "feed_forward.shared.w3", "feed_forward.shared.w2",
 )
+# A MoE block's routed experts: each stacked weight [experts, out, in] gets one adapter per expert (lora_A
+# [experts, r, in], lora_B [experts, out, r]), saved per expert as peft writes LoRA on the experts' linears
+# (`mlp.experts.{j}.gate_proj`), the form peft converts for transformers 5's fused experts.
+ROUTED_EXPERTS = ("feed_forward.experts.w1", "feed_forward.experts.w3", "feed_forward.experts.w2")
 _QKV = ("attention.wq", "attention.wk", "attention.wv")
 _GPT2_BACK = {ours: hf for hf, ours in GPT2_NAMES.items() if ours in BLOCK_LINEARS}
 _GPT2_BACK.update({name: "attn.c_attn" for name in _QKV})
@@ -85,7 +97,8 @@ _UNSUPPORTED_OPTIONS = {
     "rank_pattern": "per-module ranks (rank_pattern)",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "layer_replication": "layer replication",
-    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "target_parameters": "LoRA on raw parameters (target_parameters: on transformers 5's fused experts; shardwise "
+                         "reads and writes LoRA on routed experts per expert, as mlp.experts.{j}.gate_proj ...)",
     "trainable_token_indices": "trainable tokens (trainable_token_indices)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
@@ -147,6 +160,61 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
 
 
+class _Stacked(nn.Module):
+    """One stacked adapter factor, `weight` [experts, rows, columns] (a module so that its name ends in
+    `.lora_A.weight` / `.lora_B.weight` as a linear adapter's does)."""
+
+    def __init__(self, experts: int, rows: int, columns: int, device: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, rows, columns, device=device, dtype=dtype))  # no RNG drawn
+
+
+class ExpertAdapter(nn.Module):
+    """LoRA on one stacked expert weight: expert e's update is scaling * lora_B[e] @ lora_A[e]."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, r: int, device: Any,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lora_A = _Stacked(experts, r, in_features, device, dtype)
+        self.lora_B = _Stacked(experts, out_features, r, device, dtype)
+
+
+class LoRAExperts(GroupedExperts):
+    """A MoE block's routed experts with LoRA on some of their stacked weights (`lora`: "w1", "w3", "w2" ->
+    ExpertAdapter). The base weights are the wrapped module's own Parameters (names unchanged); each adapter
+    runs as two more grouped matrix multiplies over the same rows sorted by expert (rank r in between), so
+    no expert's full update is ever formed. Under expert parallelism the adapters are spread with the
+    experts (`parallel.expert`: every parameter here is stacked by expert along its first dimension)."""
+
+    def __init__(self, base: GroupedExperts, weights: Sequence[str], r: int, alpha: float,
+                 use_rslora: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.num_experts, self.activation = base.num_experts, base.activation
+        self.w1, self.w3, self.w2 = base.w1, base.w3, base.w2
+        self.token_exchange, self.expert_replicas = base.token_exchange, base.expert_replicas
+        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora = nn.ModuleDict({
+            w: ExpertAdapter(self.num_experts, getattr(base, w).shape[2], getattr(base, w).shape[1], r,
+                             base.w1.device, base.w1.dtype) for w in weights})
+        self.train(base.training)
+
+    def project(self, rows: torch.Tensor, weight: str, offsets: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """The base projection plus, for an adapted weight, scaling * B_e A_e applied to each expert's rows."""
+        out = super().project(rows, weight, offsets, groups)
+        if weight not in self.lora:
+            return out
+        adapter = self.lora[weight]
+        a, b = (local_experts(f.weight).to(rows.dtype) for f in (adapter.lora_A, adapter.lora_B))
+        low = grouped_mm(rows, a.transpose(1, 2), offsets, groups)  # [rows, r]
+        # In place (the base product is not saved for backward): no third [rows, out] tensor at once.
+        return out.add_(grouped_mm(low, b.transpose(1, 2), offsets, groups), alpha=self.scaling)
+
+    def extra_repr(self) -> str:
+        """Adapted weights, rank and scaling for print(model)."""
+        return f"lora on {', '.join(self.lora)}, r={self.r}, scaling={self.scaling:g}"
+
+
 # ----------------------------------------------------------------- names ----
 
 def is_lora_name(name: str) -> bool:
@@ -170,10 +238,38 @@ def _is_gpt2(cfg: ModelConfig) -> bool:
 
 
 def block_hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """Our block linears (relative to layers.{i}) -> the HF module inside a layer that holds each."""
+    """Our block linears (relative to layers.{i}) -> the HF module inside a layer that holds each; a routed
+    expert weight -> its experts' linears with the index left out (`mlp.experts.gate_proj`)."""
     if _is_gpt2(cfg):
         return _GPT2_BACK
-    return hf_layer_modules(BLOCK_LINEARS, cfg)
+    out = hf_layer_modules(BLOCK_LINEARS, cfg)
+    if cfg.num_experts:
+        for unit in ROUTED_EXPERTS:
+            experts, linear = routed_expert_names(unit.rsplit(".", 1)[1], cfg)
+            out[unit] = f"{experts}.{linear}"
+    return out
+
+
+def _routed_key(hf_name: str, cfg: ModelConfig) -> Optional[tuple[str, int]]:
+    """(our routed expert weight, the expert) for one expert's HF linear (`model.layers.1.mlp.experts.3.
+    gate_proj` -> (`layers.1.feed_forward.experts.w1`, 3)); None for any other name."""
+    if not cfg.num_experts or _is_gpt2(cfg):
+        return None
+    match = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.(0|[1-9][0-9]*)\.([^.]+)", hf_name)
+    if match is None:
+        return None
+    idx, experts, j, linear = match.groups()
+    for unit in ROUTED_EXPERTS:
+        if routed_expert_names(unit.rsplit(".", 1)[1], cfg) == (experts, linear) and int(j) < cfg.num_experts:
+            return f"layers.{idx}.{unit}", int(j)
+    return None
+
+
+def _expert_linears(unit: str, cfg: ModelConfig) -> list[str]:
+    """Every expert's HF linear of our routed expert weight `layers.{i}.feed_forward.experts.w1`, in order."""
+    _, idx, rest = unit.split(".", 2)
+    experts, linear = routed_expert_names(rest.rsplit(".", 1)[1], cfg)
+    return [f"model.layers.{idx}.{experts}.{j}.{linear}" for j in range(cfg.num_experts)]
 
 
 def _fused_groups(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -206,24 +302,28 @@ def our_module_names(hf_name: str, cfg: ModelConfig) -> Optional[list[str]]:
 
 
 def _linear_dims(name: str, cfg: ModelConfig) -> tuple[int, int]:
-    """(in_features, out_features) of one of our block linears."""
-    h, width = cfg.hidden_size, cfg.intermediate_size
-    shared = cfg.num_shared_experts * (cfg.moe_intermediate_size or 0)
+    """(in_features, out_features) of one of our block linears (of one expert, for a routed expert weight)."""
+    h, width, expert = cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size or 0
+    shared = cfg.num_shared_experts * expert
     dims = {
         **attention_dims(cfg),
         "feed_forward.w1": (h, width), "feed_forward.w3": (h, width), "feed_forward.w2": (width, h),
         "feed_forward.shared.w1": (h, shared), "feed_forward.shared.w3": (h, shared),
         "feed_forward.shared.w2": (shared, h),
+        "feed_forward.experts.w1": (h, expert), "feed_forward.experts.w3": (h, expert),
+        "feed_forward.experts.w2": (expert, h),
     }
     return dims[name.split(".", 2)[2]]
 
 
 def _split_lora_name(name: str) -> tuple[str, str]:
-    """(`layers.0.attention.wq`, `lora_A`) for `layers.0.attention.wq.lora_A.weight`."""
+    """(`layers.0.attention.wq`, `lora_A`) for `layers.0.attention.wq.lora_A.weight`; a routed expert
+    weight's adapter (`layers.1.feed_forward.experts.lora.w1.lora_A.weight`) by the weight it adapts
+    (`layers.1.feed_forward.experts.w1`)."""
     for kind in ("lora_A", "lora_B"):
         suffix = f".{kind}.weight"
         if name.endswith(suffix):
-            return name[: -len(suffix)], kind
+            return name[: -len(suffix)].replace(".feed_forward.experts.lora.", ".feed_forward.experts."), kind
     raise ValueError(f"{name!r} is not a LoRA weight name (expected ...lora_A.weight or ...lora_B.weight)")
 
 
@@ -240,6 +340,9 @@ def to_peft_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         _, idx, rest = module.split(".", 2)
         if rest in members:
             fused.setdefault((idx, members[rest]), {}).setdefault(rest, {})[kind] = tensor
+        elif rest in ROUTED_EXPERTS:  # [experts, ...]: one adapter per expert's linear
+            out.update({f"{PEFT_PREFIX}{linear}.{kind}.weight": part
+                        for linear, part in zip(_expert_linears(module, cfg), tensor.unbind(0))})
         else:
             out[f"{PEFT_PREFIX}{hf_module_name(module, cfg)}.{kind}.weight"] = tensor
     for (idx, theirs), parts in fused.items():
@@ -271,11 +374,17 @@ def _parse_peft_key(key: str) -> Optional[tuple[str, str]]:
 
 
 def from_peft_state(peft_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our LoRA state for peft's adapter tensors (GPT-2's c_attn lora_B is split into q, k and v);
-    CheckpointError for tensors that are no block-linear LoRA weight."""
+    """Our LoRA state for peft's adapter tensors (GPT-2's c_attn lora_B is split into q, k and v; the routed
+    experts' per-expert adapters stacked); CheckpointError for tensors that are no block-linear LoRA weight,
+    and for routed experts of which some have no adapter."""
     out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (our weight, kind) -> expert -> tensor
     for key, tensor in peft_state.items():
         parsed = _parse_peft_key(key)
+        routed = _routed_key(parsed[0], cfg) if parsed else None
+        if routed is not None:
+            experts.setdefault((routed[0], parsed[1]), {})[routed[1]] = tensor
+            continue
         ours = our_module_names(parsed[0], cfg) if parsed else None
         if ours is None:
             raise CheckpointError(
@@ -288,13 +397,22 @@ def from_peft_state(peft_state: dict[str, torch.Tensor], cfg: ModelConfig) -> di
         else:  # GPT-2's c_attn lora_B stacks q, k and v outputs
             sizes = [_linear_dims(name, cfg)[1] for name in ours]
             out.update({f"{name}.lora_B.weight": part for name, part in zip(ours, tensor.split(sizes, dim=0))})
+    for (unit, kind), by_expert in experts.items():
+        missing = sorted(set(range(cfg.num_experts)) - set(by_expert))
+        if missing:
+            raise CheckpointError(
+                f"the adapter has {kind} for {len(by_expert)} of the {cfg.num_experts} experts of "
+                f"{_expert_linears(unit, cfg)[missing[0]]} (none for expert {missing[0]}): LoRA on the routed experts "
+                "needs an adapter on every expert of a block")
+        out[f"{unit}.{kind}.weight"] = torch.stack([by_expert[j] for j in range(cfg.num_experts)])
     return out
 
 
 # ------------------------------------------------------------- targeting ----
 
 def _eligible(model: nn.Module) -> list[str]:
-    """Our names of the block linears present in the model (a pipeline stage holds only some layers)."""
+    """Our names of the block linears present in the model (a pipeline stage holds only some layers), and of
+    the MoE blocks' routed expert weights."""
     names = []
     for idx, block in model.layers.items():
         for rest in BLOCK_LINEARS:
@@ -303,6 +421,8 @@ def _eligible(model: nn.Module) -> list[str]:
                 module = getattr(module, part, None)
             if isinstance(module, nn.Linear):
                 names.append(f"layers.{idx}.{rest}")
+        if isinstance(getattr(block.feed_forward, "experts", None), GroupedExperts):
+            names.extend(f"layers.{idx}.{rest}" for rest in ROUTED_EXPERTS)
     return names
 
 
@@ -421,19 +541,31 @@ def _check_hyper(r: int, alpha: float, dropout: float) -> None:
 
 
 def _has_lora(model: nn.Module) -> bool:
-    """Whether any module is already a LoRALinear."""
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    """Whether any module is already a LoRALinear or LoRAExperts."""
+    return any(isinstance(m, (LoRALinear, LoRAExperts)) for m in model.modules())
 
 
 def _wrap(model: nn.Module, names: Iterable[str], r: int, alpha: float, dropout: float, use_rslora: bool) -> list[str]:
-    """Replace the named block linears with LoRALinear (GPT-2's q/k/v of a layer share lora_A) and make
-    only LoRA parameters trainable."""
+    """Replace the named block linears with LoRALinear (GPT-2's q/k/v of a layer share lora_A) and a MoE
+    block's experts with LoRAExperts when any of their weights is named; make only LoRA parameters trainable."""
     wanted = set(names)
+    on_experts = sorted(n for n in wanted if n.split(".", 2)[2] in ROUTED_EXPERTS)
+    if on_experts and dropout > 0:
+        raise ConfigError(
+            f"lora.dropout {dropout} with LoRA on the routed experts ({on_experts[0]}...): peft runs adapters on "
+            "transformers' fused experts without dropout (and refuses them otherwise); set lora.dropout: 0, or "
+            "leave the routed experts out of lora.target_modules")
     wrapped = []
     shared: dict[tuple[str, str], nn.Linear] = {}  # (layer, fused HF module) -> the lora_A its members share
     members = {ours: theirs for theirs, group in _fused_groups(model.cfg).items() for ours in group}
+    routed: dict[str, list[str]] = {}  # a MoE block's experts module -> its adapted weights, in order
     for name in _eligible(model):  # model order, so the first of q/k/v owns the shared lora_A's name
         if name not in wanted:
+            continue
+        if name.split(".", 2)[2] in ROUTED_EXPERTS:
+            experts, _, weight = name.rpartition(".")
+            routed.setdefault(experts, []).append(weight)
+            wrapped.append(name)
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -445,6 +577,10 @@ def _wrap(model: nn.Module, names: Iterable[str], r: int, alpha: float, dropout:
             shared.setdefault(fuse, module.lora_A)
         setattr(parent, leaf, module)
         wrapped.append(name)
+    for experts, weights in routed.items():
+        parent_name, _, leaf = experts.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, leaf, LoRAExperts(getattr(parent, leaf), weights, r, alpha, use_rslora))
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_name(name))
     return wrapped
@@ -499,6 +635,8 @@ def remove_lora(model: nn.Module) -> None:
 
 @torch.no_grad()
 def _unwrap(model: nn.Module, merge: bool) -> None:
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAExperts)]:
+        _unwrap_experts(model, name, module, merge)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, module in targets:
         weight = module.weight
@@ -514,6 +652,23 @@ def _unwrap(model: nn.Module, merge: bool) -> None:
         setattr(model.get_submodule(parent_name), leaf, plain)
 
 
+def _unwrap_experts(model: nn.Module, name: str, module: LoRAExperts, merge: bool) -> None:
+    """Put back plain GroupedExperts holding the same base Parameters, each adapted expert's update
+    scaling * B_e @ A_e added first when `merge`."""
+    if merge:
+        for weight, adapter in module.lora.items():
+            base = getattr(module, weight)
+            delta = torch.bmm(adapter.lora_B.weight.float(), adapter.lora_A.weight.float()) * module.scaling
+            base.copy_((base.float() + delta).to(base.dtype))
+    with torch.device("meta"):  # its own weights are replaced at once, so never allocated
+        plain = GroupedExperts(model.cfg)
+    plain.w1, plain.w3, plain.w2 = module.w1, module.w3, module.w2
+    plain.token_exchange, plain.expert_replicas = module.token_exchange, module.expert_replicas
+    plain.train(module.training)
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), leaf, plain)
+
+
 # ------------------------------------------------------------ on disk ----
 
 def architecture_fingerprint(cfg: ModelConfig) -> dict:
@@ -521,25 +676,67 @@ def architecture_fingerprint(cfg: ModelConfig) -> dict:
     return {field: getattr(cfg, field) for field in _ARCH_FIELDS}
 
 
+def _layer_units(cfg: ModelConfig, layer: int) -> list[str]:
+    """Our adaptable names inside block `layer` of a model of `cfg` (relative to layers.{i})."""
+    units = [u for u in attention_dims(cfg)]
+    if cfg.is_moe_layer(layer):
+        shared = ("feed_forward.shared.w1", "feed_forward.shared.w3", "feed_forward.shared.w2")
+        return units + list(shared if cfg.num_shared_experts else ()) + list(ROUTED_EXPERTS)
+    return units + ["feed_forward.w1", "feed_forward.w2"] + (["feed_forward.w3"] if cfg.mlp == "gated" else [])
+
+
 def _peft_target_modules(modules: list[str], cfg: ModelConfig) -> Union[list[str], str]:
-    """adapter_config target_modules that make peft wrap exactly these HF modules: a list of suffixes
-    when every layer has the same ones, else a regex of the full names."""
-    layer_re = r"transformer\.h" if _is_gpt2(cfg) else r"model\.layers"
-    per_layer: dict[str, set[str]] = {}  # in-layer name (self_attn.q_proj) -> layer indices
-    for hf in modules:
-        match = re.fullmatch(rf"{layer_re}\.(\d+)\.(.+)", hf)
-        per_layer.setdefault(match.group(2), set()).add(match.group(1))
-    everywhere = {str(i) for i in range(cfg.num_layers)}
-    if all(layers == everywhere for layers in per_layer.values()):
-        every = set(block_hf_names(cfg).values())
+    """adapter_config target_modules that make peft wrap exactly these HF modules: a list of suffixes when
+    each is adapted in every layer that has it, else a regex of the full names (a routed expert's index
+    optional in it, which transformers 5's fused experts leave out)."""
+    if _is_gpt2(cfg):
+        per_layer = _layers_of(modules, r"transformer\.h")
+        present = {m: {str(i) for i in range(cfg.num_layers)} for m in _GPT2_BACK.values()}
+    else:
+        names = block_hf_names(cfg)
+        per_layer = _layers_of([_unindexed(m, cfg) for m in modules], r"model\.layers")
+        present = {}
+        for i in range(cfg.num_layers):
+            for unit in _layer_units(cfg, i):
+                if unit in names:
+                    present.setdefault(names[unit], set()).add(str(i))
+    if all(layers == present.get(inner) for inner, layers in per_layer.items()):
         suffixes = set()
         for inner in per_layer:
             leaf = inner.rsplit(".", 1)[-1]
             # A bare leaf (q_proj) when it names nothing else; GPT-2's c_proj is in attn and mlp.
-            same_leaf = {e for e in every if e.rsplit(".", 1)[-1] == leaf}
+            same_leaf = {e for e in present if e.rsplit(".", 1)[-1] == leaf}
             suffixes.add(leaf if same_leaf <= set(per_layer) else inner)
         return sorted(suffixes)
-    return "(" + "|".join(re.escape(m) for m in sorted(modules)) + ")"
+    full = sorted({_unindexed(m, cfg) for m in modules})
+    return "(" + "|".join(_routed_pattern(m, cfg) for m in full) + ")"
+
+
+def _layers_of(modules: Iterable[str], layer_re: str) -> dict[str, set[str]]:
+    """In-layer HF name (self_attn.q_proj) -> the layer indices it is adapted in."""
+    per_layer: dict[str, set[str]] = {}
+    for hf in modules:
+        match = re.fullmatch(rf"{layer_re}\.(\d+)\.(.+)", hf)
+        per_layer.setdefault(match.group(2), set()).add(match.group(1))
+    return per_layer
+
+
+def _unindexed(hf_module: str, cfg: ModelConfig) -> str:
+    """An expert's linear without its index (`model.layers.1.mlp.experts.gate_proj`); others as they are."""
+    routed = _routed_key(hf_module, cfg)
+    if routed is None:
+        return hf_module
+    return f"model.layers.{routed[0].split('.')[1]}.{block_hf_names(cfg)[routed[0].split('.', 2)[2]]}"
+
+
+def _routed_pattern(module: str, cfg: ModelConfig) -> str:
+    """`module` as an escaped regex, with an optional expert index before a routed expert linear's name."""
+    for unit in ROUTED_EXPERTS:
+        experts, linear = routed_expert_names(unit.rsplit(".", 1)[1], cfg)
+        if module.endswith(f".{experts}.{linear}"):
+            head = module[: -len(linear) - 1]
+            return f"{re.escape(head)}(?:\\.[0-9]+)?\\.{re.escape(linear)}"
+    return re.escape(module)
 
 
 def _adapter_config(
@@ -636,8 +833,9 @@ def save_adapter(
 
 
 def _expected_shape(hf_module: str, kind: str, r: int, cfg: ModelConfig) -> tuple[int, int]:
-    """peft's shape of an adapter tensor for this model: lora_A [r, in], lora_B [out, r]."""
-    ours = our_module_names(hf_module, cfg)
+    """peft's shape of an adapter tensor for this model: lora_A [r, in], lora_B [out, r] (an expert's own)."""
+    routed = _routed_key(hf_module, cfg)
+    ours = [routed[0]] if routed else our_module_names(hf_module, cfg)
     in_features = _linear_dims(ours[0], cfg)[0]
     out_features = sum(_linear_dims(name, cfg)[1] for name in ours)  # c_attn: q + k + v
     return (r, in_features) if kind == "lora_A" else (out_features, r)
@@ -749,13 +947,15 @@ def read_adapter(
         modules: dict[str, set[str]] = {}
         for key in keys:
             parsed = _parse_peft_key(key)
-            if parsed is None or our_module_names(parsed[0], model_cfg) is None:
+            routed = _routed_key(parsed[0], model_cfg) if parsed else None
+            ours = [routed[0]] if routed else our_module_names(parsed[0], model_cfg) if parsed else None
+            if ours is None:
                 raise CheckpointError(
                     f"adapter tensor {key[:200]!r} in {path} is not a LoRA weight of an attention or MLP linear of a "
                     f"{model_cfg.model_type} model; shardwise supports LoRA on those linears only (or the adapter "
                     "belongs to another architecture)"
                 )
-            layer = int(our_module_names(parsed[0], model_cfg)[0].split(".")[1])
+            layer = int(ours[0].split(".")[1])
             if layer >= model_cfg.num_layers:
                 raise CheckpointError(
                     f"adapter tensor {key} in {path} is for layer {layer}, but the model has {model_cfg.num_layers} "
@@ -807,14 +1007,24 @@ def load_adapter(model: nn.Module, adapter_dir: Union[str, os.PathLike[str]]) ->
     modules = sorted({_split_lora_name(name)[0] for name in state} & present)
     names = _wrap(model, modules, settings.r, settings.alpha, settings.dropout, settings.use_rslora)
     for name in names:
-        module = model.get_submodule(name)
+        module = _adapter_module(model, name)
         module.lora_A.weight.copy_(state[f"{name}.lora_A.weight"])
         module.lora_B.weight.copy_(state[f"{name}.lora_B.weight"])
     return names
 
 
+def _adapter_module(model: nn.Module, name: str) -> nn.Module:
+    """The module holding `lora_A` and `lora_B` for one of our adapted names (a LoRALinear, or a routed
+    expert weight's ExpertAdapter)."""
+    if name.split(".", 2)[2] in ROUTED_EXPERTS:
+        experts, _, weight = name.rpartition(".")
+        return model.get_submodule(experts).lora[weight]
+    return model.get_submodule(name)
+
+
 __all__ = [
-    "LoRALinear", "apply_lora", "lora_init", "reset_lora_parameters", "lora_parameter_names", "is_lora_name",
+    "LoRALinear", "LoRAExperts", "apply_lora",
+    "lora_init", "reset_lora_parameters", "lora_parameter_names", "is_lora_name",
     "lora_state_dict", "save_adapter", "load_adapter", "read_adapter", "read_adapter_config", "AdapterSettings",
     "merge_lora", "to_peft_state", "from_peft_state", "hf_module_name", "our_module_names", "select_targets",
     "architecture_fingerprint", "BLOCK_LINEARS",

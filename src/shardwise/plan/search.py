@@ -310,8 +310,7 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     per_node = n // nodes
     out = []
     # What the model's kind runs with (RunConfig refuses the rest): latent attention data and expert
-    # parallelism only, mixture-of-experts models tensor parallelism too, ALiBi no tensor or context parallelism.
-    only_data = bool(m.num_experts) or m.latent_attention
+    # parallelism only, mixture-of-experts models no context parallelism, ALiBi no tensor or context parallelism.
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
             continue
@@ -321,8 +320,8 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
         for pp, cp in [(pp, cp) for pp in _allowed(pins, "pp", divisors(n // tp))
                        for cp in context_parallel_degrees(req, tp, pp, context_parallel)]:
-            if pp > m.num_layers or (only_data and (pp > 1 or cp > 1)) or (cp > 1 and (m.position == "alibi"
-                                                                                    or m.sliding_window)):
+            if pp > m.num_layers or (m.latent_attention and pp > 1) or (cp > 1 and (
+                    m.latent_attention or m.num_experts or m.position == "alibi" or m.sliding_window)):
                 continue
             dp = n // (tp * pp * cp)
             if "dp" in pins and dp not in pins["dp"]:

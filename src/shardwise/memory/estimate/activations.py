@@ -244,7 +244,7 @@ def mlp_bytes(cfg: Any, sh: Shape, flags: dict[str, bool], s: Optional[int] = No
     bt = sh.b * sh.t
     s = s or sh.s
     if flags.get("moe"):
-        return moe_bytes(cfg.model, sh, flags, s)
+        return moe_bytes(cfg.model, sh, flags, s, cfg.lora.r if cfg.lora is not None else 0)
     if cfg.model.mlp == "gated":
         mlp = bt * sh.f * s * 2
     else:
@@ -254,24 +254,32 @@ def mlp_bytes(cfg: Any, sh: Shape, flags: dict[str, bool], s: Optional[int] = No
     return mlp
 
 
-def moe_bytes(m: Any, sh: Shape, flags: dict[str, bool], s: int) -> int:
+def moe_bytes(m: Any, sh: Shape, flags: dict[str, bool], s: int, lora_r: int = 0) -> int:
     """What a mixture-of-experts block's feed-forward saves for backward (models/moe.py), per micro-batch of
     n tokens routed to k experts each: the router's fp32 scores [n, E] and chosen experts (int64 [n, k]), with
     normalised weights their sum and the weights before it (fp32); the experts' order and the way back (int64
-    [n k] each) and the per-expert offsets (int32 [E]), the routed copies of the input [n k, hidden], the gate,
-    up and activated projections [n k, F] each, the weights [n, k] and the experts' outputs [n k, hidden] for
-    the weighted sum; the shared experts as a gated MLP (their input is the norm's output, counted with it).
-    Frozen experts whose input needs a gradient (LoRA on attention) keep neither the routed copies nor the
-    activated projections (they fed only weight gradients)."""
+    [n k] each) and the per-expert offsets (int32 [E]); the routed copies of the input [n k, hidden] when a
+    weight reading them trains (the gate and up projections, or their adapters); the gate and up projections
+    [n k, F] each for the activation's backward, the activated ones [n k, F] when the down projection (or its
+    adapter) trains; with LoRA on the routed experts (`lora_r`) each adapter's rank-r rows [n k, r]; the
+    weights [n, k] and the experts' outputs [n k, hidden] for the weighted sum; the shared experts as a gated
+    MLP (their input is the norm's output, counted with it). What needs no gradient is not kept: the
+    router's tensors without anything training before it or in it, the outputs without the weights needing
+    a gradient (LoRA alone on the experts, nothing before them training)."""
     upstream = flags.get("input_grad") or flags.get("norm") or any(_saves_input(flags, n)
                                                                     for n in ("wq", "wk", "wv", "wo"))
-    if not (flags.get("experts") or upstream):
+    trains = bool(flags.get("experts"))
+    adapters = [w for w in ("w1", "w3", "w2") if flags.get(f"lora_experts_{w}")]
+    gate_up = trains or "w1" in adapters or "w3" in adapters
+    if not (trains or upstream or adapters):
         return 0
     n, k, e = sh.b * sh.t, m.num_experts_per_tok, m.num_experts
     copies = n * k
-    router = n * e * 4 + copies * 8 + ((n + copies) * 4 if m.norm_topk_prob else 0)
-    trains = bool(flags.get("experts"))
-    experts = 2 * copies * 8 + e * 4 + (1 + trains) * copies * sh.h * s \
-        + (2 + trains) * copies * m.moe_intermediate_size * s + copies * s
+    routing = trains or upstream  # the router's output needs a gradient: its tensors and the experts' outputs
+    router = (n * e * 4 + copies * 8 + ((n + copies) * 4 if m.norm_topk_prob else 0)) if routing else 0
+    f = m.moe_intermediate_size
+    experts = 2 * copies * 8 + e * 4 + (gate_up * copies * sh.h + routing * copies * sh.h) * s \
+        + ((2 if gate_up or upstream else 0) + (trains or "w2" in adapters)) * copies * f * s + copies * s \
+        + len(adapters) * copies * lora_r * s
     shared = 3 * n * m.num_shared_experts * m.moe_intermediate_size * s
     return router + experts + shared

@@ -166,7 +166,11 @@ def _layer_flags_of(num_layers: int, params: tuple[Param, ...]) -> dict[int, dic
             flags[f"lora_{lin}"] = any(p.trainable for p in mine if p.name.startswith(prefix) and ".lora_" in p.name)
         # A mixture-of-experts block: whether it has one, and whether its router and experts train.
         flags["moe"] = any(".feed_forward.experts." in p.name for p in mine)
-        flags["experts"] = any(p.trainable for p in mine if ".feed_forward.experts." in p.name)
+        flags["experts"] = any(p.trainable for p in mine
+                               if ".feed_forward.experts." in p.name and ".lora_" not in p.name)
+        for w in ("w1", "w3", "w2"):  # LoRA on the routed experts' stacked weights (peft.lora.LoRAExperts)
+            flags[f"lora_experts_{w}"] = any(p.trainable for p in mine
+                                             if p.name.startswith(f"layers.{i}.feed_forward.experts.lora.{w}."))
         out[i] = flags
         upstream = upstream or any(p.trainable for p in mine)
     return out
