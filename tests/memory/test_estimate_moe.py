@@ -36,6 +36,10 @@ MEASURED = {
         "q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]}}),
     "qwen3-moe LoRA on the routed experts' down projections": (QWEN3_MOE, {"lora": {"r": 4, "target_modules": [
         "down_proj"]}}),
+    "qwen3-moe QLoRA nf4 (the experts' stacks in 4 bits)": (QWEN3_MOE, {"lora": {
+        "r": 4, "target_modules": "all-linear", "quantize_base": "nf4"}}),
+    "qwen3-moe QLoRA nf4 bf16 O2": (QWEN3_MOE, {"lora": {"r": 4, "target_modules": "all-linear", "quantize_base":
+                                                         "nf4"}, "optimize": {"mixed_precision": "bf16"}}),
 }
 
 

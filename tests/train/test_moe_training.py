@@ -54,8 +54,6 @@ def test_resuming_a_moe_run_continues_it_exactly(tmp_path, dataset):
      "parallel.expert_parallel 2 below data_parallel 4 with tensor_parallel 2"),
     ({"parallel": {"context_parallel": 2}}, "parallel.context_parallel 2 with a mixture-of-experts model"),
     ({"optimize": {"float8": True, "mixed_precision": "bf16"}}, "optimize.float8 converts nn.Linear layers"),
-    ({"lora": {"r": 4, "quantize_base": "nf4"}, "optimize": {"mixed_precision": "bf16"}},
-     "lora.quantize_base with a mixture-of-experts model"),
 ])
 def test_what_a_moe_model_does_not_run_with_yet_is_refused(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -715,9 +715,6 @@ class RunConfig(_Section):
             raise ValueError("optimize.float8 converts nn.Linear layers, and a mixture-of-experts block's experts "
                              "are grouped matrix multiplies it does not convert (its router would be): set "
                              "optimize.float8: false")
-        if self.lora is not None and self.lora.quantize_base != "none":
-            raise ValueError("lora.quantize_base with a mixture-of-experts model: the experts' weights would stay "
-                             "16-bit (only linear layers are quantised); set quantize_base: none")
 
     def _check_optimizer(self) -> None:
         """Optimizer settings that do not fit the precision or the layout (the trainer checks what needs

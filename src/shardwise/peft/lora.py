@@ -41,7 +41,7 @@ from shardwise.models.hf import (
     save_safetensors,
 )
 from shardwise.models.moe import GroupedExperts, grouped_mm, local_experts
-from shardwise.peft.quantize import is_quantized, lora_linear
+from shardwise.peft.quantize import is_quantized, lora_linear, quantized_experts
 from shardwise.untrusted import (
     bool_field,
     bounded_fullmatch,
@@ -200,8 +200,14 @@ class LoRAExperts(GroupedExperts):
         self.train(base.training)
 
     def project(self, rows: torch.Tensor, weight: str, offsets: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """The base projection plus, for an adapted weight, scaling * B_e A_e applied to each expert's rows."""
-        out = super().project(rows, weight, offsets, groups)
+        """The base projection plus, for an adapted weight, scaling * B_e A_e applied to each expert's rows. A
+        quantised base (QLoRA, `peft.qlora.quantize_base`: the stack stored as one [experts x out, in]
+        matrix) is dequantised for its matmul only."""
+        base = getattr(self, weight)
+        if is_quantized(base):
+            out = quantized_experts(rows, base, self.num_experts, offsets, groups, grouped_mm)
+        else:
+            out = super().project(rows, weight, offsets, groups)
         if weight not in self.lora:
             return out
         adapter = self.lora[weight]
@@ -617,7 +623,8 @@ def merge_lora(model: nn.Module) -> None:
     nn.Linear modules holding the same base Parameters, so the model has exactly the base names.
     A quantised base (QLoRA) is refused: merge into the full-precision base the adapter was trained on
     (load the adapter onto it, `load_adapter`), not into its 4- or 8-bit copy."""
-    quantized = [name for name, m in model.named_modules() if isinstance(m, LoRALinear) and is_quantized(m.weight)]
+    quantized = [name for name, m in model.named_modules() if (isinstance(m, LoRALinear) and is_quantized(m.weight))
+                 or (isinstance(m, LoRAExperts) and any(is_quantized(w) for w in (m.w1, m.w3, m.w2)))]
     if quantized:
         raise ConfigError(
             f"merge_lora: {len(quantized)} base weights are quantised (lora.quantize_base, e.g. {quantized[0]}); "

@@ -1,9 +1,12 @@
 """QLoRA on a shardwise Transformer: the LoRA-wrapped linears' base weights quantised in place
 (`quantize_base`), and the checks a run makes before it starts (`check_quantize_base`).
 
-Only the base weights of LoRA-wrapped linears are quantised, as in torchtune and peft's QLoRA:
+Only the base weights of LoRA-wrapped modules are quantised, as in torchtune and peft's QLoRA:
 embeddings, the output projection, norms and the block linears LoRA does not target stay as they are
-(16 bits at O2/O3). The tensors and the matmul are in `peft.quantize`.
+(16 bits at O2/O3). A MoE block's routed experts with an adapter (`LoRAExperts`) have all three of their
+stacked weights quantised, each stack [experts, out, in] as one [experts x out, in] matrix; a MoE model's
+routed experts must be among the targets (they are most of its weights). The tensors and the matmuls are
+in `peft.quantize`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.moe import GroupedExperts
 from shardwise.models.transformer import Transformer
-from shardwise.peft.lora import LoRALinear, is_lora_name, select_targets
+from shardwise.peft.lora import ROUTED_EXPERTS, LoRAExperts, LoRALinear, is_lora_name, select_targets
 from shardwise.peft.quantize import is_quantized, quantizable, quantize_tensor, torchao_import
 
 _HOOKED = "_shardwise_quantized_hooks"
@@ -35,31 +39,45 @@ def quantize_base(model: nn.Module, kind: str) -> list[str]:
     run rebuilds the base from its source on every start)."""
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear) or is_quantized(module.weight):
+        if isinstance(module, LoRALinear):
+            weights = ["weight"]
+        elif isinstance(module, LoRAExperts):
+            weights = ["w1", "w3", "w2"]
+        else:
             continue
-        if module.weight.is_meta or type(module.weight.data) is not torch.Tensor:
-            raise ValueError(f"{name}.weight is a {type(module.weight.data).__name__} on {module.weight.device}: "
-                             "quantize_base needs plain, allocated weights (quantise after loading)")
-        module.weight = nn.Parameter(quantize_tensor(module.weight, kind), requires_grad=False)
+        for leaf in weights:
+            param = getattr(module, leaf)
+            if is_quantized(param):
+                continue
+            if param.is_meta or type(param.data) is not torch.Tensor:
+                raise ValueError(f"{name}.{leaf} is a {type(param.data).__name__} on {param.device}: quantize_base "
+                                 "needs plain, allocated weights (quantise after loading)")
+            matrix = param.detach().reshape(-1, param.shape[-1])  # an experts' stack as one matrix
+            setattr(module, leaf, nn.Parameter(quantize_tensor(matrix, kind), requires_grad=False))
+            names.append(f"{name}.{leaf}")
         if not getattr(module, _HOOKED, False):
-            module.register_state_dict_post_hook(_drop_quantized_weight)
-            module.register_load_state_dict_post_hook(_forgive_quantized_weight)
+            module.register_state_dict_post_hook(_drop_quantized_weights)
+            module.register_load_state_dict_post_hook(_forgive_quantized_weights)
             setattr(module, _HOOKED, True)
-        names.append(f"{name}.weight")
     return names
 
 
-def _drop_quantized_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+def _quantized_names(module: nn.Module) -> list[str]:
+    """The module's own parameters that are quantised base weights."""
+    return [n for n, p in module.named_parameters(recurse=False) if is_quantized(p)]
+
+
+def _drop_quantized_weights(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """State-dict post-hook: a quantised base weight is not part of the saved state."""
-    if is_quantized(module.weight):
-        state_dict.pop(f"{prefix}weight", None)
+    for leaf in _quantized_names(module):
+        state_dict.pop(f"{prefix}{leaf}", None)
 
 
-def _forgive_quantized_weight(module: nn.Module, incompatible: Any) -> None:
+def _forgive_quantized_weights(module: nn.Module, incompatible: Any) -> None:
     """Load-state-dict post-hook: a quantised base weight, absent from every saved state, is not missing."""
-    if is_quantized(module.weight):
-        for key in [k for k in incompatible.missing_keys if k.endswith(".weight") and not is_lora_name(k)]:
-            incompatible.missing_keys.remove(key)
+    leaves = _quantized_names(module)
+    for key in [k for k in incompatible.missing_keys if k.rsplit(".", 1)[-1] in leaves and not is_lora_name(k)]:
+        incompatible.missing_keys.remove(key)
 
 
 def quantized_layout_problem(cfg: Any, dims: Any) -> Optional[str]:
@@ -83,6 +101,10 @@ def quantized_layout_problem(cfg: Any, dims: Any) -> Optional[str]:
         return (f"data_parallel {dims.dp}: it needs a 16-bit frozen base (fp32 frozen weights are replicated by "
                 "FSDP2's replicate, which cannot hold quantised ones): use mixed_precision bf16 at precision_level "
                 "O2 or O3, or one device")
+    if cfg.model.num_experts and cfg.parallel.expert_parallel > 1:
+        return (f"expert_parallel {cfg.parallel.expert_parallel}: the experts' quantised stacks would be split into "
+                "DTensors, which torchao's quantised tensors do not support here; use expert_parallel 1 (data "
+                "parallelism with zero_stage 0 or 1 works)")
     if cfg.optimize.offload_params or cfg.optimize.offload_optimizer:
         return ("CPU offload (optimize.offload_params / offload_optimizer) is not supported; the quantised base is "
                 "already small: turn offload off")
@@ -105,8 +127,18 @@ def check_quantize_base(cfg: Any, dims: Any) -> None:
     torchao_import()
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    for name in select_targets(model, cfg.lora.target_modules):
-        why = quantizable(kind, tuple(model.get_submodule(name).weight.shape))
+    targets = select_targets(model, cfg.lora.target_modules)
+    routed = {n.rsplit(".", 1)[0] for n in targets if n.split(".", 2)[2] in ROUTED_EXPERTS}
+    moe_blocks = [n for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    if moe_blocks and set(moe_blocks) - routed:
+        missing = sorted(set(moe_blocks) - routed, key=lambda n: int(n.split(".")[1]))[0]
+        raise ConfigError(f"{key} quantises the adapted weights, and lora.target_modules adapts no routed expert of "
+                          f"{missing}: the experts, most of a mixture-of-experts model, would stay 16-bit; add "
+                          "gate_proj, up_proj and down_proj (experts.w1 ...) to lora.target_modules")
+    for name in targets:
+        weight = name if name.split(".", 2)[2] in ROUTED_EXPERTS else f"{name}.weight"
+        shape = tuple(model.get_parameter(weight).shape)
+        why = quantizable(kind, (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape)  # a stack: one matrix
         if why is not None:
-            raise ConfigError(f"{key} cannot quantise {name}.weight: {why}; choose other lora.target_modules or "
+            raise ConfigError(f"{key} cannot quantise {weight}: {why}; choose other lora.target_modules or "
                               "lora.quantize_base int8")

@@ -271,6 +271,35 @@ def _input_grad(flat: torch.Tensor, weight: torch.Tensor, d_hidden: torch.Tensor
     return grad_x
 
 
+class _QuantizedExperts(torch.autograd.Function):
+    """Rows sorted by expert through each expert's frozen quantised weight: the stack [experts x out, in]
+    stored as one quantised matrix, dequantised whole for the grouped matmul and again in backward, which
+    needs only the rows' gradient (the base is frozen), so no 16-bit copy of the experts outlives its matmul.
+    `group_mm(x, w, offsets, groups)` is the model's grouped matrix multiply (`models.moe.grouped_mm`)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor,  # noqa: D102
+                groups: torch.Tensor, group_mm: Any) -> torch.Tensor:
+        w = dequantize(weight, rows.dtype)
+        ctx.experts, ctx.group_mm = experts, group_mm
+        ctx.save_for_backward(weight, offsets, groups)
+        return group_mm(rows, w.view(experts, -1, w.shape[-1]).transpose(1, 2), offsets, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        weight, offsets, groups = ctx.saved_tensors
+        w = dequantize(weight, grad.dtype)
+        return ctx.group_mm(grad.contiguous(), w.view(ctx.experts, -1, w.shape[-1]), offsets, groups), \
+            None, None, None, None, None
+
+
+def quantized_experts(rows: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor,
+                      groups: torch.Tensor, group_mm: Any) -> torch.Tensor:
+    """Rows sorted by expert times each expert's frozen quantised weight (`weight`: the experts' stack
+    [experts, out, in] quantised as one [experts x out, in] matrix): [rows, out]."""
+    return _QuantizedExperts.apply(rows, weight, experts, offsets, groups, group_mm)
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scaling: float, dropout: float) -> torch.Tensor:
     """A LoRA layer on a quantised base weight (the Parameter itself: saved for backward as a weight, not

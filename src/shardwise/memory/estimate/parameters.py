@@ -58,15 +58,33 @@ def _param_table(key: str) -> tuple[Param, ...]:
     spec = json.loads(key)
     lora = LoraConfig(**spec["lora"]) if spec["lora"] is not None else None
     model = build_adapted_model(ModelConfig(**spec["model"]), lora, FreezeConfig(**spec["freeze"]), "meta")
-    quantized = {f"{n.split('.lora_A.')[0]}.weight" for n, _ in model.named_parameters() if ".lora_A." in n} \
-        if lora is not None and lora.quantize_base != "none" else set()
+    quantized = _quantized_names(model) if lora is not None and lora.quantize_base != "none" else set()
     out = []
     for name, p in model.named_parameters():
         layer = int(name.split(".")[1]) if name.startswith("layers.") else None
         where = "layer" if layer is not None else ("head" if name.startswith(("norm.", "output.")) else "embedding")
-        out.append(Param(name, tuple(p.shape), p.requires_grad, layer, where, _tp_dim(name),
+        shape = tuple(p.shape)
+        if name in quantized and len(shape) == 3:
+            shape = (shape[0] * shape[1], shape[2])  # an experts' stack, quantised as one matrix
+        out.append(Param(name, shape, p.requires_grad, layer, where, _tp_dim(name),
                           lora.quantize_base if name in quantized else None))
     return tuple(out)
+
+
+def _quantized_names(model: Any) -> set[str]:
+    """The base weights QLoRA stores quantised (`peft.qlora.quantize_base`): each adapted linear's weight,
+    and all three stacks of a MoE block's experts with any adapter."""
+    out = set()
+    for n, _ in model.named_parameters():
+        if ".lora_A." not in n:
+            continue
+        module = n.split(".lora_A.")[0]
+        if ".feed_forward.experts.lora." in module:
+            experts = module.split(".lora.")[0]
+            out.update(f"{experts}.{w}" for w in ("w1", "w3", "w2"))
+        else:
+            out.add(f"{module}.weight")
+    return out
 
 
 def params_of(cfg: Any) -> tuple[Param, ...]:
