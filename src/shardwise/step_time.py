@@ -39,9 +39,11 @@ A step is the busiest pipeline rank's work, summed from parts (seconds per optim
   routed copies to their experts' ranks and the results back) and two backward (their gradients), each of
   the rank's [tokens x num_experts_per_tok, hidden] copies over the `expert_parallel` ranks; a fully
   recomputed block exchanges its forward's again. Not overlapped (the experts wait for their tokens). The
-  load is taken as even: a router that sends one rank more copies makes every rank wait for it (the step
-  records' `expert_load` shows how far from even a run is). Each rank holds num_experts / expert_parallel
-  of every block's experts, computes and updates only those, and sums their gradients over the
+  load is taken as even unless the plan is given an imbalance (`Work.expert_imbalance`, `shardwise plan
+  --expert-imbalance`): the busiest rank then receives and computes that many times its even share of the
+  copies, and every rank waits for it (the step records' `expert_load` shows how far from even a run is).
+  Each rank holds num_experts / expert_parallel of every block's experts, computes and updates only those,
+  and sums their gradients over the
   data-parallel replicas that hold the same experts (when expert_parallel is below data_parallel: after the
   backward under ZeRO 0/1; under ZeRO 2/3 FSDP2 shards the experts over those replicas, reduce-scattering
   their gradients and gathering them like the other weights); the other weights are reduced over every
@@ -88,6 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RunConfig
+from .errors import ConfigError
 from .hardware import Hardware
 from .memory.estimate import estimate_memory, head_recomputes_logits, offloaded_share, run_flops, trainable_shapes
 from .models.config import ModelConfig
@@ -221,6 +224,9 @@ class Work:
     flops: TrainingFlops  # per token, by layer and head (`memory.estimate.run_flops`)
     adapter_params: int  # LoRA parameters per layer
     float8: tuple["Float8Layer", ...] = ()  # per layer, what optimize.float8 converts (empty when off)
+    # Expert parallelism: the busiest rank's routed copies over the even share (>= 1; a run's step records give
+    # each block's busiest expert over the mean, `expert_load`): that rank's experts and exchanges gate the step.
+    expert_imbalance: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -252,9 +258,12 @@ def float8_layers(cfg: RunConfig) -> tuple[Float8Layer, ...]:
     return tuple(out)
 
 
-def work_of(cfg: RunConfig) -> Work:
-    """The layout-independent work of a run config."""
-    return Work(run_flops(cfg), lora_adapter_params(cfg), float8_layers(cfg))
+def work_of(cfg: RunConfig, expert_imbalance: float = 1.0) -> Work:
+    """The layout-independent work of a run config (`expert_imbalance`: see `Work`)."""
+    if not expert_imbalance >= 1.0:
+        raise ConfigError(f"expert imbalance {expert_imbalance}: the busiest rank's routed copies over the even "
+                          "share, at least 1.0 (an even load)")
+    return Work(run_flops(cfg), lora_adapter_params(cfg), float8_layers(cfg), expert_imbalance)
 
 
 def selective_recompute_flops(cfg: RunConfig, layer: int, shapes: dict[str, tuple[int, ...]]) -> float:
@@ -474,7 +483,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     # Expert parallelism: each MoE block sends the rank's routed copies out and takes the results back.
     ep = p.expert_parallel if m.num_experts else 1
     ep_link = _link(hw, ep * tp > per_node, slowdown)
-    routed = tokens_mb * m.num_experts_per_tok * m.hidden_size * b["activation"]
+    copies = tokens_mb * m.num_experts_per_tok * m.hidden_size * b["activation"]
     # optimize.float8 where the hardware has float8 tensor cores (the planner refuses it elsewhere).
     rate8 = hw.tflops_8 * 1e12 * hw.compute_efficiency / slowdown if work.float8 and hw.tflops_8 else 0.0
     cast_bytes = FLOAT8_CAST_BYTES["compiled" if cfg.compiles(hw.kind) else "eager"]
@@ -487,8 +496,10 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
 
     def rank_times(load: RankLoad) -> dict[str, float]:
         """Per micro-batch times of one pipeline rank."""
-        # A MoE block's router and routed experts run whole on every tensor-parallel rank (parallel.tensor).
-        compute = tokens_mb * (load.flops_per_token + (tp - 1) * load.routed_flops_per_token) / tp / rate
+        # A MoE block's router and routed experts run whole on every tensor-parallel rank (parallel.tensor);
+        # under expert parallelism the busiest rank's experts take `expert_imbalance` times the even share.
+        routed = load.routed_flops_per_token * (tp - 1 + (work.expert_imbalance if ep > 1 else 1.0))
+        compute = tokens_mb * (load.flops_per_token - load.routed_flops_per_token + routed) / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
         if rate8:  # optimize.float8: the converted linears at the float8 rate, and their casts
@@ -508,7 +519,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         cp_comm = load.layers * (2 + load.recompute_collectives / max(1, load.layers) / 2) * \
             all_to_all_time(exchange, cp, cp_link)
         ep_comm = load.moe_layers * (4 + load.recompute_collectives / max(1, load.layers)) * \
-            all_to_all_time(routed, ep, ep_link) if ep > 1 else 0.0
+            all_to_all_time(copies * work.expert_imbalance, ep, ep_link) if ep > 1 else 0.0
         return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm + tp_host, "pp_comm": pp_comm,
                 "cp_comm": cp_comm, "ep_comm": ep_comm, "host": tp_host}
 

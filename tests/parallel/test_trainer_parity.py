@@ -72,7 +72,12 @@ FINETUNE: dict[str, dict[str, Any]] = {"full": {}, "lora": {"lora": LORA},
                                        # LoRA on attention and on every routed expert's three projections
                                        "moe_lora": {"model": {"preset": "tiny_llama", **MODEL, **MOE},
                                                     "lora": {**LORA, "target_modules": ["q_proj", "experts.w1",
-                                                                                        "experts.w3", "experts.w2"]}}}
+                                                                                        "experts.w3", "experts.w2"]}},
+                                       # DeepSeek-V3's shape: latent attention, block 0 dense, grouped sigmoid
+                                       # routing with the correction bias, a shared expert
+                                       "deepseek": {"model": {"preset": "tiny_deepseek_v3", "vocab_size": 64,
+                                                              "num_layers": 4, "max_position_embeddings": 64,
+                                                              "moe_bias_update_rate": 0.01}}}
 # The tensor fault (a) halves: its largest first-step gradient is ~1e-4 (checked in test_parity_faults).
 HALVED = {"full": "layers.1.attention.wq.weight", "freeze": "layers.1.attention.wq.weight",
           "lora": "layers.1.attention.wq.lora_B.weight"}
@@ -146,6 +151,7 @@ LAYOUTS = [
     Layout("moe_lora_ep2_zero1", 2, dict(data_parallel=2, zero_stage=1, expert_parallel=2), 2, 2,
            finetune="moe_lora"),  # the experts' adapters spread with them
     Layout("moe_lora_tp2", 2, dict(tensor_parallel=2), 4, 2, finetune="moe_lora"),  # ... replicated with them
+    Layout("deepseek_pp2_1f1b", 2, _pp("1f1b"), 4, 2, finetune="deepseek"),  # latent attention in stages
     Layout("moe_tp2_sp", 2, dict(tensor_parallel=2), 2, 4, finetune="moe"),  # router, experts replicated over TP
     # 4 ranks
     Layout("moe_ep2_tp2_zero3", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=3, expert_parallel=2), 1, 4,

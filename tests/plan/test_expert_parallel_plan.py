@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.errors import ConfigError
 from shardwise.hardware import get_hardware
 from shardwise.plan import PlanRequest, plan
 from shardwise.resolve import resolve_config as validate
-from shardwise.step_time import _link, all_reduce_time, all_to_all_time, predict_step, rank_loads
+from shardwise.step_time import _link, all_reduce_time, all_to_all_time, predict_step, rank_loads, work_of
 
 H100 = get_hardware("H100")
 
@@ -89,3 +90,21 @@ def test_tensor_parallel_ranks_each_run_the_whole_router_and_experts() -> None:
     micro_batches = 2  # 8 sequences a step over 4 data-parallel ranks
     assert predict_step(two, 8, H100).compute == pytest.approx(
         micro_batches * 4096 * (load.flops_per_token + load.routed_flops_per_token) / 2 / rate, rel=1e-9)
+
+
+def test_an_uneven_load_slows_every_rank_to_the_busiest_ones() -> None:
+    """--expert-imbalance 1.5: the busiest rank receives and computes 1.5x its even share of the routed copies,
+    so each exchange moves 1.5x the bytes and the step's compute grows by half the routed experts' FLOPs; without
+    expert parallelism (every expert on every rank) the imbalance changes nothing."""
+    cfg = moe(ep=8)
+    even, uneven = (predict_step(cfg, 16, H100, work=work_of(cfg, imbalance)) for imbalance in (1.0, 1.5))
+    m = cfg.model
+    one = all_to_all_time(1.5 * 4096 * m.num_experts_per_tok * m.hidden_size * 2, 8, _link(H100, False, 1.0))
+    assert uneven.ep_comm == pytest.approx(48 * 4 * one, rel=1e-12) and uneven.ep_comm > 1.4 * even.ep_comm
+    load = rank_loads(cfg)[0]
+    rate = H100.peak_tflops("bf16") * 1e12 * H100.compute_efficiency
+    assert uneven.compute - even.compute == pytest.approx(4096 * 0.5 * load.routed_flops_per_token / rate, rel=1e-9)
+    plain = moe(ep=1)
+    assert predict_step(plain, 16, H100, work=work_of(plain, 1.5)).total == predict_step(plain, 16, H100).total
+    with pytest.raises(ConfigError, match="at least 1.0"):
+        work_of(cfg, 0.8)

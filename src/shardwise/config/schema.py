@@ -662,12 +662,11 @@ class RunConfig(_Section):
         """Layouts latent attention (DeepSeek-V3) and sliding windows (Gemma 3) do not run with yet."""
         m, p = self.model, self.parallel
         if m.latent_attention:
-            for what, n in (("tensor_parallel", p.tensor_parallel), ("pipeline_parallel", p.pipeline_parallel),
-                            ("context_parallel", p.context_parallel)):
+            for what, n in (("tensor_parallel", p.tensor_parallel), ("context_parallel", p.context_parallel)):
                 if n > 1:
                     raise ValueError(f"parallel.{what} {n} with multi-head latent attention (model.kv_lora_rank "
-                                     f"{m.kv_lora_rank}): not supported yet; use data parallelism (ZeRO 0-3, "
-                                     f"expert_parallel) and set {what}: 1")
+                                     f"{m.kv_lora_rank}): not supported yet; use data, expert and pipeline "
+                                     f"parallelism and set {what}: 1")
         if m.position == "alibi":
             for what, n in (("tensor_parallel", p.tensor_parallel), ("context_parallel", p.context_parallel)):
                 if n > 1:

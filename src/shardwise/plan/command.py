@@ -78,6 +78,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--memory-margin", type=float, default=0.10, metavar="F",
                    help="share of device memory kept free (default 0.1)")
     s.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
+    s.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
+                   help="mixture-of-experts models: the busiest expert-parallel rank's routed copies over the even "
+                        "share (default 1.0, even; a run's step records give each block's busiest expert over the "
+                        "mean as expert_load)")
     s.add_argument("--target-tokens-per-s", type=float, metavar="X",
                    help="tokens/s per device you hope for: checked against the physical limit")
     pr = p.add_argument_group("profiling")
@@ -188,7 +192,8 @@ def run_plan(args: argparse.Namespace) -> int:
     def plan_cfg(cfg: RunConfig) -> PlanResult:
         return plan(PlanRequest(cfg=cfg, devices=args.devices, hardware=hw, nodes=args.nodes,
                                 memory_margin=args.memory_margin, top=args.top, pins=pins,
-                                offload=not args.no_offload, target_tokens_per_s=args.target_tokens_per_s))
+                                offload=not args.no_offload, target_tokens_per_s=args.target_tokens_per_s,
+                                expert_imbalance=args.expert_imbalance))
 
     budget: Optional[BudgetPlan] = None
     if budgeted:

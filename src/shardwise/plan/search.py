@@ -134,6 +134,7 @@ class PlanRequest:
     pins: dict[str, list[Any]] = field(default_factory=dict)  # tp, pp, dp, zero, recompute, micro_batch, schedule
     offload: bool = True
     target_tokens_per_s: Optional[float] = None  # per device
+    expert_imbalance: float = 1.0  # MoE: the busiest expert-parallel rank's routed copies over the even share
 
 
 @dataclass
@@ -309,8 +310,9 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     nodes = req.nodes or req.hardware.nodes_for(n)
     per_node = n // nodes
     out = []
-    # What the model's kind runs with (RunConfig refuses the rest): latent attention data and expert
-    # parallelism only, mixture-of-experts models no context parallelism, ALiBi no tensor or context parallelism.
+    # What the model's kind runs with (RunConfig refuses the rest): latent attention and mixture-of-experts
+    # models no context parallelism (latent attention no tensor parallelism either), ALiBi no tensor or context
+    # parallelism.
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
             continue
@@ -320,7 +322,7 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
         for pp, cp in [(pp, cp) for pp in _allowed(pins, "pp", divisors(n // tp))
                        for cp in context_parallel_degrees(req, tp, pp, context_parallel)]:
-            if pp > m.num_layers or (m.latent_attention and pp > 1) or (cp > 1 and (
+            if pp > m.num_layers or (cp > 1 and (
                     m.latent_attention or m.num_experts or m.position == "alibi" or m.sliding_window)):
                 continue
             dp = n // (tp * pp * cp)
@@ -476,7 +478,7 @@ def plan(req: PlanRequest, memory_fn: Optional[MemoryFn] = None, advise: bool = 
     hw, n = req.hardware, req.devices
     nodes = req.nodes or hw.nodes_for(n)
     usable = usable_bytes(hw, req.memory_margin, n // nodes)
-    work = work_of(req.cfg)  # the same FLOPs and adapters in every layout
+    work = work_of(req.cfg, req.expert_imbalance)  # the same FLOPs and adapters in every layout
     candidates = []
     for layout, cfg in enumerate_layouts(req, context_parallel):
         if quantized_layout_problem(cfg, layout):  # QLoRA's base cannot be split, sharded or offloaded
