@@ -179,6 +179,7 @@ class RankLoad:
     head: bool = False
     flops_per_token: float = 0.0          # forward + backward, with frozen weights' savings
     routed_flops_per_token: float = 0.0   # ... of those, MoE routers' and routed experts': whole on every TP rank
+    latent_down_flops_per_token: float = 0.0  # ... latent attention's down projections: whole on every TP rank
     recompute_flops_per_token: float = 0.0
     selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
     recompute_collectives: float = 0.0  # tensor-parallel collective volumes the recomputed forwards repeat
@@ -310,6 +311,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         here = range(first_layer, first_layer + n_layers)
         load.flops_per_token += sum(flops.layers[i] for i in here)
         load.routed_flops_per_token += sum(flops.routed[i] for i in here if flops.routed)
+        load.latent_down_flops_per_token += sum(flops.latent_down[i] for i in here if flops.latent_down)
         for i in here:
             if work.float8:
                 f8 = work.float8[i]
@@ -496,10 +498,12 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
 
     def rank_times(load: RankLoad) -> dict[str, float]:
         """Per micro-batch times of one pipeline rank."""
-        # A MoE block's router and routed experts run whole on every tensor-parallel rank (parallel.tensor);
-        # under expert parallelism the busiest rank's experts take `expert_imbalance` times the even share.
+        # A MoE block's router and routed experts, and latent attention's down projections, run whole on every
+        # tensor-parallel rank (parallel.tensor); under expert parallelism the busiest rank's experts take
+        # `expert_imbalance` times the even share.
         routed = load.routed_flops_per_token * (tp - 1 + (work.expert_imbalance if ep > 1 else 1.0))
-        compute = tokens_mb * (load.flops_per_token - load.routed_flops_per_token + routed) / tp / rate
+        whole = routed + load.latent_down_flops_per_token * (tp - 1)
+        compute = tokens_mb * (load.flops_per_token - load.routed_flops_per_token + whole) / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
         if rate8:  # optimize.float8: the converted linears at the float8 rate, and their casts

@@ -108,3 +108,19 @@ def test_an_uneven_load_slows_every_rank_to_the_busiest_ones() -> None:
     assert predict_step(plain, 16, H100, work=work_of(plain, 1.5)).total == predict_step(plain, 16, H100).total
     with pytest.raises(ConfigError, match="at least 1.0"):
         work_of(cfg, 0.8)
+
+
+def test_latent_attention_down_projections_run_whole_on_every_tensor_parallel_rank() -> None:
+    """DeepSeek-V3 under TP2: its query and key/value down projections are replicated (parallel/tensor.py), so
+    each rank computes them whole, as it does the routed experts; the rest of the FLOPs is divided by tp."""
+    one = moe(devices=8, ep=8, preset="deepseek_v3_671b")
+    two = validate({**one.model_dump(), "parallel": {**one.parallel.model_dump(), "tensor_parallel": 2,
+                                                     "data_parallel": 4, "expert_parallel": 4}})
+    load = rank_loads(one)[0]
+    m = one.model
+    down = m.hidden_size * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)
+    assert load.latent_down_flops_per_token == pytest.approx(61 * 6 * down, rel=1e-12)
+    rate = H100.peak_tflops("bf16") * 1e12 * H100.compute_efficiency
+    whole = load.routed_flops_per_token + load.latent_down_flops_per_token
+    assert predict_step(two, 8, H100).compute == pytest.approx(
+        2 * 4096 * (load.flops_per_token + whole) / 2 / rate, rel=1e-9)

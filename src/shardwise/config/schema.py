@@ -662,11 +662,10 @@ class RunConfig(_Section):
         """Layouts latent attention (DeepSeek-V3) and sliding windows (Gemma 3) do not run with yet."""
         m, p = self.model, self.parallel
         if m.latent_attention:
-            for what, n in (("tensor_parallel", p.tensor_parallel), ("context_parallel", p.context_parallel)):
-                if n > 1:
-                    raise ValueError(f"parallel.{what} {n} with multi-head latent attention (model.kv_lora_rank "
-                                     f"{m.kv_lora_rank}): not supported yet; use data, expert and pipeline "
-                                     f"parallelism and set {what}: 1")
+            if p.context_parallel > 1:
+                raise ValueError(f"parallel.context_parallel {p.context_parallel} with multi-head latent attention "
+                                 f"(model.kv_lora_rank {m.kv_lora_rank}): not supported yet; use data, tensor, "
+                                 "expert and pipeline parallelism and set context_parallel: 1")
         if m.position == "alibi":
             for what, n in (("tensor_parallel", p.tensor_parallel), ("context_parallel", p.context_parallel)):
                 if n > 1:

@@ -144,6 +144,9 @@ class TrainingFlops:
     layers_forward: tuple[float, ...]  # per block, the forward alone (what recompute runs again)
     head: float  # the output projection, forward + backward
     routed: tuple[float, ...] = ()  # per block, the part of `layers` in a MoE block's router and routed experts
+    # per block, the part of `layers` in latent attention's down projections (every tensor-parallel rank runs
+    # them whole, as it does the routed experts)
+    latent_down: tuple[float, ...] = ()
 
     @property
     def total(self) -> float:
@@ -238,13 +241,13 @@ def training_flops(cfg: ModelConfig, seq_length: int,
     walk = _Walk(trainable)
     scores = 2 * cfg.num_heads * (cfg.head_dim + cfg.value_dim) * seq_length
     grad = walk.trains("tok_embeddings") or walk.trains("pos_embeddings")  # the residual stream needs one
-    layers, forward, routed = [], [], []
+    layers, forward, routed, latent_down = [], [], [], []
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         dims = _linear_dims(cfg, i)
         before = walk.flops
         x = grad or walk.trains(p + "attention_norm")
-        attended = _attention_walk(walk, p, dims, x)
+        attended, down = _attention_walk(walk, p, dims, x)
         walk.flops += scores * (3 if attended else 1)
         grad = walk.linear(p + "attention.wo", dims["attention.wo"], attended) or grad
         x = grad or walk.trains(p + "ffn_norm")
@@ -257,26 +260,30 @@ def training_flops(cfg: ModelConfig, seq_length: int,
             grad = walk.linear(p + "feed_forward.w2", dims["feed_forward.w2"], hidden) or grad
         layers.append(walk.flops - before)
         routed.append(routed_here)
+        latent_down.append(down)
         forward.append(_forward_flops(cfg, trainable, p, dims, scores))
     head_trains = walk.trains("output") or (cfg.tie_embeddings and walk.trains("tok_embeddings"))
     x = grad or walk.trains("norm")
     head = cfg.vocab_size * cfg.hidden_size * (2 + 2 * head_trains + 2 * x)
     return TrainingFlops(layers=tuple(float(f) for f in layers), layers_forward=tuple(forward), head=float(head),
-                         routed=tuple(routed))
+                         routed=tuple(routed), latent_down=tuple(latent_down))
 
 
-def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> bool:
-    """The attention's projections along `walk` (its input needs a gradient: `x`); whether the queries, keys
-    or values need one. Latent attention's up projections read its down projections' outputs."""
+def _attention_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> tuple[bool, float]:
+    """The attention's projections along `walk` (its input needs a gradient: `x`): whether the queries, keys
+    or values need one, and the FLOPs of latent attention's down projections (0 for standard attention).
+    Latent attention's up projections read its down projections' outputs."""
     if "attention.wk" in dims:
-        return any([walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS])
+        return any([walk.linear(p + n, dims[n], x) for n in _ATTENTION_INPUTS]), 0.0
+    start = walk.flops
+    down = walk.linear(p + "attention.wq_a", dims["attention.wq_a"], x) if "attention.wq_a" in dims else False
+    latent = walk.linear(p + "attention.wkv_a", dims["attention.wkv_a"], x)
+    down_flops = walk.flops - start
     if "attention.wq" in dims:
         query = walk.linear(p + "attention.wq", dims["attention.wq"], x)
     else:
-        down = walk.linear(p + "attention.wq_a", dims["attention.wq_a"], x)
         query = walk.linear(p + "attention.wq_b", dims["attention.wq_b"], down)
-    latent = walk.linear(p + "attention.wkv_a", dims["attention.wkv_a"], x)
-    return walk.linear(p + "attention.wkv_b", dims["attention.wkv_b"], latent) or latent or query
+    return walk.linear(p + "attention.wkv_b", dims["attention.wkv_b"], latent) or latent or query, down_flops
 
 
 def _moe_walk(walk: _Walk, p: str, dims: dict[str, tuple[int, int]], x: bool) -> tuple[bool, float]:

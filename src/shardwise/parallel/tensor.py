@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..errors import ConfigError
+from ..models.latent_attention import LatentAttention
 from ..models.moe import MoE
 from .dtensors import full_value
 
@@ -75,10 +76,6 @@ def check_tensor_parallel(cfg: Any, tp: int) -> None:
     heads (a GQA group must live on one rank) and the MLP width. The vocabulary may be uneven."""
     if tp <= 1:
         return
-    if getattr(cfg, "latent_attention", False):
-        raise ConfigError(f"tensor_parallel {tp} with multi-head latent attention (model.kv_lora_rank): its "
-                          "projections have no tensor-parallel plan yet; use data parallelism (ZeRO 0-3) and "
-                          "expert_parallel, and set tensor_parallel: 1")
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
     if heads % tp or kv_heads % tp:
         valid = [t for t in range(1, kv_heads + 1) if heads % t == 0 and kv_heads % t == 0]
@@ -147,6 +144,58 @@ class _HeadNorm(_ReplicateParallel):
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
             for x in inputs
         )
+
+
+class _SumTailGrad(torch.autograd.Function):
+    """Identity forward; backward sums the last `tail` columns of the gradient over the tensor-parallel group
+    and leaves the rest. Latent attention's key/value down projection (replicated) gives the latent, whose
+    gradient comes back whole through the column-parallel up projection, and the one rotary key all heads
+    share, whose gradient each rank has only for its own heads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tail: int, group: Any) -> torch.Tensor:  # noqa: D102
+        ctx.tail, ctx.group = tail, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # noqa: D102
+        grad = grad.clone()
+        tail = grad[..., -ctx.tail:].contiguous()
+        torch.distributed.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.tail:] = tail
+        return grad, None, None
+
+
+class _SharedKeyProjection(_ReplicateParallel):
+    """Latent attention's `wkv_a`, computed whole on every rank: the latent and the shared rotary key; the
+    rotary key's gradient (the last `rope_dim` columns) summed over the group (`_SumTailGrad`)."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        group, tail = device_mesh.get_group(), self.rope_dim
+
+        def output_fn(_mod: nn.Module, out: Any, _mesh: Any) -> Any:
+            return _SumTailGrad.apply(out.to_local() if isinstance(out, DTensor) else out, tail, group)
+
+        return distribute_module(module, device_mesh, _broadcast_replicate, self._input_fn, output_fn)
+
+
+def _latent_attention_plan(attn: nn.Module) -> dict[str, ParallelStyle]:
+    """Multi-head latent attention (DeepSeek-V3) under tensor parallelism, as torchtitan splits it: the
+    query and key/value down projections and their norms replicated (small, computed whole on every rank),
+    the up projections column-parallel by head, the output row-parallel."""
+    plan: dict[str, ParallelStyle] = {"attention.wkv_a": _SharedKeyProjection(attn.rope_dim),
+                                      "attention.kv_norm": _ReplicateParallel(),
+                                      "attention.wkv_b": _colwise(attn.wkv_b)}
+    if attn.wq is not None:
+        plan["attention.wq"] = _colwise(attn.wq)
+    else:
+        plan.update({"attention.wq_a": _ReplicateParallel(), "attention.q_norm": _ReplicateParallel(),
+                     "attention.wq_b": _colwise(attn.wq_b)})
+    return plan
 
 
 def _place_direct_params(module: nn.Module, mesh: Any, placements: dict[str, Any]) -> None:
@@ -265,14 +314,13 @@ def apply_tensor_parallel(
         # Applied after recompute by mistake? Plan the wrapped block (its hooks work either way).
         block = getattr(block, "_checkpoint_wrapped_module", block)
         attn, ffn = block.attention, block.feed_forward
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": norm_style(),
-            "ffn_norm": norm_style(),
-            "attention.wq": _colwise(attn.wq),
-            "attention.wk": _colwise(attn.wk),
-            "attention.wv": _colwise(attn.wv),
-            "attention.wo": _rowwise(attn.wo, act),
-        }
+        plan: dict[str, ParallelStyle] = {"attention_norm": norm_style(), "ffn_norm": norm_style(),
+                                          "attention.wo": _rowwise(attn.wo, act)}
+        if isinstance(attn, LatentAttention):
+            plan.update(_latent_attention_plan(attn))
+        else:
+            plan.update({"attention.wq": _colwise(attn.wq), "attention.wk": _colwise(attn.wk),
+                         "attention.wv": _colwise(attn.wv)})
         moe = isinstance(ffn, MoE)
         if moe:
             plan.update(_moe_plan(ffn, tp_mesh))
@@ -280,7 +328,7 @@ def apply_tensor_parallel(
             plan.update({"feed_forward.w1": _colwise(ffn.w1), "feed_forward.w2": _rowwise(ffn.w2, act)})
             if ffn.w3 is not None:
                 plan["feed_forward.w3"] = _colwise(ffn.w3)
-        if attn.q_norm is not None:
+        if attn.q_norm is not None and not isinstance(attn, LatentAttention):
             plan.update({"attention.q_norm": _HeadNorm(), "attention.k_norm": _HeadNorm()})
         if block.attention_post_norm is not None:  # GLM-4's and Gemma 3's norms on the outputs, before the adds
             # (their outputs join the residual stream, which is a local tensor between blocks)

@@ -311,12 +311,11 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     per_node = n // nodes
     out = []
     # What the model's kind runs with (RunConfig refuses the rest): latent attention and mixture-of-experts
-    # models no context parallelism (latent attention no tensor parallelism either), ALiBi no tensor or context
-    # parallelism.
+    # models no context parallelism, ALiBi no tensor or context parallelism.
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
             continue
-        if tp > 1 and (m.latent_attention or m.position == "alibi"):
+        if tp > 1 and m.position == "alibi":
             continue
         if tp > per_node and "tp" not in pins:
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
