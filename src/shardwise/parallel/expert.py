@@ -134,7 +134,9 @@ class TokenExchange:
         del got
         done = run_local(rows, received.sum(dim=0))
         del rows
-        back = torch.empty_like(done).index_copy(0, order, done)  # in the order the copies arrived
+        # In the order the copies arrived: indexing by the inverse permutation keeps only that index for
+        # backward (index_copy would keep the results themselves).
+        back = done[order.argsort()]
         del done
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(back, in_sizes, out_sizes, group=self.group))
 

@@ -414,8 +414,7 @@ def _approximations(m: Any, ep: int, tp: int) -> list[str]:
         out.append("tensor parallelism with mixture-of-experts blocks: the sequence each block gathers and splits "
                    "again is not counted")
     if ep > 1:
-        out.append("expert parallelism: each rank is taken to receive its even share of the routed copies (the "
-                   "exchange's send and receive buffers then hold what one device's routed copies would); a rank "
+        out.append("expert parallelism: each rank is taken to receive its even share of the routed copies; a rank "
                    "whose experts are busier holds more, in proportion")
     if m.latent_attention:
         out.append("latent attention: its activations are counted as standard attention's of head_dim (not its "
