@@ -85,9 +85,10 @@ def test_zero3_shards_the_experts_over_their_replicas(tmp_path: Path) -> None:
     assert zero3.params - rope - others / 4 == pytest.approx(expert_bytes / 4, abs=64)
 
 
-# Two ranks: the experts over both ranks with their token exchange, and a MoE model cut into two pipeline
-# stages, held to the single process's bar (2%). Under expert parallelism the estimate takes an even share of
-# the routed copies on every rank: this untrained router's ranks come within 2% of it, and with every token sent
+# Two ranks: the experts over both ranks with their token exchange, a MoE model cut into two pipeline stages
+# and one sharded by ZeRO-3, held to the single process's bar (2%); its sequences split over two ranks to the
+# dense CP runs' bar (10%; -2.4% measured). Under expert parallelism the estimate takes an even share of the
+# routed copies on every rank: this untrained router's ranks come within 2% of it, and with every token sent
 # to all 16 experts each rank receives exactly its share.
 MOE_DISTRIBUTED = {
     "EP2 ZeRO-1": {"parallel": {"data_parallel": 2, "zero_stage": 1, "expert_parallel": 2}},
@@ -95,6 +96,8 @@ MOE_DISTRIBUTED = {
                                  "model": {**QWEN3_MOE, "num_experts_per_tok": 16}},
     "EP2 ZeRO-3": {"parallel": {"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}},
     "PP2 1F1B": {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2, "schedule": "1f1b"}},
+    "DP2 ZeRO-3": {"parallel": {"data_parallel": 2, "zero_stage": 3}},
+    "CP2": {"parallel": {"context_parallel": 2}},
 }
 
 
@@ -122,4 +125,5 @@ def test_two_rank_moe_layouts_are_within_two_percent_of_measured(tmp_path: Path)
             cfg = _moe_config(tmp_path / name.replace(" ", "_"), MOE_DISTRIBUTED[name])
             est = estimate_all_ranks(cfg, 2, device="cpu")[rank // (2 // cfg.parallel.pipeline_parallel)]
             error = (est.detail["tensor_peak"] - measured["peak"]) / measured["peak"]
-            assert abs(error) <= 0.02, f"{name} rank {rank}: {error:+.2%}; phases {est.phases} vs {measured['phases']}"
+            assert abs(error) <= (0.10 if name == "CP2" else 0.02), \
+                f"{name} rank {rank}: {error:+.2%}; phases {est.phases} vs {measured['phases']}"

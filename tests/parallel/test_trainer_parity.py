@@ -153,6 +153,7 @@ LAYOUTS = [
     Layout("moe_lora_tp2", 2, dict(tensor_parallel=2), 4, 2, finetune="moe_lora"),  # ... replicated with them
     Layout("deepseek_pp2_1f1b", 2, _pp("1f1b"), 4, 2, finetune="deepseek"),  # latent attention in stages
     Layout("deepseek_tp2_sp", 2, dict(tensor_parallel=2), 2, 4, finetune="deepseek"),  # ... split by head
+    Layout("moe_cp2", 2, dict(context_parallel=2), 4, 2, finetune="moe"),  # balance losses over whole sequences
     Layout("moe_tp2_sp", 2, dict(tensor_parallel=2), 2, 4, finetune="moe"),  # router, experts replicated over TP
     # 4 ranks
     Layout("moe_ep2_tp2_zero3", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=3, expert_parallel=2), 1, 4,
@@ -163,6 +164,7 @@ LAYOUTS = [
            finetune="moe"),
     Layout("deepseek_ep2_tp2_zero3", 4, dict(data_parallel=2, tensor_parallel=2, zero_stage=3, expert_parallel=2),
            1, 4, finetune="deepseek"),
+    Layout("moe_dp2_cp2_zero3", 4, dict(data_parallel=2, context_parallel=2, zero_stage=3), 2, 2, finetune="moe"),
     Layout("moe_ep2_dp4_zero0", 4, dict(data_parallel=4, zero_stage=0, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("moe_ep2_dp4_zero3", 4, dict(data_parallel=4, zero_stage=3, expert_parallel=2), 1, 2, finetune="moe"),
     Layout("hsdp_2x2_zero3", 4, dict(data_parallel=4, data_parallel_replicate=2, zero_stage=3), 1, 2,

@@ -52,7 +52,8 @@ def test_resuming_a_moe_run_continues_it_exactly(tmp_path, dataset):
 @pytest.mark.parametrize("change, message", [
     ({"parallel": {"tensor_parallel": 2, "data_parallel": 4, "expert_parallel": 2}},
      "parallel.expert_parallel 2 below data_parallel 4 with tensor_parallel 2"),
-    ({"parallel": {"context_parallel": 2}}, "parallel.context_parallel 2 with a mixture-of-experts model"),
+    ({"parallel": {"context_parallel": 2, "data_parallel": 2, "expert_parallel": 2}},
+     "parallel.context_parallel 2 with expert_parallel 2 on a mixture-of-experts model"),
     ({"optimize": {"float8": True, "mixed_precision": "bf16"}}, "optimize.float8 converts nn.Linear layers"),
 ])
 def test_what_a_moe_model_does_not_run_with_yet_is_refused(tmp_path, change, message):

@@ -705,10 +705,11 @@ class RunConfig(_Section):
                 raise ValueError(f"parallel.expert_parallel {ep} below data_parallel {p.data_parallel} with "
                                  f"tensor_parallel {p.tensor_parallel}: with tensor parallelism the experts spread "
                                  f"over all the data-parallel ranks; set expert_parallel: {p.data_parallel} (or 1)")
-        if p.context_parallel > 1:
-            raise ValueError(f"parallel.context_parallel {p.context_parallel} with a mixture-of-experts model "
-                             f"(model.num_experts {self.model.num_experts}): not supported yet; use data "
-                             "parallelism (ZeRO 0-3) and set context_parallel: 1")
+        if p.context_parallel > 1 and (ep > 1 or p.tensor_parallel > 1):
+            what = f"expert_parallel {ep}" if ep > 1 else f"tensor_parallel {p.tensor_parallel}"
+            raise ValueError(f"parallel.context_parallel {p.context_parallel} with {what} on a mixture-of-experts "
+                             f"model (model.num_experts {self.model.num_experts}): not supported yet; split the "
+                             "sequence with data parallelism (ZeRO 0-3) alone, or set context_parallel: 1")
         if o.float8:
             raise ValueError("optimize.float8 converts nn.Linear layers, and a mixture-of-experts block's experts "
                              "are grouped matrix multiplies it does not convert (its router would be): set "

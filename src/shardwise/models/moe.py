@@ -203,6 +203,10 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32),
                              persistent=False)
         self.aux_loss_scale = 1.0  # one over the sequences per optimizer step (`set_aux_loss_scale`)
+        # Context parallelism (set from outside, `parallel.context`): this rank holds 1/sequence_parts of each
+        # sequence, and sequence_sum(t) sums t over the ranks holding the others (differentiable).
+        self.sequence_parts = 1
+        self.sequence_sum: Optional[Any] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]."""
@@ -223,20 +227,28 @@ class MoE(nn.Module):
 
     def _balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, logits: torch.Tensor, b: int,
                       t: int) -> Optional[torch.Tensor]:
-        """The micro-batch's auxiliary and z-losses, summed over its sequences (None when both are off)."""
+        """The micro-batch's auxiliary and z-losses, summed over its sequences (None when both are off). Under
+        context parallelism (`sequence_sum`) each rank holds `t` of each sequence's t x sequence_parts tokens:
+        the per-sequence sums behind the auxiliary loss are summed over the ranks, and each rank adds
+        1 / sequence_parts of the losses, so that the ranks' gradients add up to the whole sequences'."""
         c = self.cfg
+        parts = self.sequence_parts
         total = None
         if c.moe_aux_loss_coef:
             e, k = c.num_experts, c.num_experts_per_tok
             per_seq = c.moe_aux_loss == "seq"
             rows = (b, t) if per_seq else (1, b * t)
-            chosen = F.one_hot(experts, e).sum(dim=1).float().view(*rows, e)  # [S, T', E]
-            load = chosen.mean(dim=1) * e / k  # f_i: tokens routed to i over the even share
-            probs = (scores / scores.sum(dim=-1, keepdim=True)).view(*rows, e).mean(dim=1)  # P_i
-            aux = (load * probs).sum(dim=-1)  # per sequence (or the micro-batch)
-            total = c.moe_aux_loss_coef * (aux.sum() if per_seq else aux.sum() * b)
+            chosen = F.one_hot(experts, e).sum(dim=1).float().view(*rows, e).sum(dim=1)  # [S, E] copies
+            probs = (scores / scores.sum(dim=-1, keepdim=True)).view(*rows, e).sum(dim=1)  # [S, E]
+            if self.sequence_sum is not None:
+                chosen, probs = self.sequence_sum(chosen.detach()), self.sequence_sum(probs)
+            tokens = rows[1] * parts
+            load = chosen / tokens * e / k  # f_i: tokens routed to i over the even share
+            aux = (load * (probs / tokens)).sum(dim=-1)  # sum_i f_i P_i, per sequence (or the micro-batch)
+            total = c.moe_aux_loss_coef * (aux.sum() if per_seq else aux.sum() * b) / parts
         if c.router_z_loss_coef:
-            z = logits.logsumexp(dim=-1).square().view(b, t).mean(dim=1).sum()  # per sequence, summed
+            # per sequence, summed: this rank's part of each sequence's mean over its tokens
+            z = logits.logsumexp(dim=-1).square().view(b, t).sum(dim=1).sum() / (t * parts)
             total = c.router_z_loss_coef * z if total is None else total + c.router_z_loss_coef * z
         return total
 

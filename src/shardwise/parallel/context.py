@@ -28,6 +28,10 @@ as there are, or repeated up to the query heads when fewer than N per rank). Act
 are 1/N of one device's for everything but the attention kernel's own workspace over the whole
 sequence of H/N heads (and a full [B, 1, T, T] document mask on the explicit-mask path).
 
+A mixture-of-experts block routes each rank's tokens as they come; its balance losses are per whole
+sequence, so the per-sequence sums behind them are summed over the cp ranks (`ContextParallel.
+sequence_sum`), and its expert load is counted over data parallel x context parallel.
+
 Refused (`check_context_parallel`, before any process starts): pipeline parallelism, the full-logits
 loss (optimize.chunked_loss: false: the logits would be one chunk's), a sequence (or the dynamic
 instruction batches' width multiple) not divisible by N, a chunk that sequence parallelism cannot split
@@ -42,9 +46,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 from ..errors import ConfigError
+from ..models.moe import MoE
 from .collectives import all_reduce
 
 
@@ -177,6 +183,11 @@ class ContextParallel:
             kwargs["labels"] = self.chunk(kwargs["labels"])
         return (self.chunk(tokens),), kwargs
 
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the cp ranks, differentiable (the backward sums the gradients likewise): a MoE
+        block's per-sequence sums behind its balance loss, each rank having its chunk's."""
+        return dist_nn.all_reduce(t, group=self.group)
+
     def total_loss(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         """Forward hook: with labels (the token-loss sum of this chunk) the value summed over the cp ranks,
         the gradient this chunk's own; without (hidden states or logits) this chunk's, as they are."""
@@ -196,6 +207,8 @@ def apply_context_parallel(model: nn.Module, mesh: Any) -> Optional[ContextParal
     exchange = SequenceExchange(cp.group, cp.size)
     for block in model.layers.values():
         block.attention.sequence_exchange = exchange
+        if isinstance(block.feed_forward, MoE):  # its balance losses are per whole sequence
+            block.feed_forward.sequence_parts, block.feed_forward.sequence_sum = cp.size, cp.sequence_sum
     model.register_forward_pre_hook(cp.shard_inputs, with_kwargs=True)
     model.register_forward_hook(cp.total_loss, with_kwargs=True)
     return cp

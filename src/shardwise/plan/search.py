@@ -310,8 +310,9 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
     nodes = req.nodes or req.hardware.nodes_for(n)
     per_node = n // nodes
     out = []
-    # What the model's kind runs with (RunConfig refuses the rest): latent attention and mixture-of-experts
-    # models no context parallelism, ALiBi no tensor or context parallelism.
+    # What the model's kind runs with (RunConfig refuses the rest): latent attention no context parallelism,
+    # mixture-of-experts models context parallelism with data parallelism alone, ALiBi no tensor or context
+    # parallelism.
     for tp in _allowed(pins, "tp", divisors(n)):
         if m.num_heads % tp or m.num_kv_heads % tp or m.intermediate_size % tp or (sp and tp > 1 and seq % tp):
             continue
@@ -321,8 +322,8 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
             continue  # tensor parallelism across nodes: every layer would wait on the slow link
         for pp, cp in [(pp, cp) for pp in _allowed(pins, "pp", divisors(n // tp))
                        for cp in context_parallel_degrees(req, tp, pp, context_parallel)]:
-            if pp > m.num_layers or (cp > 1 and (
-                    m.latent_attention or m.num_experts or m.position == "alibi" or m.sliding_window)):
+            if pp > m.num_layers or (cp > 1 and (m.latent_attention or (m.num_experts and tp > 1)
+                                                 or m.position == "alibi" or m.sliding_window)):
                 continue
             dp = n // (tp * pp * cp)
             if "dp" in pins and dp not in pins["dp"]:
@@ -348,7 +349,8 @@ def enumerate_layouts(req: PlanRequest, context_parallel: Optional[bool] = None)
                             continue
                     for zero, ep in [(z, e) for z in _allowed(pins, "zero", (0, 1, 2, 3) if dp * cp > 1 else (0,))
                                      for e in _allowed(pins, "ep", expert_parallel_degrees(m, dp))
-                                     if tp == 1 or e in (1, dp)]:  # with TP, the experts over all data ranks
+                                     if (tp == 1 or e in (1, dp)) and (cp == 1 or e == 1)]:
+                        # with TP, the experts over all data ranks; with CP, not spread
                         # offload_optimizer (memory/offload.py): ZeRO 2/3 under data parallelism, or one device.
                         can_offload = req.offload and req.hardware.kind != "cpu" and ep == 1 and (
                             zero >= 2 or (dp == 1 and tp == 1 and pp == 1 and cp == 1)) and \

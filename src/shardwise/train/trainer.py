@@ -372,7 +372,7 @@ class Trainer:
 
     def _expert_load(self) -> tuple[list[str], torch.Tensor] | None:
         """The MoE blocks' routed copies per expert over this step's micro-batches, summed over the
-        data-parallel ranks ([blocks, experts], on the device); None for a dense model."""
+        data-parallel (and context-parallel) ranks ([blocks, experts], on the device); None for a dense model."""
         s = self.state
         if not self.config.model.num_experts:
             return None
@@ -380,8 +380,8 @@ class Trainer:
         if not counts:
             return None
         load = torch.stack(list(counts.values()))
-        if s.dims.dp > 1:
-            load = all_reduce(load, s.meshes["dp"])
+        if s.dims.dp * s.dims.cp > 1:  # every rank's tokens: the context-parallel ranks hold parts of each sequence
+            load = all_reduce(load, s.meshes.gradient_mesh("dp"))
         return list(counts), load
 
     def _balance_experts(self, load: tuple[list[str], torch.Tensor] | None, skip: torch.Tensor) -> None:
