@@ -1,6 +1,8 @@
 """Hugging Face import and export: logits equal transformers' both ways, sharded files, clear errors."""
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +299,23 @@ def test_greedy_generation_follows_transformers(family, tmp_path):
                              do_sample=False, max_new_tokens=10, pad_token_id=0)[0, len(prompt):].tolist()
     assert generate(model, [prompt], max_new_tokens=10)[0] == theirs
     assert len(set(theirs)) > 2  # not one token repeated
+
+
+def test_the_real_weights_check_holds_a_directory_to_transformers(tmp_path, monkeypatch):
+    """scripts/check_hf_logits.py, which users run on published weights (this machine cannot download them),
+    passes a directory shardwise reads right and fails one whose weights it would read wrong."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    check_hf_logits = importlib.import_module("check_hf_logits")
+    _, path = _make("qwen3_moe", tmp_path, noise=0.5, builders=FOR_GENERATION)  # peaked logits, as trained ones
+    assert check_hf_logits.main([str(path), "--tokens", "16", "--new", "4"]) == 0
+    result = check_hf_logits.check(path, tokens=16, new=4)
+    assert result["within_bar"] and result["greedy_equal"] and result["max_logit_diff"] <= 1e-4
+    monkeypatch.setattr(check_hf_logits, "from_hf", lambda d: _shifted(from_hf(d)))
+    assert check_hf_logits.main([str(path), "--tokens", "16", "--new", "4"]) == 1
+
+
+def _shifted(model):
+    """`model` with one weight nudged: what a wrong import would give."""
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight.add_(0.05)
+    return model
