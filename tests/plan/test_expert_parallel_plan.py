@@ -63,7 +63,7 @@ def test_the_planner_chooses_expert_parallelism_among_layouts_the_trainer_runs()
     data-parallel ranks and the experts (all the data-parallel ranks under tensor parallelism); pipelines are
     among them."""
     cfg = moe(devices=64)
-    res = plan(PlanRequest(cfg=cfg, devices=64, hardware=H100, top=50))
+    res = plan(PlanRequest(cfg=cfg, devices=64, hardware=H100, top=50, pins={"tp": [1, 2], "pp": [1, 2]}))
     assert res.best is not None and res.best.layout.ep == 8
     assert res.best.step.ep_comm > 0 and res.best.fits
     for c in res.ranked:

@@ -63,7 +63,6 @@ def test_fine_tuning_a_deepseek_v3_directory_keeps_its_router_biases(tmp_path, d
 
 @pytest.mark.parametrize("preset, parallel, message", [
     ("tiny_deepseek_v3", {"context_parallel": 2}, "parallel.context_parallel 2 with multi-head latent attention"),
-    ("tiny_deepseek_v3", {"tensor_parallel": 2}, "parallel.tensor_parallel 2 with multi-head latent attention"),
     ("tiny_gemma3", {"context_parallel": 2}, "parallel.context_parallel 2 with sliding-window attention"),
     ("tiny_baichuan_13b", {"tensor_parallel": 2}, "parallel.tensor_parallel 2 with ALiBi"),
 ])
