@@ -432,6 +432,34 @@ class TrainConfig(_Section):
         return "fused" if device_type in FUSED_OPTIMIZER_DEVICES else "chunked"
 
 
+class SourceConfig(_Section):
+    """One source of a pre-training mixture (`data.sources`)."""
+
+    name: str = Field(..., min_length=1, max_length=100, description="the source's name (in metrics and reports)")
+    train_files: list[str] = Field(..., description="globs of its files, or one `shardwise prepare` directory")
+    weight: float = Field(..., description="its share of the training tokens (the weights are normalised); > 0")
+
+    @field_validator("train_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("weight")
+    @classmethod
+    def _positive(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"weight {v}: a source's weight must be positive (leave the source out, or lower its "
+                             "weight in a data.mixture_schedule step)")
+        return v
+
+
+class MixtureStepConfig(_Section):
+    """From optimizer step `step` on, blend the sources with `weights` (by source name)."""
+
+    step: int = Field(..., ge=2, description="the first step with these weights (the run's first step is 1)")
+    weights: dict[str, float] = Field(..., description="every source's new weight by name (0 leaves it out)")
+
+
 class DataConfig(_Section):
     """Where the data comes from and how it becomes samples."""
 
@@ -441,6 +469,11 @@ class DataConfig(_Section):
     train_files: list[str] = Field(
         default_factory=list, description="globs of .txt/.jsonl/.parquet files, or a `shardwise prepare` dir"
     )
+    sources: Optional[list[SourceConfig]] = Field(
+        None, description="pre-training: a weighted mixture in place of train_files, each source {name, train_files, "
+        "weight}; the tokens read per source follow the weights at every point of the run")
+    mixture_schedule: list[MixtureStepConfig] = Field(
+        default_factory=list, description="new source weights from given steps on: [{step, weights: {name: w}}]")
     eval_files: Optional[list[str]] = Field(None, description="globs of held-out files (or a prepared dir)")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the data held out for eval")
     format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
@@ -490,6 +523,45 @@ class DataConfig(_Section):
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check_mixture(self) -> "DataConfig":
+        if self.sources is None:
+            if self.mixture_schedule:
+                raise ValueError("data.mixture_schedule needs data.sources (a mixture of named sources)")
+            return self
+        if self.train_files:
+            raise ValueError("data.sources and data.train_files are both set: give the files of a mixture in its "
+                             "sources (or train_files alone, for one source)")
+        if self.kind != "pretrain":
+            raise ValueError("data.sources is a pre-training mixture; instruction data takes data.train_files")
+        if not self.sources:
+            raise ValueError("data.sources is empty: give at least one source {name, train_files, weight}")
+        names = [src.name for src in self.sources]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"data.sources has two sources named {twice[0]!r}: give each its own name")
+        last = 0
+        for i, entry in enumerate(self.mixture_schedule):
+            where = f"data.mixture_schedule[{i}] (step {entry.step})"
+            if entry.step <= last:
+                raise ValueError(f"{where}: steps must increase (the one before is step {last})")
+            last = entry.step
+            if set(entry.weights) != set(names):
+                unknown = sorted(set(entry.weights) - set(names))
+                missing = sorted(set(names) - set(entry.weights))
+                raise ValueError(f"{where}: give a weight for every source and only for them "
+                                 f"({'unknown ' + repr(unknown) if unknown else 'missing ' + repr(missing)}; "
+                                 f"the sources are {names})")
+            if any(not w >= 0 for w in entry.weights.values()) or not sum(entry.weights.values()) > 0:
+                raise ValueError(f"{where}: weights must be 0 or more, at least one above 0; got {entry.weights}")
+        return self
+
+    def source_list(self) -> list[tuple[str, list[str], float]]:
+        """(name, train_files, weight) of each pre-training source: data.sources, or train_files as one."""
+        if self.sources is None:
+            return [("data", list(self.train_files), 1.0)]
+        return [(src.name, list(src.train_files), src.weight) for src in self.sources]
 
     @field_validator("num_workers")
     @classmethod

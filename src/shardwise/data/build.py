@@ -21,6 +21,7 @@ from ..errors import ConfigError, DataError
 from .files import default_cache_dir, expand_files, files_key, resolve_inputs
 from .instruction import InstructionDataset, inspect_instruction_file
 from .loader import unwrap_loader
+from .mixture import MixtureDataset
 from .packing import PackedDataset
 from .prepare import cache_lock, prepare_cached
 from .shards import MANIFEST_FILE, TokenShards
@@ -103,17 +104,41 @@ def _tokenizer(data: DataConfig, vocab_size: int, cache_dir: str) -> Tokenizer:
             "model it starts from: set data.tokenizer to its directory (a shardwise run has one in "
             "RUN_DIR/tokenizer)"
         )
-    if prepared_dir(data.train_files) is not None:
-        raise DataError(
-            f"data.train_files is the prepared directory {data.train_files[0]!r}, so data.tokenizer must be "
-            f"the tokenizer it was prepared with (its manifest.json records the fingerprint)"
-        )
-    return _train_tokenizer(data.train_files, data, vocab_size, cache_dir)
+    for name, globs, _ in data.source_list():
+        if prepared_dir(globs) is not None:
+            where = "data.train_files" if data.sources is None else f"data.sources {name!r}"
+            raise DataError(
+                f"{where} is the prepared directory {globs[0]!r}, so data.tokenizer must be the tokenizer it was "
+                f"prepared with (its manifest.json records the fingerprint)"
+            )
+    return _train_tokenizer([g for _, globs, _ in data.source_list() for g in globs], data, vocab_size, cache_dir)
+
+
+def _mixture(data: DataConfig, tokenizer: Tokenizer, cache_dir: str, flags: dict[str, bool]) -> MixtureDataset:
+    """data.sources: each source prepared (or found) and packed on its own, blended by weight."""
+    names, datasets, weights = [], [], []
+    for name, globs, weight in data.source_list():
+        try:
+            datasets.append(PackedDataset(_token_stream(globs, tokenizer, data, cache_dir), data.seq_length, **flags))
+        except DataError as exc:
+            raise DataError(f"data.sources {name!r}: {exc}") from None
+        names.append(name)
+        weights.append(weight)
+    schedule = [(entry.step, [entry.weights[n] for n in names]) for entry in data.mixture_schedule]
+    return MixtureDataset(names, datasets, weights, schedule)
 
 
 def _pretrain_datasets(data: DataConfig, tokenizer: Tokenizer, cache_dir: str) -> tuple[Any, Any]:
     seq = data.seq_length
     flags = {"reset_attention_mask": data.reset_attention_mask, "reset_position_ids": data.reset_position_ids}
+    if data.sources is not None:
+        if data.eval_fraction:
+            raise DataError("data.eval_fraction with data.sources: a tail of each source is not held out yet; give "
+                            "the held-out text as data.eval_files")
+        train = _mixture(data, tokenizer, cache_dir, flags)
+        evaluation = PackedDataset(_token_stream(data.eval_files, tokenizer, data, cache_dir), seq, **flags) \
+            if data.eval_files else None
+        return train, evaluation
     stream = _token_stream(data.train_files, tokenizer, data, cache_dir)
     if data.eval_files:
         if data.eval_fraction:
@@ -185,16 +210,23 @@ def check_data_files(data: DataConfig) -> None:
     or empty-of-JSON file, broken gzip, a .parquet that is not parquet, a mix of prepared and raw
     entries. Only each file's first bytes are read (a bad line deeper in is found when the data is
     read), so this is cheap enough to run before anything is written or removed."""
-    if not data.train_files:
+    if not data.train_files and data.sources is None:
         raise DataError("data.train_files is empty: give globs of data files (or a prepared directory)")
-    for globs in (data.train_files, data.eval_files or []):
+    named = [(f"data.sources {name!r}: ", globs) for name, globs, _ in data.source_list()] \
+        if data.sources is not None else [("", data.train_files)]
+    for where, globs in named + [("", data.eval_files or [])]:
         if not globs or prepared_dir(globs) is not None:
             continue
-        if data.kind == "instruction":
-            for path in expand_files(globs):
-                inspect_instruction_file(path)
-        else:
-            resolve_inputs(globs, data.format)
+        try:
+            if data.kind == "instruction":
+                for path in expand_files(globs):
+                    inspect_instruction_file(path)
+            else:
+                resolve_inputs(globs, data.format)
+        except DataError as exc:
+            if not where:
+                raise
+            raise DataError(f"{where}{exc}") from None
 
 
 def build_data(

@@ -28,7 +28,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import DataError
 from ..untrusted import int_field, kind_of
+from .mixture import Mixture
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +330,11 @@ class StatefulLoader:
                 "(from successive epochs)", num_samples, self.global_batch_size, micro_batch_size,
                 grad_accum, dp_size)
         self.consumed = 0  # global samples handed out since the start of training, over all ranks
-        self._stream = _Stream(num_samples, seed, shuffle)
+        # A mixture of sources (`data.mixture.MixtureDataset`) is read in its blend's order, else the samples
+        # in a permutation per epoch.
+        blend = getattr(dataset, "blend", None)
+        self._stream: Any = blend(seed, self.global_batch_size) if blend is not None else \
+            _Stream(num_samples, seed, shuffle)
         self._sampler = _RankMicroBatches(self._stream, micro_batch_size, grad_accum, dp_rank, dp_size)
         self._workers: DataLoader | None = None
         self._worker_iter: Iterator[Batch] | None = None
@@ -404,7 +409,8 @@ class StatefulLoader:
 
     def _start_prefetch(self) -> None:
         # Its own stream and sampler: the thread must not share the permutation cache with this one.
-        stream = _Stream(self.num_samples, self.seed, self.shuffle)
+        stream = self._stream.copy() if isinstance(self._stream, Mixture) else \
+            _Stream(self.num_samples, self.seed, self.shuffle)
         sampler = _RankMicroBatches(stream, self.micro_batch_size, self.grad_accum, self.dp_rank, self.dp_size)
         self._prefetcher = _StepPrefetcher(self.dataset, sampler, self.consumed, self.global_batch_size,
                                            self.pin_memory)
@@ -464,10 +470,28 @@ class StatefulLoader:
 
     # --- checkpointing -------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
-        """Position to save in a checkpoint: global samples consumed since the start, seed, dataset size."""
-        return {"version": STATE_VERSION, "consumed": self.consumed, "seed": self.seed,
-                "num_samples": self.num_samples}
+    @property
+    def mixture(self) -> Optional[Mixture]:
+        """The blend of a mixture of sources (None for one dataset)."""
+        return self._stream if isinstance(self._stream, Mixture) else None
+
+    def samples_by_source(self) -> dict[str, int]:
+        """A mixture's samples read so far, per source name, over all ranks (empty for one dataset)."""
+        mixture = self.mixture
+        if mixture is None:
+            return {}
+        return {name: int(c) for name, c in zip(mixture.names, mixture.counts(self.consumed))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position to save in a checkpoint: global samples consumed since the start, seed, dataset size;
+        for a mixture also each source's samples read and size, by name."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "consumed": self.consumed, "seed": self.seed,
+                                 "num_samples": self.num_samples}
+        mixture = self.mixture
+        if mixture is not None:
+            state["sources"] = {name: {"read": count, "samples": int(length)} for (name, count), length in
+                                zip(self.samples_by_source().items(), mixture.lengths)}
+        return state
 
     @classmethod
     def for_run(cls, dataset: Any, cfg: Any, dp_rank: int, dp_size: int, world_size: int,
@@ -505,8 +529,35 @@ class StatefulLoader:
             )
         self._stream.seed = seed
         self.consumed = consumed
+        if self.mixture is not None:
+            self._resume_mixture(state.get("sources"))
         self._worker_iter = None  # the workers restart at the new position on the next step
         self._stop_prefetch()  # and so does the prefetch thread (with the checkpoint's seed)
+
+    def _resume_mixture(self, saved: Any) -> None:
+        """Continue the blend from where the checkpoint's was: each source from the samples it had read (the
+        same as this blend's there unless the weights or the sources changed; a new source from none)."""
+        mixture = self.mixture
+        if not isinstance(saved, Mapping):
+            raise DataError(f"{_STATE}has no per-source positions ('sources'), but this run reads a mixture of "
+                            f"sources: resume a run made with data.sources, or start a new one")
+        counts = []
+        for name, length in zip(mixture.names, mixture.lengths):
+            entry = saved.get(name)
+            if entry is None:
+                counts.append(0)  # a source added on resuming
+                continue
+            fields = _state_fields(entry if isinstance(entry, Mapping) else {}, ("read", "samples"))
+            if fields["samples"] != int(length):
+                raise DataError(
+                    f"data.sources {name!r}: the checkpoint read a source of {fields['samples']} samples, but "
+                    f"this one has {int(length)}, so its position means nothing here; resume with the same files "
+                    f"and data.seq_length for that source, or give it another name (it then starts afresh)")
+            counts.append(fields["read"])
+        if counts != [int(c) for c in mixture.counts(self.consumed)]:
+            mixture.resumed(self.consumed, counts)
+            logger.info("data mixture: weights or sources differ from the checkpoint's; the blend continues from "
+                        "each source's position (%s)", ", ".join(f"{n} {c}" for n, c in zip(mixture.names, counts)))
 
     def _read_current(self, state: Mapping[str, Any]) -> tuple[int, int]:
         fields = _state_fields(state, ("version", "consumed", "seed", "num_samples"))
@@ -516,7 +567,7 @@ class StatefulLoader:
                 f"the checkpoint's data loader state has version {version}, but this shardwise reads "
                 f"version {STATE_VERSION}; resume with the shardwise version that wrote the checkpoint"
             )
-        if size != self.num_samples:
+        if size != self.num_samples and self.mixture is None:  # a mixture checks each source by name
             raise DataError(
                 f"the checkpoint was trained on a dataset of {size} samples, but this one has "
                 f"{self.num_samples}, so its data position means nothing here; resume with the same "

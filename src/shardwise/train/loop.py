@@ -195,6 +195,10 @@ class TrainingLoop:
         load = current.expert_load()
         if load:  # mixture of experts: the logged step's busiest expert over the mean, per MoE block
             record["expert_load"] = load
+        read = s.loader.samples_by_source()
+        if read:  # a mixture of data sources: tokens read from each since the run's start, over all ranks
+            seq = s.loader.dataset.seq_length
+            record["tokens_by_source"] = {name: samples * seq for name, samples in read.items()}
         self.writer.write(record)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         log.info(format_record(record))
