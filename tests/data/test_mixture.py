@@ -15,6 +15,9 @@ from shardwise.data.loader import StatefulLoader
 from shardwise.data.mixture import Mixture, MixtureDataset
 from shardwise.data.packing import PackedDataset
 from shardwise.errors import DataError
+from shardwise.report import write_report
+from shardwise.report.plots import source_shares
+from shardwise.report.runs import read_run
 from shardwise.train.trainer import Trainer
 
 from ..train.conftest import read_metrics, tiny_config, with_changes
@@ -114,12 +117,35 @@ def test_a_run_logs_tokens_by_source_and_resumes_its_mixture(tmp_path: Path) -> 
     seq = cfg.data.seq_length
     assert per_step[2] == {"web": 18 * seq, "books": 6 * seq}  # steps 1-3, 8 samples each, at 3:1
     assert per_step[5] == {"web": 30 * seq, "books": 18 * seq}  # then steps 4-6 at 1:1
+    shares = source_shares(read_run(cfg.train.output_dir))  # the report's mixture plot
+    assert shares["web"][1] == [0.75] * 3 + [0.5] * 3 and shares["books"][0] == [1, 2, 3, 4, 5, 6]
+    assert (write_report([cfg.train.output_dir], tmp_path / "report").parent / "mixture.png").is_file()
     half = with_changes(cfg, train={"output_dir": str(tmp_path / "half"), "max_steps": 3})
     Trainer(half).train()
     resumed = with_changes(cfg, train={"output_dir": str(tmp_path / "half"), "micro_batch_size": 1},
                            optimize={"gradient_accumulation_steps": 8})  # the same 8 samples a step
     rest = Trainer(resumed).train(resume="auto").losses
     assert sorted(rest) == [4, 5, 6] and all(rest[s] == pytest.approx(whole[s], rel=1e-5) for s in rest)
+
+
+def test_evaluation_reports_each_sources_loss(tmp_path: Path) -> None:
+    """Sources with held-out files: every evaluation record carries each one's loss, equal to the loss of
+    that held-out set alone, and the overall loss lies between them."""
+    web, books = write_corpus(tmp_path / "web", 3, 60), write_corpus(tmp_path / "books", 3, 30)
+    sources = [{"name": "web", "train_files": web[:2], "eval_files": web[2:], "weight": 1.0},
+               {"name": "books", "train_files": books[:2], "eval_files": books[2:], "weight": 1.0}]
+    cfg = with_changes(tiny_config(tmp_path, max_steps=2, micro_batch_size=2, eval_steps=2),
+                       data={"train_files": [], "sources": sources, "cache_dir": str(tmp_path / "cache")},
+                       model={"vocab_size": 300})
+    trainer = Trainer(cfg)
+    trainer.train()
+    record = [r for r in read_metrics(Path(cfg.train.output_dir)) if "eval_loss" in r][-1]
+    by_source = record["eval_loss_by_source"]
+    assert set(by_source) == {"web", "books"}
+    assert min(by_source.values()) <= record["eval_loss"] <= max(by_source.values())
+    held_out = trainer.eval_dataset
+    trainer.eval_dataset = held_out["books"]  # that set alone, through the plain evaluation
+    assert trainer.evaluate()["loss"] == pytest.approx(by_source["books"], rel=1e-6)
 
 
 def test_bad_sources_stop_before_any_work_naming_the_source(tmp_path: Path) -> None:

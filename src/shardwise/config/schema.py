@@ -438,8 +438,9 @@ class SourceConfig(_Section):
     name: str = Field(..., min_length=1, max_length=100, description="the source's name (in metrics and reports)")
     train_files: list[str] = Field(..., description="globs of its files, or one `shardwise prepare` directory")
     weight: float = Field(..., description="its share of the training tokens (the weights are normalised); > 0")
+    eval_files: Optional[list[str]] = Field(None, description="its held-out files: evaluation reports its loss")
 
-    @field_validator("train_files", mode="before")
+    @field_validator("train_files", "eval_files", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
@@ -538,6 +539,10 @@ class DataConfig(_Section):
         if not self.sources:
             raise ValueError("data.sources is empty: give at least one source {name, train_files, weight}")
         names = [src.name for src in self.sources]
+        if self.eval_files and any(src.eval_files for src in self.sources):
+            raise ValueError("data.eval_files and the sources' eval_files are both set: give the held-out data of "
+                             "each source with it (evaluation then reports each source's loss), or data.eval_files "
+                             "alone")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"data.sources has two sources named {twice[0]!r}: give each its own name")

@@ -136,9 +136,17 @@ def _pretrain_datasets(data: DataConfig, tokenizer: Tokenizer, cache_dir: str) -
             raise DataError("data.eval_fraction with data.sources: a tail of each source is not held out yet; give "
                             "the held-out text as data.eval_files")
         train = _mixture(data, tokenizer, cache_dir, flags)
-        evaluation = PackedDataset(_token_stream(data.eval_files, tokenizer, data, cache_dir), seq, **flags) \
-            if data.eval_files else None
-        return train, evaluation
+        if data.eval_files:
+            return train, PackedDataset(_token_stream(data.eval_files, tokenizer, data, cache_dir), seq, **flags)
+        held_out = {}  # each source's own held-out data: evaluation reports each one's loss
+        for src in data.sources:
+            if src.eval_files:
+                try:
+                    held_out[src.name] = PackedDataset(_token_stream(src.eval_files, tokenizer, data, cache_dir),
+                                                       seq, **flags)
+                except DataError as exc:
+                    raise DataError(f"data.sources {src.name!r} eval_files: {exc}") from None
+        return train, held_out or None
     stream = _token_stream(data.train_files, tokenizer, data, cache_dir)
     if data.eval_files:
         if data.eval_fraction:
@@ -214,6 +222,8 @@ def check_data_files(data: DataConfig) -> None:
         raise DataError("data.train_files is empty: give globs of data files (or a prepared directory)")
     named = [(f"data.sources {name!r}: ", globs) for name, globs, _ in data.source_list()] \
         if data.sources is not None else [("", data.train_files)]
+    named += [(f"data.sources {src.name!r} eval_files: ", src.eval_files) for src in data.sources or []
+              if src.eval_files]
     for where, globs in named + [("", data.eval_files or [])]:
         if not globs or prepared_dir(globs) is not None:
             continue
@@ -244,10 +254,9 @@ def build_data(
         train, evaluation = _instruction_datasets(data, tokenizer, cache_dir, micro_batch_size, seed)
     else:
         train, evaluation = _pretrain_datasets(data, tokenizer, cache_dir)
-    logger.info(
-        "%s data: %d train samples%s", data.kind, len(train),
-        f", {len(evaluation)} eval samples" if evaluation is not None else "",
-    )
+    held_out = sum(len(d) for d in evaluation.values()) if isinstance(evaluation, dict) else \
+        len(evaluation) if evaluation is not None else 0
+    logger.info("%s data: %d train samples%s", data.kind, len(train), f", {held_out} eval samples" if held_out else "")
     return tokenizer, train, evaluation
 
 

@@ -90,7 +90,45 @@ def all_plots(runs: list[Run]) -> list[Plot]:
         plots.append(memory_bars(figure, runs))
     if any(r.profile for r in runs):
         plots.append(profile_shares(figure, runs))
+    if any(r.records and "tokens_by_source" in r.records[-1] for r in runs):
+        plots.append(mixture_shares(figure, runs))
     return plots
+
+
+def source_shares(run: Run) -> dict[str, tuple[list[int], list[float]]]:
+    """A mixture run's share of each source in the tokens read between one logged step and the next
+    (`tokens_by_source`, cumulative): source -> (steps, shares)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    before: dict[str, int] = {}
+    for record in run.records:
+        read = record.get("tokens_by_source")
+        if not read:
+            continue
+        gained = {name: tokens - before.get(name, 0) for name, tokens in read.items()}
+        total = sum(gained.values())
+        if total > 0:
+            for name, tokens in gained.items():
+                steps, shares = out.setdefault(name, ([], []))
+                steps.append(record["step"])
+                shares.append(tokens / total)
+        before = dict(read)
+    return out
+
+
+def mixture_shares(figure: Any, runs: list[Run]) -> Plot:
+    """Each source's share of the tokens read between logged steps (data.sources): the blend and its
+    schedule's changes, one line per source, runs told apart by line style."""
+    fig, ax = _axes(figure, "Data mixture: each source's share of the tokens read", "step", "share of tokens")
+    has_data = False
+    styles = ("-", "--", ":", "-.")
+    for i, run in enumerate(runs):
+        for j, (name, (steps, shares)) in enumerate(source_shares(run).items()):
+            has_data = True
+            ax.plot(steps, shares, color=colour(j), linestyle=styles[i % len(styles)],
+                    label=f"{text(run.name)}: {text(name)}" if len(runs) > 1 else text(name))
+    ax.set_ylim(0, 1)
+    _finish(fig, ax, has_data)
+    return Plot("mixture", "Data mixture", _png(fig))
 
 
 def _png(fig: Any) -> bytes:

@@ -20,7 +20,7 @@ sums, so the reduction is the same as without a pipeline.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -88,6 +88,16 @@ def evaluate_held_out(model: nn.Module, dataset: Any, *, batch_size: int, limit:
     loss_sum, tokens = totals.tolist()
     loss = loss_sum / max(tokens, 1.0)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": int(tokens)}
+
+
+def evaluate_sources(model: nn.Module, held_out: Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """`evaluate_held_out` over each source's held-out data (a mixture's, by source name): the loss over all
+    of them, token-weighted, and `loss_by_source`."""
+    results = {name: evaluate_held_out(model, dataset, **kwargs) for name, dataset in held_out.items()}
+    tokens = sum(r["tokens"] for r in results.values())
+    loss = sum(r["loss"] * r["tokens"] for r in results.values()) / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+            "loss_by_source": {name: r["loss"] for name, r in results.items()}}
 
 
 def batch_loss_sum(model: nn.Module, mb: Batch, device: torch.device, plan: Any,

@@ -223,7 +223,8 @@ class TrainingLoop:
         with self.tally.aside():
             result = self.result.eval = self.trainer.evaluate()
         self.writer.write({"step": done, **{f"eval_{k}": v for k, v in result.items()}})
-        log.info("step %d eval loss %.4f perplexity %.2f", done, result["loss"], result["perplexity"])
+        by_source = "".join(f", {name} {loss:.4f}" for name, loss in result.get("loss_by_source", {}).items())
+        log.info("step %d eval loss %.4f perplexity %.2f%s", done, result["loss"], result["perplexity"], by_source)
         self.window.start = time.perf_counter()  # evaluation is left out of the next record's throughput
 
     # --- the end of the run -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -60,7 +61,7 @@ from ..parallel.parallelize import (
 from ..parallel.pipeline import concat_micro_batches, pipeline_step
 from ..parallel.tensor import rank_rng
 from ..peft.qlora import check_quantize_base, quantize_base, quantizes_base
-from .evaluation import evaluate_held_out, model_inputs
+from .evaluation import evaluate_held_out, evaluate_sources, model_inputs
 from .host_allocator import keep_freed_host_memory, keeps_host_memory
 from .loop import TrainingLoop, TrainResult
 from .metrics import StepTokens, count_real_tokens
@@ -558,11 +559,12 @@ class Trainer:
         model = model or self.model
         device = device or (s.device if in_layout else next(model.parameters()).device)
         plan = plan or (s.plan if s is not None else precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level()))
-        return evaluate_held_out(model, self.eval_dataset, batch_size=cfg.train.micro_batch_size,
-                                 limit=cfg.train.eval_batches, device=device, plan=plan,
-                                 loss_chunk=cfg.optimize.loss_chunk(),
-                                 pipeline=self.pipeline if in_layout else None,
-                                 dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
+        how = dict(batch_size=cfg.train.micro_batch_size, limit=cfg.train.eval_batches, device=device, plan=plan,
+                   loss_chunk=cfg.optimize.loss_chunk(), pipeline=self.pipeline if in_layout else None,
+                   dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
+        if isinstance(self.eval_dataset, Mapping):  # a mixture's held-out data by source
+            return evaluate_sources(model, self.eval_dataset, **how)
+        return evaluate_held_out(model, self.eval_dataset, **how)
 
     # --- pieces of setup --------------------------------------------------------------------------
 
