@@ -180,3 +180,17 @@ def test_a_prepared_source_of_another_tokenizer_is_named(tmp_path: Path, tiny_to
                                {"name": "curated", "train_files": [str(prepared)], "weight": 1}])
     with pytest.raises(DataError, match=r"data.sources 'curated': .*tokenizer"):
         build_data(data, vocab_size=400)
+
+
+def test_prefetch_thread_and_worker_processes_read_the_same_blend() -> None:
+    ds = _mixture_dataset(schedule=[(3, [3, 1])])
+
+    def steps(**kwargs: object) -> list[list[int]]:
+        loader = StatefulLoader(ds, 2, 2, seed=3, dp_rank=1, dp_size=2, **kwargs)
+        try:
+            return [_firsts(loader.next_step()) for _ in range(6)]
+        finally:
+            loader.close()
+
+    plain = steps()
+    assert steps(prefetch=True) == plain and steps(num_workers=2) == plain
