@@ -26,7 +26,6 @@ import math
 import os
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..errors import DataError
 from ..untrusted import int_field, kind_of
-from .mixture import Mixture
+from .mixture import Mixture, Permutations
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +63,11 @@ class _Stream:
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
-        self._orders: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._orders = Permutations(keep=_ORDER_CACHE)
 
     def order(self, epoch: int) -> np.ndarray:
         """Sample indices of `epoch` in visiting order."""
-        key = (self.seed, epoch)
-        order = self._orders.get(key)
-        if order is None:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples, dtype=np.int64)
-            order.flags.writeable = False  # handed out by epoch_order(): callers must not reorder it
-            self._orders[key] = order
-            while len(self._orders) > _ORDER_CACHE:
-                self._orders.popitem(last=False)
-        else:
-            self._orders.move_to_end(key)
-        return order
+        return self._orders.get([self.seed, epoch], self.num_samples, self.shuffle)
 
     def indices(self, start: int, stop: int) -> np.ndarray:
         """Sample indices at global positions [start, stop), across epoch boundaries."""

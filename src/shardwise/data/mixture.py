@@ -31,7 +31,28 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-_ORDER_CACHE = 8  # source-epoch permutations kept
+
+class Permutations:
+    """Permutations of range(n) seeded by a key (a list of whole numbers), the last `keep` of them kept;
+    read-only (callers must not reorder them). Without `shuffle`, range(n) itself."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._cache: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
+
+    def get(self, key: Sequence[int], n: int, shuffle: bool = True) -> np.ndarray:
+        """The permutation of range(n) for `key`."""
+        key = tuple(int(k) for k in key) + (n, int(shuffle))
+        order = self._cache.get(key)
+        if order is None:
+            order = np.random.default_rng(list(key[:-2])).permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+            order.flags.writeable = False
+            self._cache[key] = order
+            while len(self._cache) > self.keep:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return order
 
 
 @dataclass(frozen=True)
@@ -99,7 +120,7 @@ class Mixture:
         self.segments: list[Segment] = []
         for start, weights in schedule:
             self._append(start, weights)
-        self._orders: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
+        self._orders = Permutations(keep=8)  # source epochs
 
     def _append(self, start: int, weights: Sequence[float], counts: Optional[Sequence[int]] = None) -> None:
         if len(weights) != len(self.names):
@@ -186,25 +207,12 @@ class Mixture:
         """The same blend with its own permutation cache (for a reader on another thread)."""
         twin = copy.copy(self)
         twin.segments = list(self.segments)
-        twin._orders = OrderedDict()
+        twin._orders = Permutations(keep=8)
         return twin
 
     def _order(self, source: int, epoch: int) -> np.ndarray:
-        key = (self.seed, source, epoch)
-        order = self._orders.get(key)
-        if order is None:
-            n = int(self.lengths[source])
-            if self.shuffle:
-                name_key = zlib.crc32(self.names[source].encode())
-                order = np.random.default_rng([self.seed, name_key, epoch]).permutation(n)
-            else:
-                order = np.arange(n, dtype=np.int64)
-            self._orders[key] = order
-            while len(self._orders) > _ORDER_CACHE:
-                self._orders.popitem(last=False)
-        else:
-            self._orders.move_to_end(key)
-        return order
+        name_key = zlib.crc32(self.names[source].encode())
+        return self._orders.get([self.seed, name_key, epoch], int(self.lengths[source]), self.shuffle)
 
 
 class MixtureDataset(Dataset):
