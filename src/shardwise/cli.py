@@ -201,11 +201,14 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         args.input, load_tokenizer(args.tokenizer), args.out, fmt=args.format, text_field=args.text_field,
         txt_documents=args.txt_documents, min_chars=args.min_chars, max_length=args.max_length,
         dedup=args.dedup, workers=args.workers, shard_tokens=args.shard_tokens, on_bad_line=args.on_bad_line,
-        overwrite=args.overwrite)
+        overwrite=args.overwrite, quality=args.quality)
     counts = manifest["counts"]
+    removed = counts.get("removed_by_quality")
+    by_rule = f", {sum(removed.values()):,} by quality rules ({', '.join(f'{k} {v:,}' for k, v in removed.items())})" \
+        if removed else ""
     print(f"prepared {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in "
           f"{len(manifest['shards'])} shard(s) at {args.out} (dropped: {counts['dropped_short']:,} short, "
-          f"{counts['duplicates']:,} duplicates; {counts['truncated']:,} truncated, {counts['bad_lines']:,} "
+          f"{counts['duplicates']:,} duplicates{by_rule}; {counts['truncated']:,} truncated, {counts['bad_lines']:,} "
           f"bad lines skipped)")
     return 0
 
@@ -375,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-length", type=int, default=None, metavar="N",
                     help="truncate each document to N tokens (default: keep whole documents)")
     pr.add_argument("--no-dedup", dest="dedup", action="store_false", help="keep exact duplicate documents")
+    pr.add_argument("--quality", choices=["none", "default"], default="none",
+                    help="default: drop documents by Gopher/C4-style quality rules (counted by rule in the manifest, "
+                         "samples in removed_by_quality.jsonl beside it)")
     pr.add_argument("--workers", type=int, default=None, metavar="N",
                     help="tokenising processes (default: the cores, at most 8)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",

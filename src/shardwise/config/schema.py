@@ -485,6 +485,9 @@ class DataConfig(_Section):
         "file", description=".txt: one document per file, or documents separated by blank lines"
     )
     min_chars: int = Field(1, ge=0, description="drop documents with fewer non-space characters")
+    quality: Literal["none", "default"] = Field(
+        "none", description="pre-training: default drops documents by Gopher/C4-style rules for English and Chinese "
+        "(short, mojibake, garbled, code, repetition...), counted by rule in the prepared data's manifest")
     max_length: Optional[int] = Field(
         None, ge=1, description="truncate each document to this many tokens (null: split across samples)"
     )

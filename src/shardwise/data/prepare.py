@@ -49,6 +49,7 @@ from ..errors import DataError
 from ..files import fsync_dir, write_json_atomic
 from ..untrusted import read_json_object
 from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
+from .quality import quality_problem
 from .shards import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -66,6 +67,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_MIN_CHARS = 1
+QUALITY_LEVELS = ("none", "default")  # data.quality: off, or the rules of data/quality.py
+QUALITY_SAMPLES = 20  # documents each quality rule removed, kept as samples beside the manifest
+QUALITY_SAMPLE_CHARS = 2000  # of each sample, its start
+QUALITY_SAMPLES_FILE = "removed_by_quality.jsonl"
 # A chunk is the unit of work sent to a worker: big enough to amortise the transfer, small enough
 # that (chunks in flight) x (chunk size) stays a few tens of MB.
 _CHUNK_CHARS = 1 << 18
@@ -93,9 +98,11 @@ def _check_options(
     dedup: bool = True,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     on_bad_line: str = "stop",
+    quality: str = "none",
 ) -> dict[str, Any]:
     """The options that decide the output, checked; they are recorded in the manifest and key the cache."""
     check_choice("format", fmt, FORMATS)
+    check_choice("quality", quality, QUALITY_LEVELS)
     check_choice("txt_documents", txt_documents, TXT_DOCUMENTS)
     check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
     if not isinstance(text_field, str) or not text_field:
@@ -115,6 +122,8 @@ def _check_options(
         "dedup": bool(dedup),
         "shard_tokens": int(shard_tokens),
         "on_bad_line": on_bad_line,
+        # Only when on: data prepared (and cached) before the option existed keeps its cache key.
+        **({"quality": quality} if quality != "none" else {}),
     }
 
 
@@ -179,8 +188,10 @@ def _digests(texts: Sequence[str]) -> np.ndarray:
 def _clean_chunks(
     docs: Iterable[str], options: dict[str, Any], counts: dict[str, int], seen: DigestSet
 ) -> Iterator[list[str]]:
-    """Documents grouped into chunks, without the too-short ones and (with dedup) exact duplicates."""
+    """Documents grouped into chunks, without the too-short ones, (with quality) those a quality rule
+    removes, counted by rule with the first few kept as samples, and (with dedup) exact duplicates."""
     min_chars = options["min_chars"]
+    check_quality = options.get("quality", "none") != "none"
     batch: list[str] = []
     size = 0
 
@@ -196,6 +207,14 @@ def _clean_chunks(
         if len(text) < min_chars or (min_chars and len(text.strip()) < min_chars):
             counts["dropped_short"] += 1
             continue
+        if check_quality:
+            rule = quality_problem(text)
+            if rule is not None:
+                removed = counts["quality"]
+                removed[rule] = removed.get(rule, 0) + 1
+                if removed[rule] <= QUALITY_SAMPLES:
+                    counts["quality_samples"].append({"rule": rule, "text": text[:QUALITY_SAMPLE_CHARS]})
+                continue
         batch.append(text)
         size += len(text)
         if size >= _CHUNK_CHARS or len(batch) >= _CHUNK_DOCS:
@@ -452,7 +471,8 @@ def _write_corpus(
     dtype_name = token_dtype(tokenizer.vocab_size).name
     dtype = shard_dtype(dtype_name)  # little-endian on every machine, so shards can be copied between them
     stats = ReadStats()
-    counts = {"dropped_short": 0, "duplicates": 0, "truncated": 0}
+    counts: dict[str, Any] = {"dropped_short": 0, "duplicates": 0, "truncated": 0, "quality": {},
+                              "quality_samples": []}
     docs = read_documents(
         files,
         text_field=options["text_field"],
@@ -487,6 +507,10 @@ def _write_corpus(
     except BaseException:
         writer.abort()
         raise
+    if counts["quality_samples"]:  # beside the manifest, for a person to check what the rules removed
+        with open(directory / QUALITY_SAMPLES_FILE, "w", encoding="utf-8") as f:
+            # ASCII: mojibake holds U+0085 and friends, which line readers would take for line ends
+            f.writelines(json.dumps(sample) + "\n" for sample in counts["quality_samples"])
     if documents == 0:
         raise _no_documents(files, stats, counts, options)
     seconds = time.perf_counter() - started
@@ -496,6 +520,7 @@ def _write_corpus(
         "tokens": writer.total,
         "dropped_short": counts["dropped_short"],
         "duplicates": counts["duplicates"],
+        **({"removed_by_quality": dict(sorted(counts["quality"].items()))} if "quality" in options else {}),
         "truncated": counts["truncated"],
         "invalid_utf8_documents": stats.invalid_utf8_documents,
         "replaced_chars": stats.replaced_chars,
@@ -707,6 +732,7 @@ def prepare_corpus(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     on_bad_line: str = "stop",
     overwrite: bool = False,
+    quality: str = "none",
 ) -> dict[str, Any]:
     """Tokenise the files matching `inputs` into token shards in `out`; returns the manifest.
 
@@ -717,9 +743,11 @@ def prepare_corpus(
     (the EOS after them not counted). dedup: drop exact duplicate documents. workers: tokenising
     processes (None: the cores, at most 8). shard_tokens: tokens per shard file. on_bad_line: "stop"
     (DataError) or "skip" (counted) for a bad .jsonl line. overwrite: replace an existing prepared `out`.
+    quality: "default" removes documents by the rules of `data.quality` (counted by rule in the manifest, the
+    first few of each written to removed_by_quality.jsonl beside it); "none" keeps them.
     """
     options = _check_options(
-        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line
+        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line, quality
     )
     workers = _check_workers(workers)
     out_path = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
