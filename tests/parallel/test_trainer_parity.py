@@ -109,6 +109,10 @@ class Layout:
     def pp(self) -> int:
         return self.parallel.get("pipeline_parallel", 1)
 
+    @property
+    def cp(self) -> int:
+        return self.parallel.get("context_parallel", 1)
+
 
 def _pp(schedule: str, micro_batch_num: int = 2, virtual_stages: int = 1, **more: Any) -> dict:
     return dict(pipeline_parallel=2, schedule=schedule, micro_batch_num=micro_batch_num,
@@ -372,8 +376,8 @@ def _assert_uneven(layout: Layout, ranks: list[dict[str, Any]]) -> None:
     rank, and between data-parallel ranks (rank 0 and the first rank of the second replica)."""
     counts = ranks[0]["counts"]
     assert len(set(counts)) > 1, (layout.name, counts)
-    if layout.dp > 1:  # mesh ("pp", "dp_replicate", "dp_shard", "tp"): data-parallel rank 1 is rank tp
-        other = ranks[layout.tp]["counts"]
+    if layout.dp > 1:  # mesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"): data-parallel rank 1 is rank cp x tp
+        other = ranks[layout.cp * layout.tp]["counts"]
         assert other != counts, (layout.name, counts, other)
 
 
