@@ -68,6 +68,26 @@ def test_gzip_bomb_is_refused_by_every_reader(tmp_path: Path, tiny_tokenizer_dir
                    "gzip", memory_mib=MEMORY, seconds=SECONDS)
 
 
+def test_zstd_bomb_and_broken_zstd_are_refused(tmp_path: Path) -> None:
+    """A 10 KB zstd that inflates to 300 MB stops with the file named after inflating no more than 200x; a
+    zstd file cut short, or with damaged bytes in a frame that carries its checksum (the zstd tool writes
+    one by default), stops naming the file."""
+    import zstandard
+
+    bomb = tmp_path / "bomb.jsonl.zst"
+    bomb.write_bytes(zstandard.ZstdCompressor(level=19).compress(b'{"text": "' + b"a" * (300 << 20)))
+    _assert_refused(run_capped(_read_all, str(bomb), memory_mib=MEMORY, seconds=SECONDS), bomb,
+                    "decompression bomb", "zstd -d")
+    good = zstandard.ZstdCompressor(write_checksum=True).compress(
+        b"".join(b'{"text": "line %d"}\n' % i for i in range(20000)))
+    cut = tmp_path / "cut.jsonl.zst"
+    cut.write_bytes(good[: len(good) // 2])
+    damaged = tmp_path / "damaged.jsonl.zst"
+    damaged.write_bytes(good[:200] + bytes(b ^ 0xFF for b in good[200:400]) + good[400:])
+    for path in (cut, damaged):
+        _assert_refused(_read_all(str(path)), path)
+
+
 def _read_all(path: str) -> str:
     from shardwise.data.files import resolve_inputs
     from shardwise.data.sources import read_documents

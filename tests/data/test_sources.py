@@ -125,6 +125,19 @@ def test_gzip_text_and_jsonl(tmp_path: Path) -> None:
     assert inspect_input(str(tmp_path / "b.jsonl.gz")).format == "jsonl"
 
 
+def test_zstd_text_and_jsonl(tmp_path: Path) -> None:
+    """.zst input (web corpora's usual compression), told by its magic bytes, several frames read as one."""
+    import zstandard
+
+    compressor = zstandard.ZstdCompressor()
+    (tmp_path / "a.txt.zst").write_bytes(compressor.compress(b"para one\n\n") + compressor.compress(b"para two\n"))
+    (tmp_path / "b.jsonl.zst").write_bytes(compressor.compress('{"text": "from zst \u00e9"}\n'.encode()))
+    docs, _ = read([str(tmp_path / "a.txt.zst"), str(tmp_path / "b.jsonl.zst")], txt_documents="paragraph")
+    assert docs == ["para one", "para two", "from zst \u00e9"]
+    found = inspect_input(str(tmp_path / "b.jsonl.zst"))
+    assert (found.format, found.zstd, found.gzip) == ("jsonl", True, False)
+
+
 def test_empty_file_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "a.txt").write_text("")
     (tmp_path / "b.txt").write_text("text")

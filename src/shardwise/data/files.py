@@ -10,10 +10,10 @@ Everything here is bounded, since the files (and what a glob finds) are not the 
   link back to a directory already searched, such as `a -> .`, is not followed again), at most
   `MAX_GLOB_DEPTH` levels deep, and the walk stops with a DataError past `MAX_GLOB_ENTRIES` directory
   entries or `MAX_GLOB_FILES` matches;
-- gzip input is decompressed as it is read and refused (DataError naming the file) once it has
-  inflated to more than `MAX_GZIP_RATIO` times its compressed size (past a floor of
-  `GZIP_RATIO_FLOOR` bytes) or past `MAX_GZIP_BYTES`: a 1.5 MB gzip bomb inflates to 4 GB, real
-  text to 3-10 times its size;
+- gzip and zstd input (`.gz`, `.zst`, told by their magic bytes) is decompressed as it is read and
+  refused (DataError naming the file) once it has inflated to more than `MAX_GZIP_RATIO` times its
+  compressed size (past a floor of `GZIP_RATIO_FLOOR` bytes) or past `MAX_GZIP_BYTES`: a 1.5 MB gzip bomb
+  inflates to 4 GB, real text to 3-10 times its size (zstd's best ratios on text are below 20);
 - a line (`read_lines`) or a whole-file document (`read_whole`) longer than `MAX_RECORD_BYTES` is
   refused naming the file and line, read no further than that bound;
 - a JSON line (`parse_json_line`) is parsed with integers of at most `MAX_INT_DIGITS` digits and a
@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import zstandard
+
 from ..errors import DataError
 from ..untrusted import MAX_INT_DIGITS
 
@@ -57,7 +59,8 @@ _SNIFF_BYTES = 8192
 _BINARY_SHARE = 0.3
 _EXTENSIONS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
                ".parquet": "parquet"}
-_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz")
+_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz", ".zst")
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Bump when what files_key feeds changes, so that old caches are never read as new ones.
 _CACHE_VERSION = 1
 
@@ -84,6 +87,7 @@ class InputFile:
     gzip: bool
     bytes: int
     empty: bool
+    zstd: bool = False
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
@@ -270,8 +274,8 @@ def _format_of(path: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt
     name = path.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
+    for compressed in (".gz", ".zst"):
+        name = name.removesuffix(compressed)
     ext = os.path.splitext(name)[1]
     if ext == ".json":
         raise DataError(
@@ -283,50 +287,100 @@ def _format_of(path: str, fmt: str) -> str:
     return _EXTENSIONS.get(ext, "txt")
 
 
-class _BoundedGzip(io.RawIOBase):
-    """A gzip file's decompressed bytes, counted as they stream: past MAX_GZIP_RATIO times the compressed
-    size (and GZIP_RATIO_FLOOR) or past MAX_GZIP_BYTES, reading stops with a DataError naming the file."""
+class _ZstdFrames:
+    """The decompressed bytes of a zstd file of one or more frames, its input fed 1 KiB at a time (a zstd
+    block inflates to at most 128 KiB, so one step makes a few MB at most, whatever the file); a DataError
+    naming the file when it is not valid zstd or ends inside a frame (a file cut short)."""
 
     def __init__(self, path: str) -> None:
-        super().__init__()
         self.path = path
+        self._raw = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False
+        self._out = bytearray()
+
+    def read(self, size: int) -> bytes:
+        """Up to `size` decompressed bytes (fewer only at the end of the file)."""
+        while len(self._out) < size:
+            chunk = self._raw.read(1024)
+            if not chunk:
+                if self._in_frame:
+                    raise DataError(f"cannot read {self.path}: the file ends inside a zstd frame (cut short?); "
+                                    f"check it (`zstd -t {self.path}`) or fetch it again")
+                break
+            self._feed(chunk)
+        out = bytes(self._out[:size])
+        del self._out[:size]
+        return out
+
+    def _feed(self, chunk: bytes) -> None:
+        while chunk:
+            if self._frame.eof:  # the next frame
+                self._frame = zstandard.ZstdDecompressor().decompressobj()
+            try:
+                self._out += self._frame.decompress(chunk)
+            except zstandard.ZstdError as e:
+                raise DataError(f"cannot read {self.path}: it is not valid zstd ({e}); check the file "
+                                f"(`zstd -t {self.path}`)") from None
+            self._in_frame = not self._frame.eof
+            chunk = self._frame.unused_data if self._frame.eof else b""
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class _BoundedDecompression(io.RawIOBase):
+    """A gzip or zstd file's decompressed bytes, counted as they stream: past MAX_GZIP_RATIO times the
+    compressed size (and GZIP_RATIO_FLOOR) or past MAX_GZIP_BYTES, reading stops with a DataError naming the
+    file."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__()
+        self.path, self.kind = path, kind
         compressed = os.path.getsize(path)
         self.allowed = min(MAX_GZIP_BYTES, max(GZIP_RATIO_FLOOR, MAX_GZIP_RATIO * compressed))
         self.compressed = compressed
         self.count = 0
-        self._gz = gzip.GzipFile(path, "rb")
+        self._stream: Any = gzip.GzipFile(path, "rb") if kind == "gzip" else _ZstdFrames(path)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        n = self._gz.readinto(buffer)
+        if self.kind == "gzip":
+            n = self._stream.readinto(buffer)
+        else:
+            data = self._stream.read(len(buffer))
+            n = len(data)
+            buffer[:n] = data
         self.count += n
         if self.count > self.allowed:
             ratio = f"{self.count / max(1, self.compressed):,.0f} times" if self.compressed else "far more than"
+            tool = "gunzip -k" if self.kind == "gzip" else "zstd -d"
             raise DataError(
-                f"{self.path}: this gzip file inflates to more than {self.allowed:,} bytes ({ratio} its "
+                f"{self.path}: this {self.kind} file inflates to more than {self.allowed:,} bytes ({ratio} its "
                 f"{self.compressed:,} compressed bytes; text compresses 3-10 times, and more than "
                 f"{MAX_GZIP_RATIO} times is a decompression bomb), so it is not read; if it is genuine, "
-                f"decompress it yourself (`gunzip -k {self.path}`) and give the uncompressed file"
+                f"decompress it yourself (`{tool} {self.path}`) and give the uncompressed file"
             )
         return n
 
     def close(self) -> None:
         if not self.closed:
-            self._gz.close()
+            self._stream.close()
         super().close()
 
 
-def _open_binary(path: str, gz: bool) -> BinaryIO:
-    if not gz:
+def _open_binary(path: str, gz: bool, zst: bool = False) -> BinaryIO:
+    if not gz and not zst:
         return open(path, "rb")  # noqa: SIM115 - the caller closes it
-    return io.BufferedReader(_BoundedGzip(path), buffer_size=1 << 16)  # type: ignore[return-value]
+    stream = _BoundedDecompression(path, "gzip" if gz else "zstd")
+    return io.BufferedReader(stream, buffer_size=1 << 16)  # type: ignore[return-value]
 
 
 def open_input(f: InputFile) -> BinaryIO:
-    """The bytes of an inspected input file, decompressed when it is gzip."""
-    return _open_binary(f.path, f.gzip)
+    """The bytes of an inspected input file, decompressed when it is gzip or zstd."""
+    return _open_binary(f.path, f.gzip, f.zstd)
 
 
 def read_lines(fh: BinaryIO, path: str) -> Iterator[bytes]:
@@ -415,15 +469,15 @@ def inspect_input(path: str, fmt: str = "auto") -> InputFile:
                 f"rename it or pass the right format"
             )
         return InputFile(path, kind, False, size, False)
-    gz = magic[:2] == _GZIP_MAGIC
+    gz, zst = magic[:2] == _GZIP_MAGIC, magic == _ZSTD_MAGIC
     try:
-        # gzip.open inflates no more than the bytes asked for: the sniff is bounded as it is.
-        with gzip.open(path, "rb") if gz else open(path, "rb") as f:
+        # Both inflate no more than the bytes asked for (about): the sniff is bounded as it is.
+        with gzip.open(path, "rb") if gz else _open_binary(path, False, zst) as f:
             head = f.read(_SNIFF_BYTES)
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"cannot read {path}: it looks gzip-compressed but is not valid gzip ({e})") from e
     if not head:
-        return InputFile(path, kind, gz, size, True)
+        return InputFile(path, kind, gz, size, True, zst)
     reason = _binary_reason(head)
     if reason:
         utf16 = head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[1::2].count(0) > len(head) // 4
@@ -435,7 +489,7 @@ def inspect_input(path: str, fmt: str = "auto") -> InputFile:
             f"{len(head)} bytes); binary files are not skipped, so remove it from the inputs "
             f"(narrow the glob).{hint}"
         )
-    return InputFile(path, kind, gz, size, False)
+    return InputFile(path, kind, gz, size, False, zst)
 
 
 def _binary_reason(head: bytes) -> str | None:

@@ -173,10 +173,10 @@ def _json_lines(f: InputFile) -> Iterator[tuple[int, str | None, int]]:
 def inspect_instruction_file(path: str) -> InputFile:
     """An instruction data file checked before it is read: a JSON-lines (or .json) name, not binary,
     valid gzip when compressed; DataError naming the file otherwise."""
-    name = path[:-3] if path.endswith(".gz") else path
+    name = path.removesuffix(".gz").removesuffix(".zst")
     if not name.endswith(SUFFIXES) or (name != path and name.endswith(".json")):
         raise DataError(
-            f"instruction data file {path!r} is not JSON lines; give .jsonl files (also .jsonl.gz; one "
+            f"instruction data file {path!r} is not JSON lines; give .jsonl files (also .jsonl.gz, .jsonl.zst; one "
             f"{{\"instruction\", \"output\"}} or {{\"messages\"}} object per line) or a .json array"
         )
     # The same rules as pre-training files: a binary file (or broken gzip) is refused whole.

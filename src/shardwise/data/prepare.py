@@ -541,7 +541,7 @@ def _write_corpus(
         "workers": workers,
         "seconds": round(seconds, 3),
         "inputs": [
-            {"path": f.path, "format": f.format, "gzip": f.gzip, "bytes": f.bytes,
+            {"path": f.path, "format": f.format, "gzip": f.gzip, "zstd": f.zstd, "bytes": f.bytes,
              "documents": stats.per_file.get(f.path, 0)}
             for f in files
         ],
