@@ -292,9 +292,9 @@ class Trainer(_LoopTrainer):
             if overwrite is None:
                 overwrite = self.args.overwrite_output_dir
             _check_loader_batch(self.train_dataset, self.config.train.micro_batch_size)
-        if self.train_dataset is None and not self.config.data.train_files:
+        if self.train_dataset is None and not (self.config.data.train_files or self.config.data.sources):
             raise ConfigError("Trainer has no train_dataset; pass one (TextDataset or create_dataset(...)), "
-                              "or give data.train_files in the config")
+                              "or give data.train_files (or data.sources) in the config")
         # The dataset's tokenizer is saved with the run, so `shardwise generate RUN_DIR` can use it.
         self.tokenizer = self._given_tokenizer or getattr(dataset, "tokenizer", None)
         return super().train(resume=resume, overwrite=bool(overwrite))

@@ -31,7 +31,8 @@ def resolve_config(raw: dict, spelling: Spelling | None = None) -> RunConfig:
     if cfg.model.init_from is not None and cfg.data.tokenizer is None:
         # Data read from files is tokenised with the weights' own tokenizer (a dataset handed to the
         # Python API brings its own).
-        cfg.data.tokenizer = pretrained_tokenizer(cfg.model.init_from, required=bool(cfg.data.train_files))
+        cfg.data.tokenizer = pretrained_tokenizer(cfg.model.init_from,
+                                                  required=bool(cfg.data.train_files or cfg.data.sources))
     if cfg.lora is not None:
         build_run_model(cfg, "meta")  # the structure only: a target that matches nothing fails now
     check_layout(cfg)

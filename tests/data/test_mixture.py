@@ -117,7 +117,9 @@ def test_a_run_logs_tokens_by_source_and_resumes_its_mixture(tmp_path: Path) -> 
     seq = cfg.data.seq_length
     assert per_step[2] == {"web": 18 * seq, "books": 6 * seq}  # steps 1-3, 8 samples each, at 3:1
     assert per_step[5] == {"web": 30 * seq, "books": 18 * seq}  # then steps 4-6 at 1:1
-    shares = source_shares(read_run(cfg.train.output_dir))  # the report's mixture plot
+    run = read_run(cfg.train.output_dir)
+    assert any("a mixture of 2 sources" in note for note in run.notes)
+    shares = source_shares(run)  # the report's mixture plot
     assert shares["web"][1] == [0.75] * 3 + [0.5] * 3 and shares["books"][0] == [1, 2, 3, 4, 5, 6]
     assert (write_report([cfg.train.output_dir], tmp_path / "report").parent / "mixture.png").is_file()
     half = with_changes(cfg, train={"output_dir": str(tmp_path / "half"), "max_steps": 3})

@@ -295,6 +295,10 @@ def _manifest(run: Run) -> None:
     if data.kind == "instruction":
         run.notes.append("data summary: instruction data is read directly (no prepared manifest)")
         return
+    if data.sources is not None:
+        run.notes.append(f"data summary: a mixture of {len(data.sources)} sources (data.sources), each prepared "
+                         "with its own manifest; the mixture plot shows what was read of each")
+        return
     try:
         directory = prepared_dir(list(data.train_files)) or _cached_dir(run)
     except ShardwiseError as exc:
