@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -12,8 +14,9 @@ from tqdm import tqdm
 from .checkpoint.storage import resolve_resume
 from .data.build import check_data_files
 from .data.prepare import prepare_corpus
+from .data.prepare_parts import merge_parts, parse_part, part_path, prepare_part
 from .data.tokenizer import load_tokenizer, train_tokenizer
-from .errors import ConfigError, ShardwiseError
+from .errors import ConfigError, DataError, ShardwiseError
 from .export import convert_checkpoint
 from .inference import load_for_generation
 from .models import generate
@@ -197,19 +200,36 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    manifest = prepare_corpus(
-        args.input, load_tokenizer(args.tokenizer), args.out, fmt=args.format, text_field=args.text_field,
-        txt_documents=args.txt_documents, min_chars=args.min_chars, max_length=args.max_length,
-        dedup=args.dedup, workers=args.workers, shard_tokens=args.shard_tokens, on_bad_line=args.on_bad_line,
-        overwrite=args.overwrite, quality=args.quality)
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.merge:
+        manifest = merge_parts(args.out, tokenizer, overwrite=args.overwrite)
+    else:
+        if not args.input:
+            raise DataError("prepare needs --input (the files to prepare), or --merge to merge parts prepared before")
+        near = {k: v for k, v in (("ngram", args.near_ngram), ("bands", args.near_bands), ("rows", args.near_rows))
+                if v is not None}
+        options = dict(fmt=args.format, text_field=args.text_field, txt_documents=args.txt_documents,
+                       min_chars=args.min_chars, max_length=args.max_length, dedup=args.dedup, near_dedup=near or None,
+                       workers=args.workers, shard_tokens=args.shard_tokens, on_bad_line=args.on_bad_line,
+                       overwrite=args.overwrite, quality=args.quality)
+        if args.part:
+            manifest = prepare_part(args.input, tokenizer, args.out, args.part, **options)
+            where = part_path(Path(os.path.abspath(args.out)), *parse_part(args.part))
+            print(f"prepared part {args.part} into {where}: "
+                  f"{manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens (duplicates across "
+                  f"parts are dropped by the merge: shardwise prepare --merge --out {args.out} --tokenizer "
+                  f"{args.tokenizer})")
+            return 0
+        manifest = prepare_corpus(args.input, tokenizer, args.out, **options)
     counts = manifest["counts"]
     removed = counts.get("removed_by_quality")
     by_rule = f", {sum(removed.values()):,} by quality rules ({', '.join(f'{k} {v:,}' for k, v in removed.items())})" \
         if removed else ""
+    near = f", {counts['near_duplicates']:,} near duplicates" if "near_duplicates" in counts else ""
     print(f"prepared {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens in "
           f"{len(manifest['shards'])} shard(s) at {args.out} (dropped: {counts['dropped_short']:,} short, "
-          f"{counts['duplicates']:,} duplicates{by_rule}; {counts['truncated']:,} truncated, {counts['bad_lines']:,} "
-          f"bad lines skipped)")
+          f"{counts['duplicates']:,} duplicates{near}{by_rule}; {counts['truncated']:,} truncated, "
+          f"{counts['bad_lines']:,} bad lines skipped)")
     return 0
 
 
@@ -364,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "tokenise with worker processes, and write token shards with a "
                                     "document index and manifest.json. Point data.train_files at OUT "
                                     "to train on it.")
-    pr.add_argument("--input", nargs="+", required=True, metavar="GLOB",
-                    help=".txt, .jsonl (also .gz) or .parquet files, or quoted globs")
+    pr.add_argument("--input", nargs="+", metavar="GLOB",
+                    help=".txt, .jsonl (also .gz, .zst) or .parquet files, or quoted globs")
     pr.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or SentencePiece .model")
     pr.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold other data)")
     pr.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet"], default="auto",
@@ -377,10 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drop documents with fewer characters, surrounding whitespace not counted (default 1)")
     pr.add_argument("--max-length", type=int, default=None, metavar="N",
                     help="truncate each document to N tokens (default: keep whole documents)")
-    pr.add_argument("--no-dedup", dest="dedup", action="store_false", help="keep exact duplicate documents")
+    pr.add_argument("--dedup", choices=["exact", "near", "none"], default="exact",
+                    help="drop exact duplicate documents (default), also near duplicates (MinHash LSH over word "
+                         "5-grams: Jaccard 0.9 found 99.96%% of the time, 0.8 92%%, 0.5 5%%), or keep them all")
+    pr.add_argument("--no-dedup", dest="dedup", action="store_const", const="none", help="same as --dedup none")
+    pr.add_argument("--near-ngram", type=int, default=None, metavar="N", help="--dedup near: words a shingle (5)")
+    pr.add_argument("--near-bands", type=int, default=None, metavar="B", help="--dedup near: LSH bands (14)")
+    pr.add_argument("--near-rows", type=int, default=None, metavar="R",
+                    help="--dedup near: MinHash values a band (8); more rows or fewer bands raise the similarity "
+                         "at which documents count as near duplicates (about (1/B)^(1/R))")
     pr.add_argument("--quality", choices=["none", "default"], default="none",
                     help="default: drop documents by Gopher/C4-style quality rules (counted by rule in the manifest, "
-                         "samples in removed_by_quality.jsonl beside it)")
+                         "samples in removed_samples.jsonl beside it)")
     pr.add_argument("--workers", type=int, default=None, metavar="N",
                     help="tokenising processes (default: the cores, at most 8)")
     pr.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
@@ -388,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--on-bad-line", choices=["stop", "skip"], default="stop",
                     help="a .jsonl line that is not JSON or lacks the field: stop (default) or skip and count")
     pr.add_argument("--overwrite", action="store_true", help="replace a prepared directory already at --out")
+    scale = pr.add_mutually_exclusive_group()
+    scale.add_argument("--part", metavar="I/N", default=None,
+                       help="prepare part I of N (counted from 0) into OUT.parts: run one per process or node, "
+                            "each with the same inputs and options, then --merge")
+    scale.add_argument("--merge", action="store_true",
+                       help="merge the N parts in OUT.parts into OUT, duplicates decided over all of them")
     pr.set_defaults(func=_cmd_prepare)
 
 

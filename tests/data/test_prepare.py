@@ -358,11 +358,11 @@ def test_cached_preparation_keeps_the_one_finished_first(
     real = prepare._write_corpus
     state = {"raced": False}
 
-    def racing(files, tokenizer, directory, options, workers):
-        manifest = real(files, tokenizer, directory, options, workers)
+    def racing(*args):
+        manifest = real(*args)
         if not state["raced"]:  # another process finishes the same entry while this one works
             state["raced"] = True
-            prepare_cached(corpus_files, tokenizer, cache, workers=1)
+            prepare_cached(corpus_files, args[1], cache, workers=1)
         return manifest
 
     monkeypatch.setattr(prepare, "_write_corpus", racing)

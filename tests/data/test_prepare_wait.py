@@ -50,12 +50,12 @@ class _Lines(logging.Handler):
 _REAL_WRITE_CORPUS = prepare._write_corpus
 
 
-def _slow_write_corpus(files, tokenizer, directory, options, workers):  # noqa: ANN001, ANN202
+def _slow_write_corpus(files, *args):  # noqa: ANN001, ANN002, ANN202
     """Tokenising that takes SLOW_S seconds, and fails on rank 0 for the "fails" corpus."""
     time.sleep(SLOW_S)
     if dist.get_rank() == 0 and any("/fails/" in f.path for f in files):
         raise DataError("the corpus is broken (on purpose)")
-    return _REAL_WRITE_CORPUS(files, tokenizer, directory, options, workers)
+    return _REAL_WRITE_CORPUS(files, *args)
 
 
 def _ranks(rank: int, world: int, root: Path, corpora: dict[str, list[str]], tokenizer: Path) -> dict:
@@ -115,10 +115,10 @@ def test_processes_sharing_a_cache_prepare_it_once(tmp_path: Path, corpus_files:
     calls.mkdir()
     real = prepare._write_corpus
 
-    def counted(files, tokenizer, directory, options, workers):  # noqa: ANN001, ANN202
+    def counted(*args):  # noqa: ANN002, ANN202
         (calls / str(os.getpid())).touch()
         time.sleep(1.0)  # long enough for the other process to come while this one prepares
-        return real(files, tokenizer, directory, options, workers)
+        return real(*args)
 
     monkeypatch.setattr(prepare, "_write_corpus", counted)
     ctx = mp.get_context("fork")

@@ -126,7 +126,7 @@ def test_preparation_removes_counts_and_samples_by_rule(english: list[str], chin
     removed = manifest["counts"]["removed_by_quality"]
     assert manifest["num_documents"] == 40 and sum(removed.values()) == len(documents) - 40
     assert removed["mojibake"] == 3 and removed["code"] == 1 and removed["short"] == 3
-    samples = [json.loads(line) for line in (tmp_path / "clean" / "removed_by_quality.jsonl").read_text(
+    samples = [json.loads(line) for line in (tmp_path / "clean" / "removed_samples.jsonl").read_text(
         encoding="utf-8").splitlines()]
     assert Counter(s["rule"] for s in samples) == Counter(removed) and all(s["text"] for s in samples)
     plain = prepare_corpus([str(corpus)], tokenizer, tmp_path / "plain")

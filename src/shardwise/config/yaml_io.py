@@ -119,7 +119,7 @@ def config_reference() -> str:
         for name, f in cls.model_fields.items():
             default = f.get_default(call_default_factory=True)
             if isinstance(default, BaseModel):
-                default = "{...}"
+                default = default.model_dump()
             text = (f.description or "").replace("|", "/")
             rows.append(f"| `{section}.{name}` | `{default!r}` | {text} |")
     return "\n".join(rows)

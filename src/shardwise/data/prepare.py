@@ -1,12 +1,14 @@
 """Corpus preparation: raw files -> clean documents -> tokens (worker processes) -> token shards.
 
-`prepare_corpus` streams. Documents are read one at a time (sources.py), cleaned (too short ones
-dropped, exact duplicates dropped) and grouped into chunks of about 256K characters; a pool of
-worker processes tokenises the chunks (at most two per worker in flight) and the main process writes
-the results to the current shard in input order, so the output is the same for any number of workers.
-Peak memory is bounded by chunk size x workers and does not grow with the corpus; the one structure
-that does is the set of document digests used for deduplication (`DigestSet`: 8 bytes per unique
-document, about 0.8 GB per 100 million documents).
+`prepare_corpus` streams. Documents are read one at a time (sources.py), too short ones dropped, and
+grouped into chunks of about 256K characters; a pool of worker processes cleans the chunks (the quality
+rules of quality.py), computes each document's keys (its digest and, for near duplicates, its MinHash
+band keys: duplicates.py) and tokenises them, at most two chunks per worker in flight. The main process
+drops the documents whose keys repeat an earlier document's and writes the rest to the current shard in
+input order, so the output is the same for any number of workers. Peak memory is bounded by chunk size x
+workers and does not grow with the corpus; the one structure that does is the set of keys seen
+(`DuplicateIndex`: 8 bytes per unique document and key column, about 0.8 GB per 100 million documents
+for exact deduplication, 15 times that with the default 14 bands of near deduplication).
 
 The layout written is described in shards.py (`TokenShards` reads it). Everything is written into a
 temp directory next to `out` (`.NAME.tmp-HOST-PID-XXXX`), the manifest last, and the finished
@@ -33,10 +35,11 @@ import socket
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib.metadata import version
 from itertools import chain
 from pathlib import Path
@@ -48,6 +51,7 @@ from tqdm.auto import tqdm
 from ..errors import DataError
 from ..files import fsync_dir, write_json_atomic
 from ..untrusted import read_json_object
+from .duplicates import DigestSet, DuplicateIndex, check_near, document_keys
 from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
 from .quality import quality_problem
 from .shards import (
@@ -68,9 +72,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_MIN_CHARS = 1
 QUALITY_LEVELS = ("none", "default")  # data.quality: off, or the rules of data/quality.py
-QUALITY_SAMPLES = 20  # documents each quality rule removed, kept as samples beside the manifest
-QUALITY_SAMPLE_CHARS = 2000  # of each sample, its start
-QUALITY_SAMPLES_FILE = "removed_by_quality.jsonl"
+DEDUP_LEVELS = ("none", "exact", "near")  # data.dedup: near adds MinHash LSH (data/duplicates.py) to exact
+REMOVED_SAMPLES = 20  # documents each quality rule (and near deduplication) removed, kept beside the manifest
+REMOVED_SAMPLE_CHARS = 2000  # of each sample, its start
+REMOVED_SAMPLES_FILE = "removed_samples.jsonl"
+NEAR_DUPLICATE = "near_duplicate"  # the rule name of near duplicates in the samples
+KEYS_FILE = "document_keys.bin"  # a part's documents' keys (uint64, documents x key columns)
+TRUNCATED_FILE = "truncated.bin"  # a part's ordinals (int64) of the documents max_length cut
 # A chunk is the unit of work sent to a worker: big enough to amortise the transfer, small enough
 # that (chunks in flight) x (chunk size) stays a few tens of MB.
 _CHUNK_CHARS = 1 << 18
@@ -89,19 +97,22 @@ def default_workers() -> int:
     return max(1, min(cores, 8))
 
 
-def _check_options(
+def check_options(
     fmt: str = "auto",
     text_field: str = "text",
     txt_documents: str = "file",
     min_chars: int = DEFAULT_MIN_CHARS,
     max_length: int | None = None,
-    dedup: bool = True,
+    dedup: bool | str = "exact",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     on_bad_line: str = "stop",
     quality: str = "none",
+    near_dedup: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The options that decide the output, checked; they are recorded in the manifest and key the cache."""
     check_choice("format", fmt, FORMATS)
+    dedup = {True: "exact", False: "none"}.get(dedup, dedup)  # type: ignore[call-overload]
+    check_choice("dedup", dedup, DEDUP_LEVELS)
     check_choice("quality", quality, QUALITY_LEVELS)
     check_choice("txt_documents", txt_documents, TXT_DOCUMENTS)
     check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
@@ -119,15 +130,17 @@ def _check_options(
         "txt_documents": txt_documents,
         "min_chars": int(min_chars),
         "max_length": None if max_length is None else int(max_length),
-        "dedup": bool(dedup),
+        "dedup": dedup != "none",  # exact duplicates (a bool, as before near duplicates existed)
         "shard_tokens": int(shard_tokens),
         "on_bad_line": on_bad_line,
-        # Only when on: data prepared (and cached) before the option existed keeps its cache key.
+        # Only when on: data prepared (and cached) before these options existed keeps its cache key.
         **({"quality": quality} if quality != "none" else {}),
+        **({"near_dedup": check_near(near_dedup)} if dedup == "near" else {}),
     }
 
 
-def _check_workers(workers: int | None) -> int:
+def check_workers(workers: int | None) -> int:
+    """Worker processes: the default for None, else `workers` checked."""
     if workers is None:
         return default_workers()
     if int(workers) < 1:
@@ -135,113 +148,39 @@ def _check_workers(workers: int | None) -> int:
     return int(workers)
 
 
-# --- deduplication --------------------------------------------------------------------------------
+# --- cleaning and tokenising, in the workers ------------------------------------------------------
 
 
-class DigestSet:
-    """A set of 64-bit document digests at 8 bytes per entry (a Python set of ints takes ~70).
-
-    Entries live in sorted numpy runs whose sizes shrink geometrically (merged like a binary
-    counter), so a lookup is a few `searchsorted` calls and adding n digests costs O(n log n) overall.
-    This is the only part of preparation whose memory grows with the corpus: 8 bytes per unique
-    document, and twice that briefly while the largest runs merge. With 64-bit digests, two distinct
-    documents collide (one wrongly dropped as a duplicate) with probability about n^2 / 2^65: about
-    3e-4 for 100 million documents.
-    """
-
-    def __init__(self) -> None:
-        """An empty set."""
-        self._runs: list[np.ndarray] = []
-
-    def __len__(self) -> int:
-        """Number of digests held."""
-        return sum(r.size for r in self._runs)
-
-    def add_new(self, digests: np.ndarray) -> np.ndarray:
-        """Add `digests` (uint64); True where a digest was not seen before (nor earlier in `digests`)."""
-        digests = np.asarray(digests, dtype=np.uint64)
-        new = np.zeros(digests.size, dtype=bool)
-        if not digests.size:
-            return new
-        _, first = np.unique(digests, return_index=True)
-        new[first] = True
-        for run in self._runs:
-            pos = np.minimum(np.searchsorted(run, digests), run.size - 1)
-            new &= run[pos] != digests
-        added = np.sort(digests[new])
-        if added.size:
-            self._runs.append(added)
-            while len(self._runs) > 1 and self._runs[-2].size <= 2 * self._runs[-1].size:
-                b, a = self._runs.pop(), self._runs.pop()
-                # Two sorted runs: the stable sort (timsort) merges them in linear time.
-                self._runs.append(np.sort(np.concatenate([a, b]), kind="stable"))
-        return new
-
-
-def _digests(texts: Sequence[str]) -> np.ndarray:
-    blob = b"".join(
-        hashlib.blake2b(t.encode("utf-8", errors="surrogatepass"), digest_size=8).digest() for t in texts
-    )
-    return np.frombuffer(blob, dtype="<u8").astype(np.uint64)
-
-
-def _clean_chunks(
-    docs: Iterable[str], options: dict[str, Any], counts: dict[str, int], seen: DigestSet
-) -> Iterator[list[str]]:
-    """Documents grouped into chunks, without the too-short ones, (with quality) those a quality rule
-    removes, counted by rule with the first few kept as samples, and (with dedup) exact duplicates."""
-    min_chars = options["min_chars"]
-    check_quality = options.get("quality", "none") != "none"
+def _raw_chunks(docs: Iterable[str], min_chars: int, counts: dict[str, Any]) -> Iterator[list[str]]:
+    """Documents grouped into chunks (the workers' unit of work), without the too-short ones (counted)."""
     batch: list[str] = []
     size = 0
-
-    def flush() -> list[str]:
-        if not options["dedup"]:
-            return batch
-        keep = seen.add_new(_digests(batch))
-        counts["duplicates"] += int(keep.size - keep.sum())
-        return [t for t, k in zip(batch, keep) if k]
-
     for text in docs:
         # strip() copies only when there is whitespace at an end; most documents pass the first test.
         if len(text) < min_chars or (min_chars and len(text.strip()) < min_chars):
             counts["dropped_short"] += 1
             continue
-        if check_quality:
-            rule = quality_problem(text)
-            if rule is not None:
-                removed = counts["quality"]
-                removed[rule] = removed.get(rule, 0) + 1
-                if removed[rule] <= QUALITY_SAMPLES:
-                    counts["quality_samples"].append({"rule": rule, "text": text[:QUALITY_SAMPLE_CHARS]})
-                continue
         batch.append(text)
         size += len(text)
         if size >= _CHUNK_CHARS or len(batch) >= _CHUNK_DOCS:
-            kept = flush()
-            if kept:
-                yield kept
+            yield batch
             batch, size = [], 0
     if batch:
-        kept = flush()
-        if kept:
-            yield kept
+        yield batch
 
 
-# --- tokenising -----------------------------------------------------------------------------------
-
-Encoded = tuple[np.ndarray, np.ndarray, int]
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _encode_texts(tokenizer: Any, texts: list[str], max_length: int | None, dtype: np.dtype) -> Encoded:
-    """(tokens with an EOS after each document, per-document lengths with the EOS, number truncated)."""
+    """(tokens with an EOS after each document, per-document lengths with the EOS, which were truncated)."""
     ids = tokenizer.encode_batch(texts)
-    truncated = 0
+    truncated = np.zeros(len(ids), dtype=bool)
     if max_length is not None:
         for i, x in enumerate(ids):
             if len(x) > max_length:
                 ids[i] = x[:max_length]
-                truncated += 1
+                truncated[i] = True
     eos = tokenizer.eos_id
     for x in ids:
         x.append(eos)
@@ -250,19 +189,58 @@ def _encode_texts(tokenizer: Any, texts: list[str], max_length: int | None, dtyp
     return tokens, lengths, truncated
 
 
+@dataclass
+class _Work:
+    """What a worker does to a chunk (fixed for a preparation)."""
+
+    tokenizer: Any
+    max_length: int | None
+    dtype: np.dtype
+    quality: bool
+    dedup: bool
+    near: dict[str, int] | None
+
+
+@dataclass
+class _Chunk:
+    """A chunk after a worker: the documents the quality rules kept, tokenised, and their keys."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray  # per kept document, its EOS included
+    truncated: np.ndarray  # per kept document, whether max_length cut it
+    keys: np.ndarray  # (kept documents, key columns) uint64; no columns without deduplication
+    kept: np.ndarray  # positions in the chunk of the kept documents
+    rules: list[tuple[int, str]]  # (position, rule) of each document a quality rule removed
+
+
+def _process(work: _Work, texts: list[str]) -> _Chunk:
+    rules: list[tuple[int, str]] = []
+    if work.quality:
+        for i, text in enumerate(texts):
+            rule = quality_problem(text)
+            if rule is not None:
+                rules.append((i, rule))
+    removed = {i for i, _ in rules}
+    kept = np.array([i for i in range(len(texts)) if i not in removed], dtype=np.int64)
+    texts = [texts[i] for i in kept] if rules else texts
+    keys = document_keys(texts, work.near) if work.dedup else np.zeros((len(texts), 0), np.uint64)
+    tokens, lengths, truncated = _encode_texts(work.tokenizer, texts, work.max_length, work.dtype)
+    return _Chunk(tokens, lengths, truncated, keys, kept, rules)
+
+
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, max_length: int | None, dtype: np.dtype) -> None:
+def _init_worker(work: _Work) -> None:
     # Each worker is one core: the Rust library's own thread pool would only oversubscribe them.
     os.environ[_ENV_PARALLEL] = "false"
     # Ctrl-C goes to the whole process group; the main process handles it and stops the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker.update(tokenizer=tokenizer, max_length=max_length, dtype=dtype)
+    _worker["work"] = work
 
 
-def _encode_in_worker(texts: list[str]) -> Encoded:
-    return _encode_texts(_worker["tokenizer"], texts, _worker["max_length"], _worker["dtype"])
+def _process_in_worker(texts: list[str]) -> _Chunk:
+    return _process(_worker["work"], texts)
 
 
 @contextmanager
@@ -286,21 +264,20 @@ def _mp_context() -> Any:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-class _Encoder:
-    """Tokenises chunks in order: in this process (workers=1) or in a pool of worker processes."""
+class _Workers:
+    """Cleans and tokenises chunks in order: in this process (workers=1) or in a pool of worker processes."""
 
-    def __init__(self, tokenizer: Any, workers: int, max_length: int | None, dtype: np.dtype) -> None:
-        self.tokenizer, self.workers, self.max_length, self.dtype = tokenizer, workers, max_length, dtype
+    def __init__(self, work: _Work, workers: int) -> None:
+        self.work, self.workers = work, workers
         self.pool: ProcessPoolExecutor | None = None
         self._env: Any = None
 
-    def __enter__(self) -> _Encoder:
+    def __enter__(self) -> _Workers:
         if self.workers > 1:
             # A ProcessPoolExecutor, not a multiprocessing.Pool: when a worker dies (killed, out of
             # memory) its futures fail with BrokenProcessPool instead of waiting forever.
             self.pool = ProcessPoolExecutor(
-                self.workers, mp_context=_mp_context(), initializer=_init_worker,
-                initargs=(self.tokenizer, self.max_length, self.dtype),
+                self.workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(self.work,),
             )
             # Start the workers now, with the variable set, so that the tokenizers library sees its
             # parallelism as configured and does not warn in each worker about forking after threads.
@@ -326,20 +303,22 @@ class _Encoder:
         if self._env is not None:
             self._env.__exit__(None, None, None)
 
-    def map(self, chunks: Iterable[list[str]]) -> Iterator[Encoded]:
-        """Encoded chunks in the order of `chunks`, with a bounded number in flight."""
+    def map(self, chunks: Iterable[list[str]]) -> Iterator[tuple[list[str], _Chunk]]:
+        """(texts, processed chunk) in the order of `chunks`, with a bounded number in flight."""
         if self.pool is None:
             for texts in chunks:
-                yield _encode_texts(self.tokenizer, texts, self.max_length, self.dtype)
+                yield texts, _process(self.work, texts)
             return
-        pending: deque[Future] = deque()
+        pending: deque[tuple[list[str], Future]] = deque()
         try:
             for texts in chunks:
-                pending.append(self.pool.submit(_encode_in_worker, texts))
+                pending.append((texts, self.pool.submit(_process_in_worker, texts)))
                 if len(pending) >= _IN_FLIGHT_PER_WORKER * self.workers:
-                    yield pending.popleft().result()
+                    texts, future = pending.popleft()
+                    yield texts, future.result()
             while pending:
-                yield pending.popleft().result()
+                texts, future = pending.popleft()
+                yield texts, future.result()
         except BrokenProcessPool as e:
             raise DataError(
                 f"a tokenising worker process died ({e}); if the system ran out of memory, use fewer "
@@ -350,7 +329,7 @@ class _Encoder:
 # --- writing --------------------------------------------------------------------------------------
 
 
-class _ShardWriter:
+class ShardWriter:
     """Appends the token stream to shard files of `shard_tokens` tokens, with per-shard document indexes."""
 
     def __init__(self, directory: Path, dtype: np.dtype, shard_tokens: int) -> None:
@@ -421,10 +400,36 @@ class _ShardWriter:
             self._files = None
 
 
+class HashedFile:
+    """A file of raw little-endian int64/uint64 arrays, written with its blake2b digest."""
+
+    def __init__(self, path: Path) -> None:
+        """Create `path`."""
+        self.path, self.file, self.hash, self.bytes = path, open(path, "wb"), hashlib.blake2b(digest_size=16), 0
+
+    def write(self, values: np.ndarray) -> None:
+        """Append `values` (8-byte integers, C order)."""
+        data = memoryview(np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"))).cast("B")
+        self.file.write(data)
+        self.hash.update(data)
+        self.bytes += data.nbytes
+
+    def close(self) -> dict[str, Any]:
+        """Flush to disk; the file's entry for the manifest."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return {"file": self.path.name, "bytes": self.bytes, "blake2b": self.hash.hexdigest()}
+
+    def abort(self) -> None:
+        """Close without recording."""
+        self.file.close()
+
+
 # --- the pipeline ---------------------------------------------------------------------------------
 
 
-def _tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     # `_source` names the directory the tokenizer came from; it makes a mismatch message actionable.
     source = getattr(tokenizer, "_source", None)
     return {
@@ -436,7 +441,7 @@ def _tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _version() -> str:
+def shardwise_version() -> str:
     try:
         return version("shardwise")
     except Exception:  # not installed (running from a checkout)
@@ -463,16 +468,48 @@ def _no_documents(
     )
 
 
+def _sample(counts: dict[str, Any], rule: str, removed: int, text: str) -> None:
+    """Keep the start of `text` as a sample of what `rule` removed, while it has removed few."""
+    if removed <= REMOVED_SAMPLES:
+        counts["samples"].append({"rule": rule, "text": text[:REMOVED_SAMPLE_CHARS]})
+
+
+def _count_quality(texts: list[str], chunk: _Chunk, counts: dict[str, Any]) -> None:
+    by_rule = counts["quality"]
+    for i, rule in chunk.rules:
+        by_rule[rule] = by_rule.get(rule, 0) + 1
+        _sample(counts, rule, by_rule[rule], texts[i])
+
+
+def _drop_duplicates(
+    texts: list[str], chunk: _Chunk, index: DuplicateIndex | None, counts: dict[str, Any]
+) -> np.ndarray:
+    """Which of the chunk's kept documents are not duplicates of earlier ones (counted, near ones sampled)."""
+    if index is None:
+        return np.ones(chunk.lengths.size, dtype=bool)
+    exact, near = index.add(chunk.keys)
+    counts["duplicates"] += int(exact.sum())
+    for i in np.flatnonzero(near):
+        counts["near_duplicates"] += 1
+        _sample(counts, NEAR_DUPLICATE, counts["near_duplicates"], texts[chunk.kept[i]])
+    return ~(exact | near)
+
+
 def _write_corpus(
-    files: Sequence[InputFile], tokenizer: Any, directory: Path, options: dict[str, Any], workers: int
+    files: Sequence[InputFile], tokenizer: Any, directory: Path, options: dict[str, Any], workers: int,
+    part: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write shards into `directory` and return the manifest (not yet written)."""
+    """Write shards into `directory` and return the manifest (not yet written).
+
+    With `part` (prepare_parts.py), duplicates are not dropped: every document's keys are written beside
+    its shards (KEYS_FILE), with the ordinals of the documents max_length cut (TRUNCATED_FILE), for the merge
+    to decide over all parts."""
     started = time.perf_counter()
     dtype_name = token_dtype(tokenizer.vocab_size).name
     dtype = shard_dtype(dtype_name)  # little-endian on every machine, so shards can be copied between them
     stats = ReadStats()
-    counts: dict[str, Any] = {"dropped_short": 0, "duplicates": 0, "truncated": 0, "quality": {},
-                              "quality_samples": []}
+    counts: dict[str, Any] = {"dropped_short": 0, "duplicates": 0, "near_duplicates": 0, "truncated": 0,
+                              "quality": {}, "samples": []}
     docs = read_documents(
         files,
         text_field=options["text_field"],
@@ -480,38 +517,51 @@ def _write_corpus(
         on_bad_line=options["on_bad_line"],
         stats=stats,
     )
-    chunks = _clean_chunks(docs, options, counts, DigestSet())
-    writer = _ShardWriter(directory, dtype, options["shard_tokens"])
+    chunks = _raw_chunks(docs, options["min_chars"], counts)
+    near = options.get("near_dedup")
+    work = _Work(tokenizer, options["max_length"], dtype, "quality" in options, options["dedup"], near)
+    index = DuplicateIndex(1 + near["bands"] if near else 1) if options["dedup"] and part is None else None
+    writer = ShardWriter(directory, dtype, options["shard_tokens"])
+    side = {name: HashedFile(directory / name) for name in (KEYS_FILE, TRUNCATED_FILE)} if part else {}
     documents = 0
     try:
         # The pool forks before the progress bar starts its monitor thread.
-        with _Encoder(tokenizer, workers, options["max_length"], dtype) as encoder, tqdm(
-            desc="preparing", unit="doc", unit_scale=True, disable=None
-        ) as bar:
-            for tokens, lengths, truncated in encoder.map(chunks):
+        with _Workers(work, workers) as pool, tqdm(desc="preparing", unit="doc", unit_scale=True, disable=None) as bar:
+            for texts, chunk in pool.map(chunks):
+                _count_quality(texts, chunk, counts)
+                keep = _drop_duplicates(texts, chunk, index, counts)
+                tokens, lengths = chunk.tokens, chunk.lengths
+                if not keep.all():
+                    tokens, lengths = tokens[np.repeat(keep, lengths)], lengths[keep]
                 try:
                     writer.add(tokens, lengths)
+                    if side:
+                        side[KEYS_FILE].write(chunk.keys)
+                        side[TRUNCATED_FILE].write(documents + np.flatnonzero(chunk.truncated))
                 except OSError as e:
                     raise DataError(f"cannot write token shards in {directory}: {e}") from e
                 documents += lengths.size
-                counts["truncated"] += truncated
-                bar.update(lengths.size)
+                counts["truncated"] += int(chunk.truncated[keep].sum())
+                bar.update(len(texts))
                 elapsed = max(time.perf_counter() - started, 1e-9)
                 bar.set_postfix_str(
                     f"{writer.total:,} tokens, {writer.total / elapsed:,.0f} tok/s", refresh=False
                 )
         try:
             shards = writer.close()
+            side_files = {name: f.close() for name, f in side.items()}
         except OSError as e:
             raise DataError(f"cannot write token shards in {directory}: {e}") from e
     except BaseException:
         writer.abort()
+        for f in side.values():
+            f.abort()
         raise
-    if counts["quality_samples"]:  # beside the manifest, for a person to check what the rules removed
-        with open(directory / QUALITY_SAMPLES_FILE, "w", encoding="utf-8") as f:
+    if counts["samples"]:  # beside the manifest, for a person to check what the filters removed
+        with open(directory / REMOVED_SAMPLES_FILE, "w", encoding="utf-8") as f:
             # ASCII: mojibake holds U+0085 and friends, which line readers would take for line ends
-            f.writelines(json.dumps(sample) + "\n" for sample in counts["quality_samples"])
-    if documents == 0:
+            f.writelines(json.dumps(sample) + "\n" for sample in counts["samples"])
+    if documents == 0 and part is None:  # a part may be empty: the others hold the corpus
         raise _no_documents(files, stats, counts, options)
     seconds = time.perf_counter() - started
     all_counts = {
@@ -520,6 +570,7 @@ def _write_corpus(
         "tokens": writer.total,
         "dropped_short": counts["dropped_short"],
         "duplicates": counts["duplicates"],
+        **({"near_duplicates": counts["near_duplicates"]} if near else {}),
         **({"removed_by_quality": dict(sorted(counts["quality"].items()))} if "quality" in options else {}),
         "truncated": counts["truncated"],
         "invalid_utf8_documents": stats.invalid_utf8_documents,
@@ -531,8 +582,8 @@ def _write_corpus(
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "shardwise_version": _version(),
-        "tokenizer": _tokenizer_info(tokenizer),
+        "shardwise_version": shardwise_version(),
+        "tokenizer": tokenizer_info(tokenizer),
         "dtype": dtype_name,
         "num_tokens": writer.total,
         "num_documents": documents,
@@ -546,6 +597,8 @@ def _write_corpus(
             for f in files
         ],
         "shards": shards,
+        **({"part": {**part, "key_columns": int(1 + near["bands"] if near else 1), "files": side_files}}
+           if part else {}),
     }
 
 
@@ -677,23 +730,33 @@ def _publish(tmp: Path, out: Path, existing: str, tokenizer: Any) -> bool:
     raise DataError(f"could not move the prepared data into {out}: other processes keep changing it")
 
 
-def _prepare(
+def prepare_into(
     files: Sequence[InputFile],
     tokenizer: Any,
     out: Path,
     options: dict[str, Any],
     workers: int,
     existing: str,
+    part: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Prepare into a temp directory next to `out`, then publish it (see `_publish`)."""
-    _remove_stale_temps(out)  # first: it may restore an `out` that a killed run had moved aside
-    _check_out(out, existing)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Prepare into a temp directory next to `out`, then publish it (see `build_and_publish`)."""
     total = sum(f.bytes for f in files)
     logger.info(
         "preparing %d files (%.1f MB) into %s with %d worker%s",
         len(files), total / 1e6, out, workers, "" if workers == 1 else "s",
     )
+    return build_and_publish(out, existing, tokenizer,
+                             lambda tmp: _write_corpus(files, tokenizer, tmp, options, workers, part))
+
+
+def build_and_publish(
+    out: Path, existing: str, tokenizer: Any, write: Callable[[Path], dict[str, Any]]
+) -> dict[str, Any]:
+    """`write` the shards into a temp directory next to `out`, with the manifest it returns written last,
+    then move the directory to `out` (`_publish`); the manifest."""
+    _remove_stale_temps(out)  # first: it may restore an `out` that a killed run had moved aside
+    _check_out(out, existing)
+    out.parent.mkdir(parents=True, exist_ok=True)
     # os.mkdir (not mkdtemp, which makes it private): `out` gets the usual permissions after the rename.
     tmp = out.parent / f".{out.name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -701,7 +764,7 @@ def _prepare(
     except OSError as e:
         raise DataError(f"cannot create a directory next to {out}: {e}; choose another --out") from e
     try:
-        manifest = _write_corpus(files, tokenizer, tmp, options, workers)
+        manifest = write(tmp)
         # The manifest last: a directory without one is never read as prepared data.
         write_json_atomic(tmp / MANIFEST_FILE, manifest)
         fsync_dir(tmp)
@@ -727,12 +790,13 @@ def prepare_corpus(
     txt_documents: str = "file",
     min_chars: int = DEFAULT_MIN_CHARS,
     max_length: int | None = None,
-    dedup: bool = True,
+    dedup: bool | str = "exact",
     workers: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     on_bad_line: str = "stop",
     overwrite: bool = False,
     quality: str = "none",
+    near_dedup: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Tokenise the files matching `inputs` into token shards in `out`; returns the manifest.
 
@@ -740,20 +804,22 @@ def prepare_corpus(
     column holding the text. txt_documents: "file" (a document per file) or "paragraph" (documents
     separated by blank lines). min_chars: documents with fewer characters (leading and trailing
     whitespace not counted) are dropped. max_length: documents with more tokens are cut to this many
-    (the EOS after them not counted). dedup: drop exact duplicate documents. workers: tokenising
-    processes (None: the cores, at most 8). shard_tokens: tokens per shard file. on_bad_line: "stop"
+    (the EOS after them not counted). dedup: "exact" (True) drops exact duplicate documents, "near" also
+    near duplicates (MinHash LSH with `near_dedup`'s {ngram, bands, rows}, see data/duplicates.py; each
+    counted in the manifest, the first few written to removed_samples.jsonl), "none" (False) keeps them.
+    workers: tokenising processes (None: the cores, at most 8). shard_tokens: tokens per shard file. on_bad_line: "stop"
     (DataError) or "skip" (counted) for a bad .jsonl line. overwrite: replace an existing prepared `out`.
     quality: "default" removes documents by the rules of `data.quality` (counted by rule in the manifest, the
-    first few of each written to removed_by_quality.jsonl beside it); "none" keeps them.
+    first few of each written to removed_samples.jsonl beside it); "none" keeps them.
     """
-    options = _check_options(
-        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line, quality
+    options = check_options(
+        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line, quality, near_dedup
     )
-    workers = _check_workers(workers)
+    workers = check_workers(workers)
     out_path = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
     _check_out(out_path, "replace" if overwrite else "refuse")
     files = resolve_inputs(inputs, fmt)
-    return _prepare(files, tokenizer, out_path, options, workers, "replace" if overwrite else "refuse")
+    return prepare_into(files, tokenizer, out_path, options, workers, "replace" if overwrite else "refuse")
 
 
 def cache_key(files: Sequence[InputFile], tokenizer: Any, options: dict[str, Any]) -> str:
@@ -779,8 +845,8 @@ def prepare_cached(
     the processes that share the cache's file system prepare an entry once (`cache_lock`: the others
     wait for it), and each preparation writes into its own temp directory, the first finished kept.
     """
-    opts = _check_options(**options)
-    n_workers = _check_workers(workers)
+    opts = check_options(**options)
+    n_workers = check_workers(workers)
     files = resolve_inputs(inputs, opts["format"])
     root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
     out = Path(os.path.abspath(root / f"shards-{cache_key(files, tokenizer, opts)}"))
@@ -788,7 +854,7 @@ def prepare_cached(
         return out
     with cache_lock(out):
         if not _usable(out, tokenizer):  # else prepared by another process while this one waited
-            _prepare(files, tokenizer, out, opts, n_workers, "cache")
+            prepare_into(files, tokenizer, out, opts, n_workers, "cache")
     return out
 
 
@@ -892,6 +958,7 @@ def _still_there(fd: int, path: Path) -> bool:
 __all__ = [
     "DEFAULT_MIN_CHARS",
     "DEFAULT_SHARD_TOKENS",
+    "DEDUP_LEVELS",
     "DigestSet",
     "cache_key",
     "cache_lock",

@@ -147,12 +147,20 @@ class TokenShards:
     # Document boundaries are always known (PackedDataset builds document masks from them).
     has_documents = True
 
-    def __init__(self, directory: str | os.PathLike[str], tokenizer: Any | None = None) -> None:
-        """Open `directory`; with `tokenizer`, refuse shards prepared with a different one."""
+    def __init__(self, directory: str | os.PathLike[str], tokenizer: Any | None = None, part_ok: bool = False) -> None:
+        """Open `directory`; with `tokenizer`, refuse shards prepared with a different one. A part of a
+        preparation by many processes (prepare_parts.py) is refused unless `part_ok` (for the merge)."""
         self.directory = Path(directory).expanduser().resolve()
         self.manifest: dict[str, Any] = read_manifest(self.directory)
         m = self.manifest
         d = self.directory
+        if m.get("part") is not None and not part_ok:
+            out = d.parent.with_name(d.parent.name.removesuffix(".parts"))
+            raise DataError(
+                f"{d} is one part of a preparation by several processes, not a corpus: duplicates across the "
+                f"parts are still in it. Merge the parts (shardwise prepare --merge --out {out} --tokenizer DIR) "
+                f"and use {out}"
+            )
         try:
             self.dtype = shard_dtype(m["dtype"])
             info = m["tokenizer"]
