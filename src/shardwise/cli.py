@@ -385,10 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "document index and manifest.json. Point data.train_files at OUT "
                                     "to train on it.")
     pr.add_argument("--input", nargs="+", metavar="GLOB",
-                    help=".txt, .jsonl (also .gz, .zst) or .parquet files, or quoted globs")
+                    help=".txt, .jsonl (also .gz, .zst), .parquet or .arrow files, Hugging Face datasets saved to "
+                         "disk (their directory), or quoted globs")
     pr.add_argument("--tokenizer", required=True, metavar="DIR", help="tokenizer directory or SentencePiece .model")
     pr.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold other data)")
-    pr.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet"], default="auto",
+    pr.add_argument("--format", choices=["auto", "txt", "jsonl", "parquet", "arrow"], default="auto",
                     help="input format (default: by file extension)")
     pr.add_argument("--text-field", default="text", help="field/column holding the text (.jsonl, .parquet)")
     pr.add_argument("--txt-documents", choices=["file", "paragraph"], default="file",

@@ -184,3 +184,33 @@ def test_parquet_missing_or_wrong_column(tmp_path: Path) -> None:
         read(str(p))
     with pytest.raises(DataError, match="column 'n' .* has type int64, not string"):
         read(str(p), text_field="n")
+
+
+def test_hugging_face_datasets_saved_to_disk(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = [f"document {i} " + "word " * (i % 7) for i in range(300)]
+    ds = datasets.Dataset.from_dict({"text": rows, "id": list(range(300))})
+    ds.save_to_disk(str(tmp_path / "ds"), max_shard_size="2KB")  # several .arrow shards, in order
+    assert len(list((tmp_path / "ds").glob("*.arrow"))) > 2
+    docs, stats = read(str(tmp_path / "ds"))
+    assert docs == rows and stats.documents == 300
+    # a selection not yet applied is refused rather than read wrong; flattened, it reads as selected
+    shuffled = ds.shuffle(seed=0)
+    shuffled.save_to_disk(str(tmp_path / "shuffled"))
+    docs, _ = read(str(tmp_path / "shuffled"))
+    assert docs == shuffled["text"]
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(5))}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"DatasetDict \(splits test, train\); give one split's directory"):
+        read(str(tmp_path / "dd"))
+    assert read(str(tmp_path / "dd" / "test"))[0] == rows[:5]
+    with pytest.raises(DataError, match="has no column 'content'"):
+        read(str(tmp_path / "ds"), text_field="content")
+    with pytest.raises(DataError, match="has type int64, not string"):
+        read(str(tmp_path / "ds"), text_field="id")
+    shard = sorted((tmp_path / "ds").glob("*.arrow"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short
+    with pytest.raises(DataError, match="Arrow file .*data-00000"):
+        read(str(tmp_path / "ds"))
+    (tmp_path / "ds" / "state.json").write_text('{"_data_files": [{"filename": "../elsewhere.arrow"}]}')
+    with pytest.raises(DataError, match="not an .arrow file in the directory"):
+        read(str(tmp_path / "ds"))

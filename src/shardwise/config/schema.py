@@ -485,8 +485,8 @@ class DataConfig(_Section):
         default_factory=list, description="new source weights from given steps on: [{step, weights: {name: w}}]")
     eval_files: Optional[list[str]] = Field(None, description="globs of held-out files (or a prepared dir)")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="tail of the data held out for eval")
-    format: Literal["auto", "txt", "jsonl", "parquet"] = Field(
-        "auto", description="input format; auto = by file extension"
+    format: Literal["auto", "txt", "jsonl", "parquet", "arrow"] = Field(
+        "auto", description="input format; auto = by file extension (a Hugging Face save_to_disk directory: arrow)"
     )
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet records")
     txt_documents: Literal["file", "paragraph"] = Field(

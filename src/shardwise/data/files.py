@@ -45,21 +45,26 @@ from typing import Any, BinaryIO
 import zstandard
 
 from ..errors import DataError
-from ..untrusted import MAX_INT_DIGITS
+from ..untrusted import MAX_INT_DIGITS, read_json_object
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("auto", "txt", "jsonl", "parquet")
+FORMATS = ("auto", "txt", "jsonl", "parquet", "arrow")
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _PARQUET_MAGIC = b"PAR1"
+_ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (its continuation marker)
+_ARROW_FILE_MAGIC = b"ARROW1"
+HF_DATASET_FILES = ("state.json", "dataset_info.json")  # a Hugging Face `datasets` save_to_disk directory
+HF_DATASET_DICT = "dataset_dict.json"
+MAX_HF_STATE_BYTES = 16 << 20
 _REPLACEMENT = "\ufffd"
 _SNIFF_BYTES = 8192
 # More than this share of undecodable characters in the first 8 KiB: not UTF-8 text at all.
 _BINARY_SHARE = 0.3
 _EXTENSIONS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl",
-               ".parquet": "parquet"}
-_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".gz", ".zst")
+               ".parquet": "parquet", ".arrow": "arrow"}
+_DATA_EXTENSIONS = (".txt", ".text", ".md", ".jsonl", ".ndjson", ".json", ".parquet", ".arrow", ".gz", ".zst")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # Bump when what files_key feeds changes, so that old caches are never read as new ones.
 _CACHE_VERSION = 1
@@ -80,7 +85,7 @@ MAX_RECORD_BYTES = 256 * MiB
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: its path, format ("txt", "jsonl", "parquet"), compression and size."""
+    """One input file: its path, format ("txt", "jsonl", "parquet", "arrow"), compression and size."""
 
     path: str
     format: str
@@ -88,6 +93,7 @@ class InputFile:
     bytes: int
     empty: bool
     zstd: bool = False
+    arrow_file: bool = False  # Arrow IPC file format (else the stream format, what `datasets` writes)
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
@@ -124,6 +130,7 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
         # A literal path wins, so that names containing [ ] or ? are not read as patterns.
         matches = [pattern] if os.path.exists(pattern) else glob_files(pattern)
         files = [m for m in matches if os.path.isfile(m)]
+        files += [f for m in matches if os.path.isdir(m) and _is_hf_dataset(m) for f in hf_dataset_files(m)]
         if not files:
             if any(os.path.isdir(m) for m in matches):
                 # A directory named like a file (`x.jsonl/`) most often holds files of that kind.
@@ -140,6 +147,36 @@ def expand_files(globs: Sequence[str] | str) -> list[str]:
             )
         found.update(os.path.abspath(f) for f in files)
     return sorted(found)
+
+
+def _is_hf_dataset(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, HF_DATASET_DICT)):
+        splits = sorted(e.name for e in os.scandir(path) if e.is_dir() and _is_hf_dataset(e.path))
+        raise DataError(
+            f"{path} is a Hugging Face DatasetDict (splits {', '.join(splits) or 'none'}); give one split's "
+            f"directory, such as {os.path.join(path, splits[0] if splits else 'train')}"
+        )
+    return all(os.path.isfile(os.path.join(path, name)) for name in HF_DATASET_FILES)
+
+
+def hf_dataset_files(path: str) -> list[str]:
+    """The .arrow files of a Hugging Face `datasets` directory saved with save_to_disk, in its order."""
+    state_file = os.path.join(path, HF_DATASET_FILES[0])
+    state = read_json_object(state_file, DataError, limit=MAX_HF_STATE_BYTES)
+    entries = state.get("_data_files")
+    if not isinstance(entries, list) or not entries:
+        raise DataError(f"{state_file} lists no data files ('_data_files'); save the dataset again")
+    names = [e.get("filename") if isinstance(e, dict) else None for e in entries]
+    for name in names:
+        # a plain file name: a dataset's state never points outside its own directory
+        if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".arrow"):
+            raise DataError(f"{state_file} names a data file {name!r}, not an .arrow file in the directory")
+        if not os.path.isfile(os.path.join(path, name)):
+            raise DataError(f"{state_file} lists {name}, which is not in {path}; copy the dataset again")
+    if state.get("_indices_data_files"):
+        raise DataError(f"{path} is a dataset saved with an indices mapping (a select or shuffle not yet "
+                        f"applied); save it again after dataset.flatten_indices()")
+    return [os.path.join(path, name) for name in names]
 
 
 def _has_magic(part: str) -> bool:
@@ -262,7 +299,7 @@ def glob_files(pattern: str) -> list[str]:
 def resolve_inputs(inputs: Sequence[str] | str, fmt: str = "auto") -> list[InputFile]:
     """The files matching `inputs` (globs or paths), inspected; DataError for an empty glob or a bad file."""
     files = [inspect_input(p, fmt) for p in expand_files(inputs)]
-    if any(f.format == "parquet" for f in files):
+    if any(f.format in ("parquet", "arrow") for f in files):
         import_pyarrow_parquet()  # fail before any work when pyarrow is missing
     return files
 
@@ -456,12 +493,19 @@ def inspect_input(path: str, fmt: str = "auto") -> InputFile:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            magic = f.read(4)
+            head = f.read(6)
     except OSError as e:
         raise DataError(f"cannot read input file {path}: {e}") from e
+    magic = head[:4]
     kind = _format_of(path, fmt)
     if size == 0:
         return InputFile(path, kind, False, 0, True)
+    if kind == "arrow":
+        arrow_file = head == _ARROW_FILE_MAGIC
+        if magic != _ARROW_STREAM_MAGIC and not arrow_file:
+            raise DataError(f"{path} is not an Arrow IPC file (what Hugging Face datasets saves); rename it or "
+                            f"pass the right format")
+        return InputFile(path, kind, False, size, False, arrow_file=arrow_file)
     if kind == "parquet":
         if magic != _PARQUET_MAGIC:
             raise DataError(

@@ -800,7 +800,7 @@ def prepare_corpus(
 ) -> dict[str, Any]:
     """Tokenise the files matching `inputs` into token shards in `out`; returns the manifest.
 
-    fmt: "auto" (by extension), "txt", "jsonl" or "parquet". text_field: the JSON field / parquet
+    fmt: "auto" (by extension), "txt", "jsonl", "parquet" or "arrow". text_field: the JSON field / parquet
     column holding the text. txt_documents: "file" (a document per file) or "paragraph" (documents
     separated by blank lines). min_chars: documents with fewer characters (leading and trailing
     whitespace not counted) are dropped. max_length: documents with more tokens are cut to this many

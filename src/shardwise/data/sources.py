@@ -11,6 +11,8 @@ preparation and tokenizer training share.
   or skipped and counted (`"skip"`). Blank lines are ignored.
 - `.parquet` (needs the optional `pyarrow`): a string (or binary) column, read one batch of rows at
   a time; a null value is a bad line like those of JSON Lines.
+- `.arrow` (needs `pyarrow`): Arrow IPC, as Hugging Face `datasets` saves a dataset to disk (a directory
+  given as an input expands to its `.arrow` files, files.py), read like parquet.
 - Text and JSON Lines may be gzip-compressed (`.gz`, recognised by its magic bytes).
 
 Nothing is held in memory past `files.MAX_RECORD_BYTES` at once: a longer line, paragraph or
@@ -254,8 +256,6 @@ def _json_kind(value: Any) -> str:
 
 def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines) -> Iterator[str]:
     pq = import_pyarrow_parquet()
-    import pyarrow as pa
-
     try:
         pf = pq.ParquetFile(f.path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for broken files
@@ -263,29 +263,64 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
             f"cannot read parquet file {f.path}: {_first_line(e)}; it is not a valid parquet file (cut short by an "
             f"interrupted copy, or another format named .parquet): copy it again or remove it from the inputs"
         ) from e
-    schema = pf.schema_arrow
+    _check_text_column(pf.schema_arrow, f.path, text_field, "parquet file")
+    _check_parquet_sizes(pf, f.path, text_field)
+    # A dictionary-encoded column can repeat one long value in every row, so it is read as a dictionary
+    # (each value decoded once, rows sharing it).
+    pf = pq.ParquetFile(f.path, read_dictionary=[text_field])
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field])
+    yield from _column_texts(batches, f, text_field, decode, bad, "parquet file")
+
+
+def _read_arrow(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines) -> Iterator[str]:
+    """An Arrow IPC file, stream format (what Hugging Face `datasets`' save_to_disk writes) or file format."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(f.path)
+        reader = pa.ipc.open_file(source) if f.arrow_file else pa.ipc.open_stream(source)
+    except Exception as e:  # ArrowInvalid and friends
+        raise DataError(f"cannot read Arrow file {f.path}: {_first_line(e)}; it is damaged or not Arrow IPC: copy "
+                        f"it again or remove it from the inputs") from e
+    _check_text_column(reader.schema, f.path, text_field, "Arrow file")
+    batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if f.arrow_file else reader
+    yield from _column_texts(batches, f, text_field, decode, bad, "Arrow file")
+
+
+def _check_text_column(schema: Any, path: str, text_field: str, what: str) -> None:
+    import pyarrow as pa
+
     if text_field not in schema.names:
         raise DataError(
-            f"parquet file {f.path} has no column {text_field!r} (columns: "
+            f"{what} {path} has no column {text_field!r} (columns: "
             f"{', '.join(map(repr, schema.names[:20]))}); set text_field (--text-field)"
         )
     kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
     is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
     is_bytes = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
     if not (is_text or is_bytes or str(kind) in ("string_view", "binary_view")):
         raise DataError(
-            f"column {text_field!r} of parquet file {f.path} has type {kind}, not string; "
+            f"column {text_field!r} of {what} {path} has type {kind}, not string; "
             f"set text_field (--text-field) to a string column"
         )
-    _check_parquet_sizes(pf, f.path, text_field)
-    # Text is counted as it is read, bounded like gzip: a dictionary-encoded column can repeat one long
-    # value in every row, so it is read as a dictionary (each value decoded once, rows sharing it).
+
+
+def _column_texts(
+    batches: Any, f: InputFile, text_field: str, decode: _Decoder, bad: _BadLines, what: str
+) -> Iterator[str]:
+    """The text of column `text_field` of each row of record `batches`, counted as it is read and bounded
+    like gzip (compressed columns inflate)."""
+    import pyarrow as pa
+
     budget = min(MAX_GZIP_BYTES, max(GZIP_RATIO_FLOOR, MAX_GZIP_RATIO * f.bytes))
     total = row = 0
     try:
-        pf = pq.ParquetFile(f.path, read_dictionary=[text_field])
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
-            column = batch.column(0)
+        for batch in batches:
+            column = batch.column(text_field)
+            # Offsets that point outside the buffers of a damaged or hostile file are refused, not followed.
+            column.validate(full=True)
             if pa.types.is_dictionary(column.type):
                 values = column.dictionary.to_pylist()
                 rows = [None if i is None else values[i] for i in column.indices.to_pylist()]
@@ -310,7 +345,7 @@ def _read_parquet(f: InputFile, text_field: str, decode: _Decoder, bad: _BadLine
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot read parquet file {f.path} after row {row}: {_first_line(e)}") from e
+        raise DataError(f"cannot read {what} {f.path} after row {row}: {_first_line(e)}") from e
 
 
 def _check_parquet_sizes(pf: Any, path: str, text_field: str) -> None:
@@ -374,6 +409,8 @@ def read_documents(
             docs = _read_jsonl(f, text_field, decode, bad)
         elif f.format == "parquet":
             docs = _read_parquet(f, text_field, decode, bad)
+        elif f.format == "arrow":
+            docs = _read_arrow(f, text_field, decode, bad)
         else:  # inspect_input only makes the formats above
             raise AssertionError(f.format)
         n = 0
