@@ -1,6 +1,7 @@
 """Near-duplicate removal (data/duplicates.py) against the maths (exact Jaccard similarity of shingle sets,
-the LSH collision probability), on the bundled real corpora with edited copies injected, and preparation
-by parts (data/prepare_parts.py) against one process over the same inputs."""
+the LSH collision probability), on the bundled real corpora with edited copies injected; boilerplate lines
+(data/boilerplate.py) against exact counts; and preparation by parts (data/prepare_parts.py) against one
+process over the same inputs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from shardwise.data import prepare_corpus
+from shardwise.data.boilerplate import BoilerplateLines, sketch_width
 from shardwise.data.duplicates import NEAR_DEFAULTS, DuplicateIndex, band_keys, document_keys, minhash
 from shardwise.data.prepare_parts import merge_parts, part_files, part_path, prepare_part
 from shardwise.data.shards import MANIFEST_FILE, TokenShards
@@ -201,3 +203,47 @@ def test_exact_dedup_is_still_the_default(tmp_path: Path, corpus_files: list[str
         prepare_corpus(corpus_files, tiny_tokenizer, tmp_path / "bad", dedup="fuzzy")
     with pytest.raises(DataError, match="near-duplicate option bands must be a positive integer"):
         prepare_corpus(corpus_files, tiny_tokenizer, tmp_path / "bad", dedup="near", near_dedup={"bands": 0})
+
+
+def _exact_boilerplate(docs: list[str], min_docs: int) -> list[str]:
+    """The rule of data/boilerplate.py with exact counts (a dict), as the reference."""
+    seen: dict[str, int] = {}
+    out = []
+    for text in docs:
+        lines = text.split("\n")
+        keys = {line.strip() for line in lines if len(line.strip()) >= 20}
+        out.append("\n".join(line for line in lines if not (line.strip() in keys and seen.get(line.strip(), 0)
+                                                             >= min_docs)))
+        for k in keys:
+            seen[k] = seen.get(k, 0) + 1
+    return out
+
+
+def test_boilerplate_lines_are_removed_and_real_lines_kept(tmp_path: Path, english: list[str], tiny_tokenizer) -> None:
+    rng = random.Random(4)
+    footer = ["Share this article on Facebook and Twitter", "Copyright 2026 Example Media. All rights reserved.",
+              "Accept cookies to continue reading this page"]
+    docs = []
+    for i, text in enumerate(english[:1500]):
+        lines = text.split("\n")
+        if i % 4 == 0:  # a quarter of the pages carry the site's chrome, at random places
+            for line in footer:
+                lines.insert(rng.randrange(len(lines) + 1), line)
+        docs.append("\n".join(lines))
+    cleaner = BoilerplateLines(5, sketch_width(sum(len(d) for d in docs)))
+    cleaned = [cleaner.clean(d) for d in docs]
+    assert cleaned == _exact_boilerplate(docs, 5)  # the sketch's counts are exact here
+    assert sum(any(f in c for f in footer) for c in cleaned) == 5  # the first five pages keep it
+    for d, c in zip(english[:1500], cleaned):
+        assert c == d or set(d.split("\n")) - set(c.split("\n")) == set()  # only chrome went
+    assert cleaner.lines_removed == 3 * (375 - 5)
+    # a sketch far too small for its lines overcounts, and so removes real lines: the width matters
+    tiny = BoilerplateLines(5, 64)
+    assert sum(c != d for c, d in zip((tiny.clean(d) for d in english[:1500]), english[:1500])) > 100
+    files = _write_jsonl(tmp_path / "in", docs, 3)
+    manifest = prepare_corpus(files, tiny_tokenizer, tmp_path / "out", boilerplate_lines=5, workers=1)
+    assert manifest["counts"]["boilerplate_lines"] == 3 * (375 - 5)
+    samples = [json.loads(line) for line in (tmp_path / "out" / "removed_samples.jsonl").open()]
+    assert {s["text"] for s in samples if s["rule"] == "boilerplate_line"} == set(footer)
+    with pytest.raises(DataError, match="boilerplate_lines must be 0"):
+        prepare_corpus(files, tiny_tokenizer, tmp_path / "bad", boilerplate_lines=-1)

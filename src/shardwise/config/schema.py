@@ -497,6 +497,9 @@ class DataConfig(_Section):
         "exact", description="pre-training: drop exact duplicate documents, also near duplicates (MinHash LSH: Jaccard "
         "0.9 found 99.96% of the time, 0.8 92%, 0.5 5%), or none; decided over all inputs, counted in the manifest")
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig, description="dedup near: its parameters")
+    boilerplate_lines: int = Field(
+        0, ge=0, le=255, description="pre-training: N > 0 removes each line (20+ characters) that N earlier documents "
+        "had (navigation, cookie notices, footers), counted in the manifest; 0 = off")
     quality: Literal["none", "default"] = Field(
         "none", description="pre-training: default drops documents by Gopher/C4-style rules for English and Chinese "
         "(short, mojibake, garbled, code, repetition...), counted by rule in the prepared data's manifest")

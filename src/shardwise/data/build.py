@@ -48,6 +48,7 @@ def _prepare_options(data: DataConfig) -> dict[str, Any]:
         "fmt": data.format, "text_field": data.text_field, "txt_documents": data.txt_documents,
         "min_chars": data.min_chars, "max_length": data.max_length, "on_bad_line": data.on_bad_line,
         "quality": data.quality, "dedup": data.dedup, "near_dedup": data.near_dedup.model_dump(),
+        "boilerplate_lines": data.boilerplate_lines,
     }
 
 

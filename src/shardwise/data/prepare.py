@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 from ..errors import DataError
 from ..files import fsync_dir, write_json_atomic
 from ..untrusted import read_json_object
+from .boilerplate import BoilerplateLines, check_min_docs, sketch_width
 from .duplicates import DigestSet, DuplicateIndex, check_near, document_keys
 from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
 from .quality import quality_problem
@@ -77,6 +78,7 @@ REMOVED_SAMPLES = 20  # documents each quality rule (and near deduplication) rem
 REMOVED_SAMPLE_CHARS = 2000  # of each sample, its start
 REMOVED_SAMPLES_FILE = "removed_samples.jsonl"
 NEAR_DUPLICATE = "near_duplicate"  # the rule name of near duplicates in the samples
+BOILERPLATE_LINE = "boilerplate_line"  # the rule name of lines removed as boilerplate in the samples
 KEYS_FILE = "document_keys.bin"  # a part's documents' keys (uint64, documents x key columns)
 TRUNCATED_FILE = "truncated.bin"  # a part's ordinals (int64) of the documents max_length cut
 # A chunk is the unit of work sent to a worker: big enough to amortise the transfer, small enough
@@ -108,6 +110,7 @@ def check_options(
     on_bad_line: str = "stop",
     quality: str = "none",
     near_dedup: dict[str, int] | None = None,
+    boilerplate_lines: int = 0,
 ) -> dict[str, Any]:
     """The options that decide the output, checked; they are recorded in the manifest and key the cache."""
     check_choice("format", fmt, FORMATS)
@@ -136,6 +139,7 @@ def check_options(
         # Only when on: data prepared (and cached) before these options existed keeps its cache key.
         **({"quality": quality} if quality != "none" else {}),
         **({"near_dedup": check_near(near_dedup)} if dedup == "near" else {}),
+        **({"boilerplate_lines": boilerplate_lines} if check_min_docs(boilerplate_lines) else {}),
     }
 
 
@@ -151,11 +155,20 @@ def check_workers(workers: int | None) -> int:
 # --- cleaning and tokenising, in the workers ------------------------------------------------------
 
 
-def _raw_chunks(docs: Iterable[str], min_chars: int, counts: dict[str, Any]) -> Iterator[list[str]]:
-    """Documents grouped into chunks (the workers' unit of work), without the too-short ones (counted)."""
+def _raw_chunks(
+    docs: Iterable[str], min_chars: int, counts: dict[str, Any], boilerplate: BoilerplateLines | None
+) -> Iterator[list[str]]:
+    """Documents grouped into chunks (the workers' unit of work), without the lines that earlier documents
+    repeated (with `boilerplate`: in input order, so here) and without the too-short ones (counted)."""
     batch: list[str] = []
     size = 0
     for text in docs:
+        if boilerplate is not None:
+            cleaned = boilerplate.clean(text)
+            if cleaned is not text and not cleaned.strip():
+                counts["emptied_by_boilerplate"] += 1
+                continue
+            text = cleaned
         # strip() copies only when there is whitespace at an end; most documents pass the first test.
         if len(text) < min_chars or (min_chars and len(text.strip()) < min_chars):
             counts["dropped_short"] += 1
@@ -509,7 +522,7 @@ def _write_corpus(
     dtype = shard_dtype(dtype_name)  # little-endian on every machine, so shards can be copied between them
     stats = ReadStats()
     counts: dict[str, Any] = {"dropped_short": 0, "duplicates": 0, "near_duplicates": 0, "truncated": 0,
-                              "quality": {}, "samples": []}
+                              "quality": {}, "samples": [], "emptied_by_boilerplate": 0}
     docs = read_documents(
         files,
         text_field=options["text_field"],
@@ -517,7 +530,12 @@ def _write_corpus(
         on_bad_line=options["on_bad_line"],
         stats=stats,
     )
-    chunks = _raw_chunks(docs, options["min_chars"], counts)
+    boilerplate = None
+    if options.get("boilerplate_lines"):
+        # compressed inputs hold about 4 times their bytes of text
+        text_bytes = sum(f.bytes * (4 if f.gzip or f.zstd or f.format in ("parquet", "arrow") else 1) for f in files)
+        boilerplate = BoilerplateLines(options["boilerplate_lines"], sketch_width(text_bytes))
+    chunks = _raw_chunks(docs, options["min_chars"], counts, boilerplate)
     near = options.get("near_dedup")
     work = _Work(tokenizer, options["max_length"], dtype, "quality" in options, options["dedup"], near)
     index = DuplicateIndex(1 + near["bands"] if near else 1) if options["dedup"] and part is None else None
@@ -557,6 +575,9 @@ def _write_corpus(
         for f in side.values():
             f.abort()
         raise
+    if boilerplate is not None:
+        counts["samples"] += [{"rule": BOILERPLATE_LINE, "text": line[:REMOVED_SAMPLE_CHARS], "removed": n}
+                              for line, n in boilerplate.examples.items()]
     if counts["samples"]:  # beside the manifest, for a person to check what the filters removed
         with open(directory / REMOVED_SAMPLES_FILE, "w", encoding="utf-8") as f:
             # ASCII: mojibake holds U+0085 and friends, which line readers would take for line ends
@@ -571,6 +592,8 @@ def _write_corpus(
         "dropped_short": counts["dropped_short"],
         "duplicates": counts["duplicates"],
         **({"near_duplicates": counts["near_duplicates"]} if near else {}),
+        **({"boilerplate_lines": boilerplate.lines_removed, "emptied_by_boilerplate": counts["emptied_by_boilerplate"]}
+           if boilerplate is not None else {}),
         **({"removed_by_quality": dict(sorted(counts["quality"].items()))} if "quality" in options else {}),
         "truncated": counts["truncated"],
         "invalid_utf8_documents": stats.invalid_utf8_documents,
@@ -797,6 +820,7 @@ def prepare_corpus(
     overwrite: bool = False,
     quality: str = "none",
     near_dedup: dict[str, int] | None = None,
+    boilerplate_lines: int = 0,
 ) -> dict[str, Any]:
     """Tokenise the files matching `inputs` into token shards in `out`; returns the manifest.
 
@@ -810,10 +834,12 @@ def prepare_corpus(
     workers: tokenising processes (None: the cores, at most 8). shard_tokens: tokens per shard file. on_bad_line: "stop"
     (DataError) or "skip" (counted) for a bad .jsonl line. overwrite: replace an existing prepared `out`.
     quality: "default" removes documents by the rules of `data.quality` (counted by rule in the manifest, the
-    first few of each written to removed_samples.jsonl beside it); "none" keeps them.
+    first few of each written to removed_samples.jsonl beside it); "none" keeps them. boilerplate_lines: N > 0
+    removes each line (of 20 characters or more) that N earlier documents had (data/boilerplate.py).
     """
     options = check_options(
-        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line, quality, near_dedup
+        fmt, text_field, txt_documents, min_chars, max_length, dedup, shard_tokens, on_bad_line, quality, near_dedup,
+        boilerplate_lines,
     )
     workers = check_workers(workers)
     out_path = Path(os.path.abspath(os.path.expanduser(os.fspath(out))))
