@@ -10,7 +10,13 @@ On the same documents (default: corpora/austen/*.txt, 6 files, 4 MB), each round
   documents at once, already in memory, with the library's own thread pool (all cores);
 - `raw_one_thread`: the same call with TOKENIZERS_PARALLELISM=false (one core);
 - `prepare_workers_1` and `prepare_workers_N`: `prepare_corpus` end to end (reading the files,
-  UTF-8 repair, dedup, min length, tokenising, writing shards and the manifest), with 1 and N workers.
+  UTF-8 repair, dedup, min length, tokenising, writing shards and the manifest), with 1 and N workers;
+- `prepare_cleaned_N`: the same with every cleaning filter on (quality rules, near-duplicate MinHash,
+  boilerplate lines seen in 5 earlier documents), N workers;
+- `megatron_N` (with --megatron DIR, a Megatron-LM checkout): its `tools/preprocess_data.py` on the same
+  documents (one .jsonl, which every prepare row then reads too), the same tokenizer (as a Hugging Face
+  tokenizer directory), N workers, EOD appended; timed as a whole command (its Python start and imports,
+  `startup_s`, measured apart with --help, are reported and taken off its rate).
 
 Rates are tokens per wall-clock second (EOS included for prepare, not for raw: the raw count is the
 tokens the tokenizer produced); the JSON gives the best round (a shared machine only ever slows a run
@@ -31,6 +37,7 @@ import os
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,6 +90,42 @@ def raw_encode(tok: Any, docs: list[str], parallel: bool) -> int:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
+class _Megatron:
+    """Times Megatron-LM's tools/preprocess_data.py on one .jsonl (see the module's docstring)."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer_dir: Path, jsonl: str, work: Path) -> None:
+        self.script = Path(args.megatron) / "tools" / "preprocess_data.py"
+        self.python, self.workers, self.work = args.megatron_python, args.workers, work
+        self.command = [self.python, str(self.script), "--input", jsonl, "--tokenizer-type", "HuggingFaceTokenizer",
+                        "--tokenizer-model", str(tokenizer_dir), "--workers", str(args.workers), "--append-eod",
+                        "--json-keys", "text"]
+        t0 = time.perf_counter()
+        subprocess.run([self.python, str(self.script), "--help"], check=True, capture_output=True,
+                       cwd=args.megatron)
+        self.startup_s = round(time.perf_counter() - t0, 3)
+        self.cwd = args.megatron
+
+    def __call__(self) -> dict[str, float]:
+        prefix = self.work / "megatron"
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        subprocess.run(self.command + ["--output-prefix", str(prefix)], check=True, capture_output=True, cwd=self.cwd)
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        data = Path(f"{prefix}_text_document.bin")
+        tokens = data.stat().st_size // 2 if data.stat().st_size else 0  # uint16 for vocabularies < 65,500
+        data.unlink()
+        Path(f"{prefix}_text_document.idx").unlink()
+        work_s = max(wall - self.startup_s, 1e-9)
+        return {"tokens": tokens, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                "tokens_per_s": round(tokens / work_s), "tokens_per_s_with_startup": round(tokens / wall)}
+
+
+def _megatron(args: argparse.Namespace, tok: Any, jsonl: str, work: Path) -> _Megatron:
+    """Megatron's script reads the tokenizer as a Hugging Face directory: save ours as one."""
+    directory = work / "hf_tokenizer"
+    tok.save(directory)
+    return _Megatron(args, directory, jsonl, work)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the bench and print its JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -95,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--workers", type=int, default=default_workers(), help="N for prepare_workers_N")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--megatron", help="a Megatron-LM checkout: time its tools/preprocess_data.py too")
+    ap.add_argument("--megatron-python", default=sys.executable, help="the Python that runs Megatron's script")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
@@ -122,18 +167,27 @@ def main(argv: list[str] | None = None) -> int:
             read_documents(resolve_inputs(inputs, args.fmt), text_field=args.text_field,
                            txt_documents=args.txt_documents, stats=ReadStats())
         )
+        fmt, text_field = args.fmt, args.text_field
+        if args.megatron:  # one .jsonl for every side: the form Megatron's script reads
+            inputs = [str(work / "documents.jsonl")]
+            Path(inputs[0]).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+            fmt, text_field = "jsonl", "text"
         n_bytes = sum(os.path.getsize(f) for f in inputs)
         print(f"{len(inputs)} files, {n_bytes / 1e6:.1f} MB, {len(docs)} documents; "
               f"{args.rounds} rounds", file=sys.stderr)
 
-        def prep(workers: int, r: int) -> Callable[[], int]:
+        def prep(workers: int, r: int, cleaned: bool = False) -> Callable[[], int]:
+            cleaning = {"quality": "default", "dedup": "near", "boilerplate_lines": 5} if cleaned else {"dedup": dedup}
+
             def run() -> int:
-                out = work / f"out-{workers}-{r}"
-                m = prepare_corpus(inputs, tok, out, fmt=args.fmt, text_field=args.text_field,
-                                   txt_documents=args.txt_documents, dedup=dedup, workers=workers)
+                out = work / f"out-{workers}-{r}-{cleaned}"
+                m = prepare_corpus(inputs, tok, out, fmt=fmt, text_field=text_field,
+                                   txt_documents=args.txt_documents, workers=workers, **cleaning)
                 shutil.rmtree(out)
                 return m["num_tokens"]
             return run
+
+        megatron = _megatron(args, tok, inputs[0], work) if args.megatron else None
 
         rounds = []
         for r in range(args.rounds):
@@ -142,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                 "raw_one_thread": timed(lambda: raw_encode(tok, docs, False)),
                 "prepare_workers_1": timed(prep(1, r)),
                 "prepare_workers_N": timed(prep(args.workers, r)),
+                "prepare_cleaned_N": timed(prep(args.workers, r, cleaned=True)),
             }
+            if megatron is not None:
+                row["megatron_N"] = megatron()
             print(json.dumps({k: v["tokens_per_s"] for k, v in row.items()}), file=sys.stderr)
             rounds.append(row)
         best = {k: max(row[k]["tokens_per_s"] for row in rounds) for k in rounds[0]}
@@ -167,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s_median": median,
             "prepare_N_over_raw_parallel": round(best["prepare_workers_N"] / best["raw_parallel"], 3),
             "prepare_1_over_raw_one_thread": round(best["prepare_workers_1"] / best["raw_one_thread"], 3),
+            "cleaned_over_prepare_N": round(best["prepare_cleaned_N"] / best["prepare_workers_N"], 3),
+            **({"prepare_N_over_megatron_N": round(best["prepare_workers_N"] / best["megatron_N"], 3),
+                "megatron_startup_s": megatron.startup_s} if megatron is not None else {}),
             "rounds": rounds,
         }
         print(json.dumps(result, indent=1))

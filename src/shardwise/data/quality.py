@@ -38,6 +38,7 @@ RULES = ("short", "mojibake", "garbled", "code", "word_length", "symbols", "bull
 MIN_WORDS = 50
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]")
 _WORD = re.compile(r"[^\W_]+")
+_NOT_LETTER = re.compile(r"[\W\d_]")
 _MOJIBAKE = re.compile(r"[ÃÂ][\u0080-\u00bf]|â€|\ufffd")
 _ORDINARY = re.compile(r"[\w\s.,;:!?'\"()\[\]\-\u2010-\u2027\u3000-\u303f\uff00-\uffef%&/@*+=<>$€£¥]")
 _BULLET = re.compile(r"^\s*([-*•·‣◦▪►]|\d+[.)])\s")
@@ -70,35 +71,39 @@ def _ngram_problem(tokens: list[str], scale: int = 1) -> bool:
     """Gopher's n-gram repetition: the top 2-, 3-, 4-gram's share of the characters, and the share of
     characters in 5-grams seen more than once; n times `scale` (Chinese counts characters, about half a
     word each: 2)."""
-    total = sum(len(t) for t in tokens)
+    total = sum(map(len, tokens))
     if total == 0:
         return False
     for n, bar in ((2 * scale, 0.20), (3 * scale, 0.18), (4 * scale, 0.16)):
         if len(tokens) < n:
             return False
-        grams = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-        gram, count = grams.most_common(1)[0]
-        if count > 1 and count * sum(len(t) for t in gram) / total > bar:
+        gram, count = Counter(_ngrams(tokens, n)).most_common(1)[0]
+        if count > 1 and count * sum(map(len, gram)) / total > bar:
             return True
     n = 5 * scale
     if len(tokens) >= n:
-        grams = Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-        covered = [False] * len(tokens)
-        for i in range(len(tokens) - n + 1):
-            if grams[tuple(tokens[i:i + n])] > 1:
-                covered[i:i + n] = [True] * n
+        grams = _ngrams(tokens, n)
+        counts = Counter(grams)
+        covered = bytearray(len(tokens))
+        for i in [i for i, g in enumerate(grams) if counts[g] > 1]:
+            covered[i:i + n] = b"\x01" * n
         if sum(len(t) for t, c in zip(tokens, covered) if c) / total > 0.15:
             return True
     return False
 
 
+def _ngrams(tokens: list[str], n: int) -> list[tuple[str, ...]]:
+    """Every run of `n` consecutive tokens, in order."""
+    return list(zip(*(tokens[k:] for k in range(n))))
+
+
 def quality_problem(text: str) -> Optional[str]:
     """The first rule (of RULES) that `text` breaks, or None for a document to keep."""
-    chars = [c for c in text if not c.isspace()]
+    chars = "".join(text.split())  # the characters that are not white space
     if not chars:
         return "short"
     cjk = _CJK.findall(text)
-    letters = sum(c.isalpha() for c in chars)
+    letters = len(chars) - len(_NOT_LETTER.findall(chars))
     chinese = len(cjk) >= 0.3 * max(letters, 1)
     words = _WORD.findall(text)
     tokens = cjk if chinese else words
@@ -106,7 +111,7 @@ def quality_problem(text: str) -> Optional[str]:
         return "short"
     if len(_MOJIBAKE.findall(text)) > len(text) / 1000:
         return "mojibake"
-    if len(_ORDINARY.findall("".join(chars))) < 0.7 * len(chars):
+    if len(_ORDINARY.findall(chars)) < 0.7 * len(chars):
         return "garbled"
     lines = _lines(text)
     if len(lines) >= 3 and sum(bool(_CODE.search(line)) for line in lines) > 0.5 * len(lines):
