@@ -201,3 +201,46 @@ def test_token_dtype() -> None:
     assert token_dtype(300) == np.uint16
     assert token_dtype(65535) == np.uint16
     assert token_dtype(65536) == np.uint32
+
+
+def test_positions_past_four_billion_tokens(tmp_path: Path) -> None:
+    """Offsets, document starts and samples stay exact past 2^32 tokens (a sparse 8 GiB shard, no disk used),
+    with a vocabulary above 65,535 (uint32 ids)."""
+    from shardwise.data.packing import PackedDataset
+
+    big = (1 << 32) + 3
+    tail = np.array([70_000, 5, 99_999, 7, 1], dtype="<u4")
+    out = tmp_path / "wide"
+    out.mkdir()
+    with open(out / "shard-00000.bin", "wb") as f:
+        f.truncate(big * 4)  # sparse: reads as zeros
+        f.seek((big - 2) * 4)
+        f.write(np.array([65_536, 99_998], dtype="<u4").tobytes())
+    np.array([0, big - 2], dtype="<i8").tofile(out / "shard-00000.idx")  # a document starts 2 before the end
+    tail.tofile(out / "shard-00001.bin")
+    np.array([2], dtype="<i8").tofile(out / "shard-00001.idx")
+    shards = [
+        {"file": "shard-00000.bin", "index": "shard-00000.idx", "first_token": 0, "num_tokens": big,
+         "num_documents": 2},
+        {"file": "shard-00001.bin", "index": "shard-00001.idx", "first_token": big, "num_tokens": 5,
+         "num_documents": 1},
+    ]
+    manifest = {"format": "shardwise-token-shards", "version": 1, "dtype": "uint32", "num_tokens": big + 5,
+                "num_documents": 3, "tokenizer": {"fingerprint": "x", "vocab_size": 100_000, "eos_id": 1},
+                "shards": shards}
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    s = TokenShards(out)
+    assert s.num_tokens == big + 5 > 1 << 32
+    assert s.read(big - 2, big + 3).tolist() == [65_536, 99_998, 70_000, 5, 99_999]
+    assert s.document_starts(big - 10, big + 5).tolist() == [big - 2, big + 2]
+    data = PackedDataset(s, 4)
+    last = len(data) - 1
+    sample = data[last]
+    begin = last * 4
+    assert begin >= 1 << 32
+    assert sample["input_ids"].tolist() == s.read(begin, begin + 4).astype(np.int64).tolist()
+    assert sample["labels"].tolist() == s.read(begin + 1, begin + 5).astype(np.int64).tolist()
+    assert sample["input_ids"].tolist()[1:] == [65_536, 99_998, 70_000]  # ids past uint16
+    # the document that starts at big - 2 = begin + 1 restarts positions there
+    assert sample["position_ids"].tolist()[1:] == [0, 1, 2]
+    assert sample["document_ids"][0] != sample["document_ids"][1]
