@@ -133,6 +133,10 @@ def test_preparation_removes_counts_and_samples_by_rule(english: list[str], chin
     assert plain["num_documents"] == len(documents) and "removed_by_quality" not in plain["counts"]
     assert "quality" not in plain["options"]  # caches prepared before the option keep their keys
     data = DataConfig(train_files=[str(corpus)], tokenizer=str(tiny_tokenizer_dir), quality="default", seq_length=16,
-                      cache_dir=str(tmp_path / "cache"))
+                      cache_dir=str(tmp_path / "cache"), dedup="near", near_dedup={"bands": 20, "rows": 5},
+                      boilerplate_lines=200)  # no line recurs 200 times here: the verdicts stay
     _, train, _ = build_data(data, vocab_size=400)
-    assert train.source.manifest["counts"]["removed_by_quality"] == removed
+    manifest = train.source.manifest  # the automatic preparation applies every filter of the data section
+    assert manifest["counts"]["removed_by_quality"] == removed
+    assert manifest["options"]["near_dedup"] == {"ngram": 5, "bands": 20, "rows": 5}
+    assert manifest["options"]["boilerplate_lines"] == 200 and "near_duplicates" in manifest["counts"]
