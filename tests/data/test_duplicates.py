@@ -135,7 +135,7 @@ def test_parts_then_merge_equal_one_process(tmp_path: Path, english: list[str], 
     docs += docs[:5]  # exact duplicates, in the last files
     random.Random(3).shuffle(docs)
     files = _write_jsonl(tmp_path / "in", docs, 7)
-    options = {"dedup": "near", "quality": "default", "shard_tokens": 50_000}
+    options = {"dedup": "near", "quality": "default", "shard_tokens": 50_000, "max_length": 1200}
     one = prepare_corpus(files, tiny_tokenizer, tmp_path / "one", workers=1, **options)
     for i in range(3):
         prepare_part(files, tiny_tokenizer, tmp_path / "merged", f"{i}/3", workers=2 if i == 1 else 1, **options)
@@ -145,6 +145,7 @@ def test_parts_then_merge_equal_one_process(tmp_path: Path, english: list[str], 
         [(s["blake2b"], s["index_blake2b"]) for s in one["shards"]]
     assert merged["counts"] == one["counts"]
     assert one["counts"]["near_duplicates"] >= 60 and one["counts"]["duplicates"] == 5
+    assert 0 < one["counts"]["truncated"] < one["num_documents"]
     assert [f["path"] for f in merged["inputs"]] == files
     samples = [json.loads(line) for line in (tmp_path / "merged" / "removed_samples.jsonl").open()]
     assert sum(s["rule"] == "near_duplicate" for s in samples) == 20

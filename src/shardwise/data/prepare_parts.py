@@ -239,9 +239,13 @@ def _copy_kept(shards: TokenShards, keep: np.ndarray, writer: ShardWriter) -> No
         d = e
 
 
-def _truncated(path: Path) -> np.ndarray:
+def _truncated(path: Path, documents: int) -> np.ndarray:
+    """The ordinals of the part's documents that max_length cut, checked against its document count."""
     size = (path / TRUNCATED_FILE).stat().st_size
-    return np.fromfile(path / TRUNCATED_FILE, dtype="<i8") if size else np.zeros(0, np.int64)
+    ordinals = np.fromfile(path / TRUNCATED_FILE, dtype="<i8") if size else np.zeros(0, np.int64)
+    if ordinals.size and (ordinals.min() < 0 or ordinals.max() >= documents):
+        raise DataError(f"{path / TRUNCATED_FILE} names documents the part does not have; prepare the part again")
+    return ordinals
 
 
 def _samples(paths: list[Path], parts: list[TokenShards], flags: list[tuple[np.ndarray, ...]],
@@ -309,7 +313,7 @@ def _write_merged(paths: list[Path], parts: list[TokenShards], manifests: list[d
         for path, shards, (exact, near_flags) in zip(paths, parts, flags):
             keep = ~(exact | near_flags)
             _copy_kept(shards, keep, writer)
-            truncated += int(keep[_truncated(path)].sum())
+            truncated += int(keep[_truncated(path, keep.size)].sum())
             logger.info("merged %s: kept %d of %d documents", path.name, int(keep.sum()), keep.size)
         shards_written = writer.close()
     except OSError as e:
