@@ -157,8 +157,9 @@ def _saved_by_a_run(adapter_path: Optional[Path]) -> list[Path]:
 
 
 def _instruction_template(data: Optional[dict]) -> Any:
-    """The chat template a run trained with, or None when it did not train on instruction data."""
-    if not data or data.get("kind", "pretrain") != "instruction":
+    """The chat template a run trained with, or None when it did not train on conversations (instruction or
+    preference data)."""
+    if not data or data.get("kind", "pretrain") not in ("instruction", "preference"):
         return None
     return data.get("template", "auto")
 

@@ -472,8 +472,9 @@ class NearDedupConfig(_Section):
 class DataConfig(_Section):
     """Where the data comes from and how it becomes samples."""
 
-    kind: Literal["pretrain", "instruction"] = Field(
-        "pretrain", description="pretrain: raw text packed into samples; instruction: SFT .jsonl"
+    kind: Literal["pretrain", "instruction", "preference"] = Field(
+        "pretrain", description="pretrain: raw text packed into samples; instruction: SFT .jsonl; preference: "
+        "prompt/chosen/rejected .jsonl pairs (the `preference` section's loss)"
     )
     train_files: list[str] = Field(
         default_factory=list, description="globs of .txt/.jsonl/.parquet files, or a `shardwise prepare` dir"
@@ -665,6 +666,22 @@ class RunSection(_Section):
     )
 
 
+class PreferenceConfig(_Section):
+    """Preference tuning (data.kind: preference): the loss on chosen/rejected pairs and its reference model."""
+
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
+        "dpo", description="dpo (sigmoid), ipo, simpo or orpo (the last two need no reference model)")
+    beta: float = Field(0.1, gt=0, description="the loss's temperature (simpo: 2.0 is usual; orpo: unused)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the share of pairs assumed "
+                                   "mislabelled (conservative DPO)")
+    simpo_gamma: float = Field(0.5, description="simpo: the target reward margin")
+    orpo_lambda: float = Field(0.1, gt=0, description="orpo: the weight of the odds-ratio term against the SFT term")
+    precompute_reference: Optional[bool] = Field(
+        None, description="dpo, ipo: the reference's log-probabilities computed once before training (no copy "
+        "of the model in memory); false: online (with LoRA the base with adapters off, else a frozen copy); "
+        "null: online with LoRA, precomputed otherwise")
+
+
 class RunConfig(_Section):
     """A whole run."""
 
@@ -676,6 +693,7 @@ class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     lora: Optional[LoraConfig] = Field(None, description="LoRA adapters; null = train the weights themselves")
     freeze: FreezeConfig = Field(default_factory=FreezeConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -751,7 +769,32 @@ class RunConfig(_Section):
                              "(model.num_experts > 0); set expert_parallel: 1")
         self._check_finetuning()
         self._check_optimizer()
+        if self.data.kind == "preference":
+            self._check_preference()
         return self
+
+    def _check_preference(self) -> None:
+        """Layouts preference tuning does not run with yet, and a reference the loss does not use."""
+        p, pref = self.parallel, self.preference
+        for name, value in (("pipeline_parallel", p.pipeline_parallel), ("context_parallel", p.context_parallel)):
+            if value > 1:
+                raise ValueError(f"data.kind preference with parallel.{name} {value} is not supported yet; use data "
+                                 "parallelism, ZeRO or tensor parallelism for preference tuning")
+        if pref.loss in ("simpo", "orpo") and pref.precompute_reference:
+            raise ValueError(f"preference.loss {pref.loss} uses no reference model, so precompute_reference has "
+                             "nothing to compute; leave it null")
+        if self.train.optimizer_in_backward:
+            raise ValueError("train.optimizer_in_backward with data.kind preference is not supported yet")
+
+    def reference_mode(self) -> Optional[str]:
+        """How preference tuning gets its reference: "precompute", "adapters_off" (LoRA's base), "frozen_copy",
+        or None (no reference: simpo, orpo, or not preference data)."""
+        pref = self.preference
+        if self.data.kind != "preference" or pref.loss in ("simpo", "orpo"):
+            return None
+        if pref.precompute_reference or (pref.precompute_reference is None and self.lora is None):
+            return "precompute"
+        return "adapters_off" if self.lora is not None else "frozen_copy"
 
     def _check_attention_kinds(self) -> None:
         """Layouts latent attention (DeepSeek-V3) and sliding windows (Gemma 3) do not run with yet."""

@@ -23,6 +23,7 @@ from .instruction import InstructionDataset, inspect_instruction_file
 from .loader import unwrap_loader
 from .mixture import MixtureDataset
 from .packing import PackedDataset
+from .preference import PreferenceDataset
 from .prepare import cache_lock, prepare_cached
 from .shards import MANIFEST_FILE, TokenShards
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe_tokenizer
@@ -100,9 +101,9 @@ def _train_into(out: Path, files: list[Any], data: DataConfig, vocab_size: int) 
 def _tokenizer(data: DataConfig, vocab_size: int, cache_dir: str) -> Tokenizer:
     if data.tokenizer is not None:
         return load_tokenizer(data.tokenizer)
-    if data.kind == "instruction":
+    if data.kind in ("instruction", "preference"):
         raise DataError(
-            "data.kind is instruction but data.tokenizer is not set; fine-tuning uses the tokenizer of the "
+            f"data.kind is {data.kind} but data.tokenizer is not set; fine-tuning uses the tokenizer of the "
             "model it starts from: set data.tokenizer to its directory (a shardwise run has one in "
             "RUN_DIR/tokenizer)"
         )
@@ -191,6 +192,18 @@ def _instruction_datasets(
     return train, dataset(data.eval_files, False) if data.eval_files else None
 
 
+def _preference_datasets(data: DataConfig, tokenizer: Tokenizer) -> tuple[Any, Any]:
+    if data.eval_fraction:
+        raise DataError("data.eval_fraction is not supported for preference data; put held-out pairs in a file and "
+                        "set data.eval_files")
+
+    def dataset(globs: list[str], shuffle: bool) -> PreferenceDataset:
+        return PreferenceDataset(globs, tokenizer, data.seq_length, shuffle=shuffle, template=data.template,
+                                 on_bad_line=data.on_bad_line, pad_to_multiple_of=data.pad_to_multiple_of)
+
+    return dataset(data.train_files, True), dataset(data.eval_files, False) if data.eval_files else None
+
+
 class TextDataset(PackedDataset):
     """The seed documents' pretraining dataset: text files packed into `max_seq_len` samples.
 
@@ -230,7 +243,7 @@ def check_data_files(data: DataConfig) -> None:
         if not globs or prepared_dir(globs) is not None:
             continue
         try:
-            if data.kind == "instruction":
+            if data.kind in ("instruction", "preference"):
                 for path in expand_files(globs):
                     inspect_instruction_file(path)
             else:
@@ -254,6 +267,8 @@ def build_data(
     tokenizer = _tokenizer(data, vocab_size, cache_dir)
     if data.kind == "instruction":
         train, evaluation = _instruction_datasets(data, tokenizer, cache_dir, micro_batch_size, seed)
+    elif data.kind == "preference":
+        train, evaluation = _preference_datasets(data, tokenizer)
     else:
         train, evaluation = _pretrain_datasets(data, tokenizer, cache_dir)
     held_out = sum(len(d) for d in evaluation.values()) if isinstance(evaluation, dict) else \

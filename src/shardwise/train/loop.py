@@ -192,6 +192,7 @@ class TrainingLoop:
     def _log(self, done: int, lr: float, current: StepResult) -> None:
         s = self.state
         record = self.window.record(done, lr, current.grad_norm, current.scale, self.mfu, s.device, s.ctx.world_size)
+        record.update(current.rewards())  # preference tuning: the logged step's reward margin and accuracy
         load = current.expert_load()
         if load:  # mixture of experts: the logged step's busiest expert over the mean, per MoE block
             record["expert_load"] = load
@@ -224,7 +225,9 @@ class TrainingLoop:
             result = self.result.eval = self.trainer.evaluate()
         self.writer.write({"step": done, **{f"eval_{k}": v for k, v in result.items()}})
         by_source = "".join(f", {name} {loss:.4f}" for name, loss in result.get("loss_by_source", {}).items())
-        log.info("step %d eval loss %.4f perplexity %.2f%s", done, result["loss"], result["perplexity"], by_source)
+        rewards = f", reward accuracy {result['reward_accuracy']:.3f}" if "reward_accuracy" in result else ""
+        log.info("step %d eval loss %.4f perplexity %.2f%s%s", done, result["loss"], result["perplexity"], by_source,
+                 rewards)
         self.window.start = time.perf_counter()  # evaluation is left out of the next record's throughput
 
     # --- the end of the run -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .metrics import StepTokens
+from .preference_step import figures_record
 
 LOSS, GRAD_NORM, SKIPPED, OVERFLOWED, SCALE = range(5)  # positions in the figures
 
@@ -48,7 +49,8 @@ class StepResult:
     """
 
     def __init__(self, step: int, figures: torch.Tensor, tokens: Optional[StepTokens] = None,
-                 expert_load: Optional[tuple[list[str], torch.Tensor]] = None) -> None:
+                 expert_load: Optional[tuple[list[str], torch.Tensor]] = None,
+                 rewards: Optional[torch.Tensor] = None) -> None:
         self.step = step
         self._host, self._event = _to_host(figures.detach().double())
         self._tokens = tokens
@@ -57,6 +59,19 @@ class StepResult:
         # Mixture of experts: the MoE blocks' names and their routed copies per expert [blocks, experts]
         self._load_names = expert_load[0] if expert_load is not None else []
         self._load = _to_host(expert_load[1].detach().double()) if expert_load is not None else None
+        # Preference tuning: the step's summed reward figures (train/preference_step.py), over all ranks
+        self._rewards = _to_host(rewards.detach().double()) if rewards is not None else None
+
+    def rewards(self) -> dict[str, float]:
+        """Preference tuning: the step's mean reward margin, reward accuracy and chosen and rejected rewards
+        over its pairs. Empty for other data."""
+        if self._rewards is None:
+            return {}
+        host, event = self._rewards
+        if event is not None:
+            event.synchronize()
+        record = figures_record(host)
+        return {k: v for k, v in record.items() if k != "loss"}
 
     def expert_load(self) -> dict[str, float]:
         """Per MoE block: the busiest expert's routed copies over the mean (1.0 is an even load; a collapse

@@ -75,6 +75,7 @@ from .optim import (
     state_dtype_of,
     step_unless,
 )
+from .preference_step import REFERENCE_FILE, PreferenceTuning, load_reference, precompute_reference, save_reference
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
 from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
@@ -168,6 +169,8 @@ class Trainer:
         self.phase = "setup"
         self._previous: StepResult | None = None  # the last step, until its figures are acted on
         self._phase_hooks: list[Callable[[str], None]] = []
+        # data.kind preference: the pair losses, the reference model and the step's reward figures
+        self.preference = PreferenceTuning(config) if config.data.kind == "preference" else None
 
     def add_phase_hook(self, hook: Callable[[str], None]) -> None:
         """Call `hook(phase)` whenever a step enters one of PHASES."""
@@ -305,6 +308,8 @@ class Trainer:
         state.start = checkpointer.load(resume, overwrite) if resume is not None else 0
         if state.start == 0 and pretrained and not quantized:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
+        if self.preference is not None:
+            self._reference_model(state, run_dir)
         if ctx.is_main:
             # The config in force, in one rename: never written through a link to a file of the user's.
             write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
@@ -330,6 +335,8 @@ class Trainer:
         tokens = self._step_tokens(micro_batches, step)  # StepTokens, or [target, real] on the device
         micro_batches = batches_to_device(micro_batches, s.device)  # after counting on the host: queued, not awaited
         n_tokens = tokens.target if isinstance(tokens, StepTokens) else tokens[0]
+        if self.preference is not None:  # the loss is a mean over the step's pairs, not its tokens
+            n_tokens = self.preference.pairs(micro_batches, s.dims.dp)
         if s.in_backward is not None:
             s.in_backward.begin()
         total = self.forward_backward(micro_batches, n_tokens)
@@ -339,6 +346,11 @@ class Trainer:
             for part in s.parts:  # expert parallelism below the data-parallel degree: the replicas' gradients summed
                 reduce_expert_gradients(part)
         load = self._expert_load()
+        rewards = None
+        if self.preference is not None:
+            rewards = self.preference.take_figures()
+            if s.dims.dp > 1:
+                rewards = all_reduce(rewards, s.meshes["dp"])
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
         if s.in_backward is not None:
             return self._stepped_in_backward(step, total, tokens, load)
@@ -368,7 +380,7 @@ class Trainer:
         figures = [total, grad_norm, skip, overflowed, scale] + ([] if known else list(tokens))
         # float64: exact for the token counts (float32 is not above 2^24), and one copy to the host
         stacked = torch.stack([f.to(total.device, torch.float64) for f in figures])
-        self._previous = StepResult(step, stacked, tokens if known else None, load)
+        self._previous = StepResult(step, stacked, tokens if known else None, load, rewards)
         return self._previous
 
     def _expert_load(self) -> tuple[list[str], torch.Tensor] | None:
@@ -511,7 +523,9 @@ class Trainer:
             with grad_sync(model, i == last), s.plan.autocast(s.device.type):  # gradient sync on the last only
                 self._enter("forward")
                 with self._saved_activations():
-                    if chunk is not None:  # the model's forward returns the token-loss sum
+                    if self.preference is not None:  # the sum of the pairs' losses
+                        loss = self.preference.micro_loss(model, mb, ids, labels, s.device) / n_tokens
+                    elif chunk is not None:  # the model's forward returns the token-loss sum
                         loss = model(ids, labels=labels, loss_chunk_tokens=chunk,
                                      **model_inputs(mb, s.device)) / n_tokens
                     else:
@@ -562,11 +576,44 @@ class Trainer:
         how = dict(batch_size=cfg.train.micro_batch_size, limit=cfg.train.eval_batches, device=device, plan=plan,
                    loss_chunk=cfg.optimize.loss_chunk(), pipeline=self.pipeline if in_layout else None,
                    dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
+        if self.preference is not None:
+            del how["loss_chunk"], how["pipeline"]
+            return self.preference.evaluate(model, self.eval_dataset, **how)
         if isinstance(self.eval_dataset, Mapping):  # a mixture's held-out data by source
             return evaluate_sources(model, self.eval_dataset, **how)
         return evaluate_held_out(model, self.eval_dataset, **how)
 
     # --- pieces of setup --------------------------------------------------------------------------
+
+    def _reference_model(self, state: TrainState, run_dir: Path) -> None:
+        """Preference tuning's reference, from the starting weights (train/preference_step.py): the pairs'
+        log-probabilities computed now and kept in the run directory (read back on a resume), or a frozen copy."""
+        pref, cfg = self.preference, self.config
+        if pref.mode == "frozen_copy":
+            if state.start:
+                raise TrainingError("a preference run with a frozen reference copy cannot resume yet (the copy would "
+                                    "be of the resumed weights, not the starting ones); set "
+                                    "preference.precompute_reference: true")
+            pref.keep_frozen_copy(state.parts[0])
+            return
+        if pref.mode != "precompute":
+            return
+        datasets = {"train": self.train_dataset, **({"eval": self.eval_dataset} if self.eval_dataset else {})}
+        if state.start:
+            logps = load_reference(run_dir)
+        else:
+            dp_mesh = state.meshes["dp"] if state.dims.dp > 1 else None
+            logps = {name: precompute_reference(state.parts[0], d, batch_size=cfg.train.micro_batch_size,
+                                                device=state.device, plan=state.plan, dp_mesh=dp_mesh)
+                     for name, d in datasets.items()}
+            if state.ctx.is_main:
+                save_reference(run_dir, logps["train"], logps.get("eval"))
+            log.info("preference: the reference log-probabilities of %d pairs computed from the starting weights",
+                     sum(len(d) for d in datasets.values()))
+        for name, d in datasets.items():
+            if name not in logps:
+                raise TrainingError(f"{run_dir / REFERENCE_FILE} holds no {name} pairs; start the run afresh")
+            d.set_reference(logps[name])
 
     def _prepare_data(self) -> None:
         self.tokenizer, self.train_dataset, self.eval_dataset = run_data(

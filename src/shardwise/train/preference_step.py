@@ -1,0 +1,211 @@
+"""Preference tuning's part of a run: each micro-batch's pair losses, the reference model, the step's
+figures and held-out evaluation.
+
+A preference batch holds B pairs as 2B rows (data/preference.py). `PreferenceTuning.micro_loss` runs the
+policy on them, takes each row's answer log-probability (`preference.row_logps`), gets the reference's
+(below) and returns the sum of the pairs' losses (`preference.pair_losses`); the trainer divides by the
+step's pairs over all data-parallel ranks (`pairs`), so every layout gives one process's loss.
+
+The reference model is the run's starting weights (`RunConfig.reference_mode`):
+- `precompute`: before the first step the model, untouched yet, computes every pair's log-probabilities
+  once (`precompute_reference`, the data-parallel ranks sharing the pairs), kept in the run directory
+  for a resume (`reference_logps.npz`) and carried by the batches: no second model in memory;
+- `adapters_off`: with LoRA, the same model with its adapters switched off (`peft.lora.adapters_off`),
+  forward only, in every micro-batch: no second model either;
+- `frozen_copy`: a frozen copy of the starting model, forward only.
+
+A step's figures (summed over its micro-batches, then over the data-parallel ranks by the trainer) are
+[loss sum, reward margin sum, pairs ranked right, chosen reward sum, rejected reward sum, pairs]; the step
+record shows their means (`figures_record`).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..errors import TrainingError
+from ..files import write_bytes_atomic
+from ..parallel.collectives import all_reduce
+from ..peft.lora import adapters_off
+from ..preference import PreferenceObjective, pair_losses, row_logps
+from .evaluation import model_inputs
+
+log = logging.getLogger(__name__)
+
+REFERENCE_FILE = "reference_logps.npz"
+FIGURES = ("loss", "reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected")
+
+
+class PreferenceTuning:
+    """The objective, the reference and the figures of a preference-tuning run."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        """From the config's `preference` section and data (data.kind must be preference)."""
+        p = cfg.preference
+        self.objective = PreferenceObjective(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, p.orpo_lambda)
+        self.mode = cfg.reference_mode()
+        self.frozen: Optional[nn.Module] = None
+        self._figures: Optional[torch.Tensor] = None
+
+    # --- the reference --------------------------------------------------------------------------
+
+    def keep_frozen_copy(self, model: nn.Module) -> None:
+        """reference frozen_copy: a copy of the starting `model`, frozen, for forward passes only."""
+        self.frozen = copy.deepcopy(model).eval()
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def reference_logps(self, model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor,
+                        labels: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+        """The reference's log-probability of each row's answer [2B], or None (simpo, orpo)."""
+        if self.mode is None:
+            return None
+        if self.mode == "precompute":
+            if "reference_logps" not in mb:
+                raise TrainingError("the batch carries no reference log-probabilities: they were not precomputed")
+            return mb["reference_logps"].to(device, non_blocking=True)
+        if self.mode == "adapters_off":
+            with adapters_off(model):
+                return row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
+        assert self.frozen is not None, "keep_frozen_copy was not called"
+        return row_logps(self.frozen(ids, **model_inputs(mb, device)), labels)[0]
+
+    # --- a step ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def pairs(micro_batches: list[dict[str, torch.Tensor]], dp: int) -> int:
+        """The step's pairs over all data-parallel ranks (each rank reads as many)."""
+        return dp * sum(int(mb["input_ids"].shape[0]) // 2 for mb in micro_batches)
+
+    def micro_loss(self, model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
+                   device: torch.device) -> torch.Tensor:
+        """The sum of the micro-batch's pair losses (its figures added to the step's)."""
+        policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
+        reference = self.reference_logps(model, mb, ids, labels, device)
+        losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
+        figures = _figures(losses.detach(), chosen, rejected)
+        self._figures = figures if self._figures is None else self._figures + figures
+        return losses.sum()
+
+    def take_figures(self) -> torch.Tensor:
+        """The step's figures so far (float64, on the device), and a fresh start for the next step."""
+        figures, self._figures = self._figures, None
+        assert figures is not None, "no micro-batch ran this step"
+        return figures
+
+    # --- evaluation -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataset: Any, *, batch_size: int, limit: Optional[int],
+                 device: torch.device, plan: Any, dp_mesh: Any = None) -> dict[str, float]:
+        """Mean pair loss, reward accuracy and margin over the held-out pairs (the first `limit` batches),
+        the data-parallel ranks sharing the batches; every rank gets the same result."""
+        totals = torch.zeros(len(FIGURES) + 1, dtype=torch.float64, device=device)
+        was_training = model.training
+        model.eval()
+        try:
+            for pairs, counted in _shared_batches(len(dataset), batch_size, limit, dp_mesh):
+                mb = dataset.get_batch(pairs)
+                ids, labels = (mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
+                with plan.autocast(device.type):
+                    policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
+                    reference = self.reference_logps(model, mb, ids, labels, device)
+                losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
+                if counted:  # a padding forward only keeps the collectives in step
+                    totals += _figures(losses, chosen, rejected)
+        finally:
+            model.train(was_training)
+        if dp_mesh is not None and dp_mesh.size() > 1:
+            totals = all_reduce(totals, dp_mesh)
+        record = figures_record(totals)
+        return {"loss": record["loss"], "perplexity": math.exp(min(record["loss"], 50.0)),
+                **{k: record[k] for k in FIGURES[1:]}, "pairs": int(totals[-1])}
+
+
+def _figures(losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """[loss sum, margin sum, right, chosen sum, rejected sum, pairs] of some pairs, float64."""
+    margin = chosen - rejected
+    return torch.stack([losses.sum(), margin.sum(), (margin > 0).sum(), chosen.sum(), rejected.sum(),
+                        torch.tensor(float(losses.numel()), device=losses.device)]).double()
+
+
+def figures_record(figures: torch.Tensor) -> dict[str, float]:
+    """The means of summed figures: loss, reward_margin, reward_accuracy, reward_chosen, reward_rejected."""
+    values = figures.tolist()
+    pairs = max(values[-1], 1.0)
+    return {name: round(v / pairs, 6) for name, v in zip(FIGURES, values)}
+
+
+def _shared_batches(pairs: int, batch_size: int, limit: Optional[int], dp_mesh: Any = None):  # noqa: ANN202
+    """(pair indices, counted) of data-parallel rank r's batches: r, r + dp, ..., then uncounted padding up
+    to the number every rank runs (a forward under ZeRO-3 gathers parameters collectively)."""
+    rank, world = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    batches = -(-pairs // batch_size)
+    if limit is not None:
+        batches = min(batches, limit)
+    for j in range(-(-batches // world)):
+        k = rank + j * world
+        if k < batches:
+            yield np.arange(k * batch_size, min((k + 1) * batch_size, pairs)), True
+        else:
+            yield np.arange(min(batch_size, pairs)), False
+
+
+@torch.no_grad()
+def precompute_reference(model: nn.Module, dataset: Any, *, batch_size: int, device: torch.device, plan: Any,
+                         dp_mesh: Any = None) -> np.ndarray:
+    """Every pair's (chosen, rejected) answer log-probability under `model` as it is: [pairs, 2], float64;
+    the data-parallel ranks share the pairs and every rank gets all of them."""
+    out = torch.zeros(2 * len(dataset), dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        for pairs, counted in _shared_batches(len(dataset), batch_size, None, dp_mesh):
+            mb = dataset.get_batch(pairs)
+            ids, labels = (mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
+            with plan.autocast(device.type):
+                logps = row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
+            if counted:
+                rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
+                out[rows] = logps.double()
+    finally:
+        model.train(was_training)
+    if dp_mesh is not None and dp_mesh.size() > 1:
+        out = all_reduce(out, dp_mesh)
+    return out.cpu().numpy().reshape(-1, 2)
+
+
+def save_reference(run_dir: Path, train: np.ndarray, held_out: Optional[np.ndarray]) -> None:
+    """The precomputed log-probabilities beside the checkpoints (npz, no pickles), for a resume."""
+    buffer = io.BytesIO()
+    arrays = {"train": train, **({"eval": held_out} if held_out is not None else {})}
+    np.savez(buffer, **arrays)
+    write_bytes_atomic(run_dir / REFERENCE_FILE, buffer.getvalue())
+
+
+def load_reference(run_dir: Path) -> dict[str, np.ndarray]:
+    """What `save_reference` wrote; TrainingError when it is missing or damaged."""
+    path = run_dir / REFERENCE_FILE
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: np.asarray(z[k], dtype=np.float64) for k in z.files}
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(
+            f"{path} cannot be read ({e}): a preference run resumed with a precomputed reference needs the "
+            "log-probabilities its first start computed from the starting weights; start the run afresh"
+        ) from e
+
+
+__all__ = ["FIGURES", "REFERENCE_FILE", "PreferenceTuning", "figures_record", "load_reference",
+           "precompute_reference", "save_reference"]
