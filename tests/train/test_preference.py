@@ -210,6 +210,14 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path: Path, tokenizer_
     assert abs(records[0]["loss"] - math.log(2)) < 1e-6
     assert sum(r["loss"] for r in records[-4:]) / 4 < math.log(2) - 0.02
     assert not (tmp_path / "run" / "reference_logps.npz").exists()  # nothing precomputed, no copy kept
+    # the result generates as an SFT run's does: its chat template, the adapters in peft's format
+    from shardwise.inference import load_for_generation
+    from shardwise.models import generate
+
+    loaded = load_for_generation(tmp_path / "run")
+    assert loaded.tuned_template == "default"
+    out = generate(loaded.model, [loaded.tokenizer.encode("What colour is the sky?")], max_new_tokens=4)
+    assert len(out[0]) > 0
 
 
 def test_resume_continues_exactly_with_the_stored_reference(tmp_path: Path, tokenizer_dir: Path) -> None:

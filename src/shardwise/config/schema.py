@@ -780,6 +780,10 @@ class RunConfig(_Section):
             if value > 1:
                 raise ValueError(f"data.kind preference with parallel.{name} {value} is not supported yet; use data "
                                  "parallelism, ZeRO or tensor parallelism for preference tuning")
+        if p.tensor_parallel > 1 and p.sequence_parallel and self.data.pad_to_multiple_of % p.tensor_parallel:
+            raise ValueError(f"sequence parallel splits each row over tensor_parallel {p.tensor_parallel} ranks, but "
+                             f"preference batches are data.pad_to_multiple_of {self.data.pad_to_multiple_of}-token "
+                             f"multiples wide; set data.pad_to_multiple_of to a multiple of {p.tensor_parallel}")
         if pref.loss in ("simpo", "orpo") and pref.precompute_reference:
             raise ValueError(f"preference.loss {pref.loss} uses no reference model, so precompute_reference has "
                              "nothing to compute; leave it null")
