@@ -90,9 +90,10 @@ class PreferenceTuning:
 
     def micro_loss(self, model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
                    device: torch.device) -> torch.Tensor:
-        """The sum of the micro-batch's pair losses (its figures added to the step's)."""
-        policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
+        """The sum of the micro-batch's pair losses (its figures added to the step's). The reference's forward
+        (no gradient) runs first, so its logits are gone before the policy's activations build up."""
         reference = self.reference_logps(model, mb, ids, labels, device)
+        policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
         losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
         figures = _figures(losses.detach(), chosen, rejected)
         self._figures = figures if self._figures is None else self._figures + figures

@@ -11,7 +11,7 @@ from .layout import Layout
 
 def document_mask(cfg: Any, device: str) -> bool:
     """Whether attention gets an explicit [B, 1, T, T] mask (packed documents without flex attention)."""
-    if cfg.data.kind != "pretrain" and cfg.data.packing == "pad":
+    if cfg.data.kind == "preference" or (cfg.data.kind != "pretrain" and cfg.data.packing == "pad"):
         return False
     documents = cfg.data.reset_attention_mask and bool(cfg.data.train_files)
     if not documents:
@@ -21,7 +21,8 @@ def document_mask(cfg: Any, device: str) -> bool:
 
 
 def document_positions(cfg: Any) -> bool:
-    return cfg.data.reset_position_ids and bool(cfg.data.train_files)
+    """Whether batches carry position ids that restart at each document (packed data, not preference pairs)."""
+    return cfg.data.reset_position_ids and bool(cfg.data.train_files) and cfg.data.kind != "preference"
 
 
 def batch_bytes(cfg: Any, lay: Layout, device: str) -> int:

@@ -77,10 +77,24 @@ def estimate_all_ranks(cfg: Any, devices: Optional[int] = None, device: str = "c
     """One estimate per distinct rank role: each pipeline rank (its data/tensor-parallel peers are alike)."""
     if device not in ("cuda", "npu", "cpu"):
         raise ConfigError(f"device {device!r} is not known; use cuda, npu or cpu")
+    cfg = _as_counted(cfg)
     lay = resolve_layout(cfg, devices, device)
     prec = resolve_precision(cfg, lay)
     params = params_of(cfg)
     return [_estimate_rank(cfg, lay, prec, params, r, device) for r in range(lay.pp)]
+
+
+def _as_counted(cfg: Any) -> Any:
+    """A preference run as the estimate counts it: each pair is two rows (micro-batches of twice
+    micro_batch_size rows, padded to at most seq_length) and the logits are whole (the pair losses need each
+    row's log-probability, so the chunked loss does not run). The reference model costs nothing more when
+    precomputed, and with LoRA its no-grad forward runs before the policy's and is smaller than its peak; a
+    frozen copy adds its weights (`_estimate_rank`)."""
+    if cfg.data.kind != "preference":
+        return cfg
+    return cfg.model_copy(update={
+        "train": cfg.train.model_copy(update={"micro_batch_size": 2 * cfg.train.micro_batch_size}),
+        "optimize": cfg.optimize.model_copy(update={"chunked_loss": False})})
 
 
 def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, ...], pp_rank: int,
@@ -114,6 +128,8 @@ def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, 
     trainable = [p for p in held if p.trainable]
     rope = 2 * m.max_position_embeddings * m.head_dim * 4 if m.position == "rope" else 0  # fp32 tables per rank
     param_bytes = stored_param_bytes(held, stored, prec) + rope
+    if cfg.reference_mode() == "frozen_copy":  # preference tuning's reference: a frozen copy of the weights
+        param_bytes += stored_param_bytes(held, stored, prec)
     full_elems = [numel(local[p.name]) for p in trainable]
     if lay.zero == 1:  # 1/dp of every tensor (its first free dimension split torch.chunk style)
         state_elems = sum(math.prod(zero1_part(p, local[p.name], lay)) for p in trainable)
