@@ -304,6 +304,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
     head_weights = m.vocab_size * m.hidden_size
 
     loads = [RankLoad(chunks=v) for _ in range(pp)]
+    reference_forward = cfg.reference_mode() in ("adapters_off", "frozen_copy")
     first_layer = 0
     for stage, n_layers in enumerate(stages):
         load = loads[owner[stage]]
@@ -328,6 +329,8 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
                 load.expert_trainable += _expert_params(m, i) if trains else 0
         # Per layer of the chunk (full every `recompute_every`-th block of each chunk, from its first).
         for i, mode in zip(here, cfg.optimize.layer_recompute(list(here))):
+            if reference_forward:  # preference tuning's reference model: one more forward, no gradient
+                load.recompute_flops_per_token += flops.layers_forward[i]
             if mode == "full":
                 load.recompute_flops_per_token += flops.layers_forward[i]
                 load.recompute_collectives += 2
@@ -349,6 +352,8 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
             load.head = True
             load.flops_per_token += flops.head
             if head_recomputes_logits(cfg):
+                load.recompute_flops_per_token += 2 * head_weights
+            if reference_forward:
                 load.recompute_flops_per_token += 2 * head_weights
             head_params = m.hidden_size + (0 if (m.tie_embeddings and pp == 1) else head_weights)
             load.params += head_params
@@ -469,6 +474,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     rate = peak * hw.compute_efficiency / slowdown
     m = cfg.model
     seq, mbs = cfg.data.seq_length, cfg.train.micro_batch_size
+    if cfg.data.kind == "preference":  # a pair is two rows
+        mbs *= 2
     ga = cfg.gradient_accumulation(world)
     tokens_mb = mbs * seq // cp  # this rank's tokens of a micro-batch (context parallelism: its chunks)
     b = _bytes(cfg)

@@ -1020,5 +1020,7 @@ def _check_numbers(cfg: BaseModel) -> None:
 
 
 def tokens_per_step(cfg: RunConfig, devices: int | None = None) -> int:
-    """Tokens consumed by one optimizer step over all devices."""
-    return cfg.global_batch_size(devices) * cfg.data.seq_length
+    """Tokens consumed by one optimizer step over all devices (at most: instruction rows may be shorter); a
+    preference pair is two rows."""
+    rows = 2 if cfg.data.kind == "preference" else 1
+    return cfg.global_batch_size(devices) * cfg.data.seq_length * rows

@@ -76,10 +76,12 @@ def _chunked_head(sh: Shape, s: int, norm: int, weight_grad: bool, chunk: int, a
 def head_recomputes_logits(cfg: Any) -> bool:
     """Whether the chunked loss (`shardwise.loss.chunked_token_loss_sum`) computes its logits again in
     backward: under a pipeline (`split_model` turns its gradients_in_forward off), tensor parallelism (a
-    vocabulary-sharded weight) or fp16 matmuls; elsewhere it makes its gradients in forward."""
+    vocabulary-sharded weight) or fp16 matmuls; elsewhere it makes its gradients in forward. Preference
+    tuning computes whole logits (each row's log-probability), never the chunked loss."""
     p = cfg.parallel
-    return cfg.optimize.chunked_loss and (p.pipeline_parallel > 1 or p.tensor_parallel > 1
-                                          or cfg.optimize.mixed_precision == "fp16")
+    if not cfg.optimize.chunked_loss or cfg.data.kind == "preference":
+        return False
+    return p.pipeline_parallel > 1 or p.tensor_parallel > 1 or cfg.optimize.mixed_precision == "fp16"
 
 
 def _loss_chunk_bytes(sh: Shape, s: int, chunk: int) -> int:
