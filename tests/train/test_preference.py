@@ -179,6 +179,7 @@ def test_losses_match_the_formulas_on_transformers_log_probabilities(tmp_path: P
 
 
 def _preference_run(tmp_path: Path, tokenizer_dir: Path, steps: int, **changes) -> "object":
+    tmp_path.mkdir(parents=True, exist_ok=True)
     train = _write(tmp_path / "train.jsonl", _pairs(48))
     held_out = _write(tmp_path / "eval.jsonl", _pairs(12, seed=1))
     cfg = tiny_config(tmp_path, max_steps=steps, micro_batch_size=8, lr=3e-3, eval_steps=steps)
@@ -218,6 +219,10 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path: Path, tokenizer_
     assert loaded.tuned_template == "default"
     out = generate(loaded.model, [loaded.tokenizer.encode("What colour is the sky?")], max_new_tokens=4)
     assert len(out[0]) > 0
+    from shardwise.export import convert_checkpoint
+
+    convert_checkpoint(tmp_path / "run", tmp_path / "adapter", to="peft")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_resume_continues_exactly_with_the_stored_reference(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -240,3 +245,19 @@ def test_resume_continues_exactly_with_the_stored_reference(tmp_path: Path, toke
     (run / "reference_logps.npz").unlink()
     with pytest.raises(TrainingError, match="reference_logps.npz cannot be read"):
         Trainer(cfg).train(resume="auto")
+
+
+def test_a_frozen_copy_reference_trains_as_the_precomputed_one(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Both references are the starting weights: the losses agree step for step; and a reference-free loss
+    (SimPO) needs neither."""
+    precomputed = _preference_run(tmp_path / "pre", tokenizer_dir, 4)
+    frozen = _preference_run(tmp_path / "copy", tokenizer_dir, 4, preference={"precompute_reference": False})
+    assert (precomputed.reference_mode(), frozen.reference_mode()) == ("precompute", "frozen_copy")
+    a, b = Trainer(precomputed).train().losses, Trainer(frozen).train().losses
+    assert a[1] == pytest.approx(math.log(2), abs=1e-6)
+    assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], abs=1e-5)
+    simpo = _preference_run(tmp_path / "simpo", tokenizer_dir, 4, preference={"loss": "simpo", "beta": 2.0})
+    assert simpo.reference_mode() is None
+    losses = Trainer(simpo).train().losses
+    assert all(math.isfinite(v) for v in losses.values())
+    assert not (tmp_path / "simpo" / "run" / "reference_logps.npz").exists()
