@@ -50,8 +50,9 @@ def write_data(root: Path, pairs: int, seq: int) -> dict[str, Any]:
     """Pairs whose rows fill `seq` tokens; the SFT file holds the chosen conversations."""
     rng = random.Random(0)
     train_bpe_tokenizer([str(REPO / "corpora/austen/emma.txt")], 8192, root / "tok", show_progress=False)
-    records = [{"prompt": _sentence(rng, seq), "chosen": _sentence(rng, seq // 3), "rejected": _sentence(rng, seq // 3)}
-               for _ in range(pairs)]
+    # a prompt of seq / 2 words and answers of seq / 3 overflow seq tokens: every row is cut to seq
+    records = [{"prompt": _sentence(rng, seq // 2), "chosen": _sentence(rng, seq // 3),
+                "rejected": _sentence(rng, seq // 3)} for _ in range(pairs)]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}]}
              for r in records]

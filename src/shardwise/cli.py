@@ -118,7 +118,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     summary = f"done: {result.step} steps, final loss {result.losses[result.step]:.4f}"
     if result.eval:
-        summary += f", eval loss {result.eval['loss']:.4f} (perplexity {result.eval['perplexity']:.2f})"
+        summary += f", eval loss {result.eval['loss']:.4f}" + (
+            f" (reward accuracy {result.eval['reward_accuracy']:.3f})" if "reward_accuracy" in result.eval
+            else f" (perplexity {result.eval['perplexity']:.2f})")
     if result.last_checkpoint:
         summary += f"; checkpoint {result.last_checkpoint}"
     print(summary)

@@ -225,9 +225,11 @@ class TrainingLoop:
             result = self.result.eval = self.trainer.evaluate()
         self.writer.write({"step": done, **{f"eval_{k}": v for k, v in result.items()}})
         by_source = "".join(f", {name} {loss:.4f}" for name, loss in result.get("loss_by_source", {}).items())
-        rewards = f", reward accuracy {result['reward_accuracy']:.3f}" if "reward_accuracy" in result else ""
-        log.info("step %d eval loss %.4f perplexity %.2f%s%s", done, result["loss"], result["perplexity"], by_source,
-                 rewards)
+        if "reward_accuracy" in result:  # preference tuning: a pair loss, no perplexity
+            log.info("step %d eval loss %.4f reward accuracy %.3f margin %.4f", done, result["loss"],
+                     result["reward_accuracy"], result["reward_margin"])
+        else:
+            log.info("step %d eval loss %.4f perplexity %.2f%s", done, result["loss"], result["perplexity"], by_source)
         self.window.start = time.perf_counter()  # evaluation is left out of the next record's throughput
 
     # --- the end of the run -----------------------------------------------------------------------

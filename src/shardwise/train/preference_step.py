@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,9 +128,7 @@ class PreferenceTuning:
             model.train(was_training)
         if dp_mesh is not None and dp_mesh.size() > 1:
             totals = all_reduce(totals, dp_mesh)
-        record = figures_record(totals)
-        return {"loss": record["loss"], "perplexity": math.exp(min(record["loss"], 50.0)),
-                **{k: record[k] for k in FIGURES[1:]}, "pairs": int(totals[-1])}
+        return {**figures_record(totals), "pairs": int(totals[-1])}
 
 
 def _figures(losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
