@@ -261,3 +261,23 @@ def test_a_frozen_copy_reference_trains_as_the_precomputed_one(tmp_path: Path, t
     losses = Trainer(simpo).train().losses
     assert all(math.isfinite(v) for v in losses.values())
     assert not (tmp_path / "simpo" / "run" / "reference_logps.npz").exists()
+
+
+def test_qlora_reference_is_the_quantised_base_with_adapters_off(tmp_path: Path, tokenizer_dir: Path) -> None:
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "quantize_base": "nf4"}
+    cfg = _preference_run(tmp_path, tokenizer_dir, 8, lora=lora, preference={"beta": 0.5}, train={"lr": 1e-2})
+    losses = Trainer(cfg).train().losses
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6)  # the NF4 base with adapters off is the policy
+    assert sum(losses[s] for s in (5, 6, 7, 8)) / 4 < math.log(2)
+
+
+def test_dpo_on_a_mixture_of_experts_model(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from shardwise.resolve import resolve_config
+
+    raw = _preference_run(tmp_path, tokenizer_dir, 4).model_dump()
+    raw["model"] = {"preset": "tiny_qwen3_moe"}
+    cfg = resolve_config(raw)
+    assert cfg.model.num_experts == 16
+    losses = Trainer(cfg).train().losses
+    assert losses[1] == pytest.approx(math.log(2), abs=1e-6)  # routing is the same for the reference pass
+    assert all(math.isfinite(v) for v in losses.values())
