@@ -32,7 +32,9 @@ def describe_run(cfg: RunConfig, devices: int | None = None) -> str:
         f"precision    {o.mixed_precision} level {o.level()}; recompute {o.recompute}"
         + (f" every {o.recompute_every} layer(s)" if o.recompute == "full" and o.recompute_every > 1 else ""),
         f"batch        micro-batch {t.micro_batch_size} x accumulation {cfg.gradient_accumulation(devices)} x "
-        f"data parallel {dp} = {cfg.global_batch_size(devices)} samples of {cfg.data.seq_length} tokens",
+        f"data parallel {dp} = {cfg.global_batch_size(devices)} "
+        + ("pairs (chosen and rejected: two rows each)" if cfg.data.kind == "preference" else "samples")
+        + f" of {cfg.data.seq_length} tokens",
         f"per step     {tokens:,} tokens, {flops_tok * tokens:.3e} FLOPs "
         f"({flops_tok:.3e} FLOPs per token: forward, and backward where gradients are needed)",
         f"length       {length}; lr {t.lr:g} -> {t.min_lr:g} ({t.decay_style}, {t.warmup_steps} warmup), "
