@@ -23,7 +23,7 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 # Top-level module or package of shardwise -> its layer (docs/ARCHITECTURE.md, "Packages").
 LAYERS = {
     "errors": 0, "loss": 0, "files": 0, "untrusted": 0, "units": 0, "torch_support": 0, "html_page": 1,
-    "models": 1,
+    "models": 1, "preference": 1,
     "config": 2,
     "data": 3, "peft": 3,
     "hardware": 4, "builder": 4,

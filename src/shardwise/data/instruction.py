@@ -133,7 +133,7 @@ def parse_record(obj: Any) -> tuple[list[Message], bool]:
     )
 
 
-class _BadLines:
+class BadLines:
     """Counts and reports bad records: raises in "stop" mode, warns (the first few) in "skip" mode."""
 
     def __init__(self, mode: str) -> None:
@@ -184,12 +184,12 @@ def inspect_instruction_file(path: str) -> InputFile:
 
 
 def iter_records(
-    files: Sequence[str], bad: _BadLines, stats: dict[str, int], progress: Any = None
+    files: Sequence[str], bad: BadLines, stats: dict[str, int], progress: Any = None
 ) -> Iterator[tuple[str, list[Message]]]:
     """("file:line", messages) of every usable record; bad ones go to `bad`, counts into `stats`."""
     for path in files:
         good = seen = 0
-        for where, obj, size in _file_objects(inspect_instruction_file(path)):
+        for where, obj, size in file_objects(inspect_instruction_file(path)):
             seen += 1
             if progress is not None:
                 progress.update(size)
@@ -217,7 +217,7 @@ def iter_records(
         stats["records"] += good
 
 
-def _file_objects(f: InputFile) -> Iterator[tuple[str, Any, int]]:
+def file_objects(f: InputFile) -> Iterator[tuple[str, Any, int]]:
     """("file:line", parsed object or BadRecord, bytes) for each record of a .jsonl or .json file."""
     path = f.path
     if path.endswith(".json") and not f.empty:
@@ -280,7 +280,7 @@ def _tokenize_records(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
     """(tokens, trained mask, sample offsets, reading counts) of all usable records."""
     dtype = token_dtype(tokenizer.vocab_size)
-    bad = _BadLines(on_bad_line)
+    bad = BadLines(on_bad_line)
     stats = {"records": 0, "bad_lines": 0, "unanswered_dropped": 0}
     tok_chunks: list[np.ndarray] = []
     mask_chunks: list[np.ndarray] = []
@@ -647,10 +647,12 @@ class InstructionDataset(Dataset):
 __all__ = [
     "BAD_LINE_MODES",
     "PACKING_MODES",
+    "BadLines",
     "SUFFIXES",
     "TRUNCATION_MODES",
     "InstructionDataset",
     "batch_by_budget",
+    "file_objects",
     "inspect_instruction_file",
     "iter_records",
     "load_sft_tokens",

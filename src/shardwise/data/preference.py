@@ -41,7 +41,7 @@ from ..errors import DataError
 from ..loss import IGNORE_INDEX
 from .chat import BadRecord, Message, encode_pieces, parse_messages, resolve_template
 from .files import expand_files
-from .instruction import BAD_LINE_MODES, _BadLines, _file_objects, inspect_instruction_file
+from .instruction import BAD_LINE_MODES, BadLines, file_objects, inspect_instruction_file
 from .shards import token_dtype
 from .tokenizer import Tokenizer
 
@@ -150,7 +150,7 @@ class PreferenceDataset(Dataset):
     # --- reading ----------------------------------------------------------------------------------
 
     def _read(self, renderer: Any, on_bad_line: str) -> None:
-        bad = _BadLines(on_bad_line)
+        bad = BadLines(on_bad_line)
         dtype = token_dtype(self.tokenizer.vocab_size)
         rows: list[tuple[np.ndarray, np.ndarray]] = []
         pending: list[tuple[str, list[Message], str, str]] = []
@@ -174,7 +174,7 @@ class PreferenceDataset(Dataset):
 
         for path in self.files:
             seen = 0
-            for where, obj, _ in _file_objects(inspect_instruction_file(path)):
+            for where, obj, _ in file_objects(inspect_instruction_file(path)):
                 seen += 1
                 if isinstance(obj, BadRecord):
                     bad(where, str(obj))
