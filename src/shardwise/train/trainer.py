@@ -169,8 +169,8 @@ class Trainer:
         self.phase = "setup"
         self._previous: StepResult | None = None  # the last step, until its figures are acted on
         self._phase_hooks: list[Callable[[str], None]] = []
-        # data.kind preference: the pair losses, the reference model and the step's reward figures
-        self.preference = PreferenceTuning(config) if config.data.kind == "preference" else None
+        # data.kind preference: the pair losses, the reference model and the step's reward figures (setup)
+        self.preference: PreferenceTuning | None = None
 
     def add_phase_hook(self, hook: Callable[[str], None]) -> None:
         """Call `hook(phase)` whenever a step enters one of PHASES."""
@@ -195,6 +195,7 @@ class Trainer:
         schedule, scaler, loader and checkpointer; resume or load init_from's weights."""
         cfg = self.config
         run_dir = Path(cfg.train.output_dir)
+        self.preference = PreferenceTuning(cfg) if cfg.data.kind == "preference" else None
         # Everything that can fail on the config alone fails before --overwrite removes anything.
         ctx = init_distributed(cfg.run.device, cfg.run.timeout_s)
         dims = layout_for(cfg, ctx.world_size)
