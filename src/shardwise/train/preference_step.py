@@ -112,20 +112,13 @@ class PreferenceTuning:
         """Mean pair loss, reward accuracy and margin over the held-out pairs (the first `limit` batches),
         the data-parallel ranks sharing the batches; every rank gets the same result."""
         totals = torch.zeros(len(FIGURES) + 1, dtype=torch.float64, device=device)
-        was_training = model.training
-        model.eval()
-        try:
-            for pairs, counted in _shared_batches(len(dataset), batch_size, limit, dp_mesh):
-                mb = dataset.get_batch(pairs)
-                ids, labels = (mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
-                with plan.autocast(device.type):
-                    policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
-                    reference = self.reference_logps(model, mb, ids, labels, device)
-                losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
-                if counted:  # a padding forward only keeps the collectives in step
-                    totals += _figures(losses, chosen, rejected)
-        finally:
-            model.train(was_training)
+        for _, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, limit, device, dp_mesh):
+            with plan.autocast(device.type):
+                policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
+                reference = self.reference_logps(model, mb, ids, labels, device)
+            losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
+            if counted:  # a padding forward only keeps the collectives in step
+                totals += _figures(losses, chosen, rejected)
         if dp_mesh is not None and dp_mesh.size() > 1:
             totals = all_reduce(totals, dp_mesh)
         return {**figures_record(totals), "pairs": int(totals[-1])}
@@ -160,25 +153,33 @@ def _shared_batches(pairs: int, batch_size: int, limit: Optional[int], dp_mesh: 
             yield np.arange(min(batch_size, pairs)), False
 
 
+def _batches_in_eval_mode(model: nn.Module, dataset: Any, batch_size: int, limit: Optional[int],
+                          device: torch.device, dp_mesh: Any):  # noqa: ANN202
+    """(pair indices, counted, batch, input ids, labels) of this rank's share of the batches
+    (`_shared_batches`), with `model` in eval mode until the last one is done."""
+    was_training = model.training
+    model.eval()
+    try:
+        for pairs, counted in _shared_batches(len(dataset), batch_size, limit, dp_mesh):
+            mb = dataset.get_batch(pairs)
+            ids, labels = (mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
+            yield pairs, counted, mb, ids, labels
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def precompute_reference(model: nn.Module, dataset: Any, *, batch_size: int, device: torch.device, plan: Any,
                          dp_mesh: Any = None) -> np.ndarray:
     """Every pair's (chosen, rejected) answer log-probability under `model` as it is: [pairs, 2], float64;
     the data-parallel ranks share the pairs and every rank gets all of them."""
     out = torch.zeros(2 * len(dataset), dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        for pairs, counted in _shared_batches(len(dataset), batch_size, None, dp_mesh):
-            mb = dataset.get_batch(pairs)
-            ids, labels = (mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels"))
-            with plan.autocast(device.type):
-                logps = row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
-            if counted:
-                rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
-                out[rows] = logps.double()
-    finally:
-        model.train(was_training)
+    for pairs, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, None, device, dp_mesh):
+        with plan.autocast(device.type):
+            logps = row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
+        if counted:
+            rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
+            out[rows] = logps.double()
     if dp_mesh is not None and dp_mesh.size() > 1:
         out = all_reduce(out, dp_mesh)
     return out.cpu().numpy().reshape(-1, 2)
