@@ -16,7 +16,8 @@ from tokenizers import models, pre_tokenizers
 
 import shardwise.data.prepare as prepare
 from shardwise.data import Tokenizer
-from shardwise.data.prepare import DigestSet, prepare_cached, prepare_corpus
+from shardwise.data.duplicates import DigestSet
+from shardwise.data.prepare import prepare_cached, prepare_corpus
 from shardwise.data.shards import MANIFEST_FILE, TokenShards
 from shardwise.errors import DataError
 from tests.data.conftest import make_text

@@ -47,9 +47,10 @@ def sketch_width(input_bytes: int) -> int:
 class BoilerplateLines:
     """Removes the lines that earlier documents repeated (see the module's docstring)."""
 
-    def __init__(self, min_docs: int, width: int) -> None:
-        """Remove a line once `min_docs` earlier documents had it; `width` counters a row (sketch_width)."""
-        self.min_docs, self.width = min_docs, width
+    def __init__(self, min_docs: int, width: int, examples: int = 20) -> None:
+        """Remove a line once `min_docs` earlier documents had it; `width` counters a row (sketch_width); keep
+        the first `examples` lines removed as examples."""
+        self.min_docs, self.width, self.keep_examples = min_docs, width, examples
         self.table = np.zeros((DEPTH, width), dtype=np.uint8)
         self.rows = np.arange(DEPTH)[:, None]
         self.lines_removed = 0
@@ -81,7 +82,7 @@ class BoilerplateLines:
         removed = len(lines) - len(kept)
         self.lines_removed += removed
         for k in repeated:
-            if k in self.examples or len(self.examples) < 20:
+            if k in self.examples or len(self.examples) < self.keep_examples:
                 self.examples[k] = self.examples.get(k, 0) + 1
         return "\n".join(kept)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,12 +66,17 @@ def _permutations(count: int) -> tuple[np.ndarray, np.ndarray]:
     return a, rng.integers(0, 1 << 63, count, dtype=np.uint64)
 
 
+def _hashes64(strings: Iterable[str]) -> np.ndarray:
+    """The 8-byte blake2b of each string, as uint64: the same in every process and on every machine."""
+    blob = b"".join(hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=8).digest() for s in strings)
+    return np.frombuffer(blob, dtype="<u8").astype(np.uint64)
+
+
 def _word_hashes(words: list[str]) -> np.ndarray:
     """A 64-bit hash of each word (each distinct word hashed once: words repeat, Zipf's law)."""
     vocabulary: dict[str, int] = {}
     ids = np.fromiter((vocabulary.setdefault(w, len(vocabulary)) for w in words), np.int64, len(words))
-    blob = b"".join(hashlib.blake2b(w.encode("utf-8", "surrogatepass"), digest_size=8).digest() for w in vocabulary)
-    return np.frombuffer(blob, dtype="<u8").astype(np.uint64)[ids]
+    return _hashes64(vocabulary)[ids]
 
 
 def _shingles(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,8 +132,7 @@ def band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
 
 def document_keys(texts: Sequence[str], near: dict[str, int] | None) -> np.ndarray:
     """The keys of each text (one row each): its digest, then (with `near`) its LSH band keys."""
-    blob = b"".join(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=8).digest() for t in texts)
-    digests = np.frombuffer(blob, dtype="<u8").astype(np.uint64).reshape(-1, 1)
+    digests = _hashes64(texts).reshape(-1, 1)
     if near is None:
         return digests
     signatures = minhash(texts, near["ngram"], near["bands"] * near["rows"])

@@ -52,7 +52,7 @@ from ..errors import DataError
 from ..files import fsync_dir, write_json_atomic
 from ..untrusted import read_json_object
 from .boilerplate import BoilerplateLines, check_min_docs, sketch_width
-from .duplicates import DigestSet, DuplicateIndex, check_near, document_keys
+from .duplicates import DuplicateIndex, check_near, document_keys
 from .files import FORMATS, InputFile, check_choice, default_cache_dir, file_stamps, resolve_inputs
 from .quality import quality_problem
 from .shards import (
@@ -74,7 +74,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_MIN_CHARS = 1
 QUALITY_LEVELS = ("none", "default")  # data.quality: off, or the rules of data/quality.py
 DEDUP_LEVELS = ("none", "exact", "near")  # data.dedup: near adds MinHash LSH (data/duplicates.py) to exact
-REMOVED_SAMPLES = 20  # documents each quality rule (and near deduplication) removed, kept beside the manifest
+REMOVED_SAMPLES = 20  # removals kept beside the manifest for each quality rule, near duplicates, boilerplate lines
 REMOVED_SAMPLE_CHARS = 2000  # of each sample, its start
 REMOVED_SAMPLES_FILE = "removed_samples.jsonl"
 NEAR_DUPLICATE = "near_duplicate"  # the rule name of near duplicates in the samples
@@ -534,7 +534,7 @@ def _write_corpus(
     if options.get("boilerplate_lines"):
         # compressed inputs hold about 4 times their bytes of text
         text_bytes = sum(f.bytes * (4 if f.gzip or f.zstd or f.format in ("parquet", "arrow") else 1) for f in files)
-        boilerplate = BoilerplateLines(options["boilerplate_lines"], sketch_width(text_bytes))
+        boilerplate = BoilerplateLines(options["boilerplate_lines"], sketch_width(text_bytes), REMOVED_SAMPLES)
     chunks = _raw_chunks(docs, options["min_chars"], counts, boilerplate)
     near = options.get("near_dedup")
     work = _Work(tokenizer, options["max_length"], dtype, "quality" in options, options["dedup"], near)
@@ -985,7 +985,6 @@ __all__ = [
     "DEFAULT_MIN_CHARS",
     "DEFAULT_SHARD_TOKENS",
     "DEDUP_LEVELS",
-    "DigestSet",
     "cache_key",
     "cache_lock",
     "default_workers",

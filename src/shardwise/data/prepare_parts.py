@@ -47,7 +47,7 @@ from .prepare import (
     shardwise_version,
     tokenizer_info,
 )
-from .shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, TokenShards, shard_dtype
+from .shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, TokenShards, file_blake2b, shard_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +176,7 @@ def _check_side_file(path: Path, name: str, entry: Any, expected: int | None) ->
     size = file.stat().st_size
     if size != entry.get("bytes") or (expected is not None and size != expected) or size % 8:
         raise DataError(f"{file} has {size:,} bytes, not what the manifest says; prepare the part again")
-    h = hashlib.blake2b(digest_size=16)
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    if h.hexdigest() != entry.get("blake2b"):
+    if file_blake2b(file) != entry.get("blake2b"):
         raise DataError(f"{file} changed after preparation (its digest differs); prepare the part again")
 
 

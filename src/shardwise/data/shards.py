@@ -136,6 +136,15 @@ def _check_manifest(m: dict[str, Any], path: Path, advice: str) -> None:
                 str_field(shard, key, where, DataError, max_len=128, advice=advice)
 
 
+def file_blake2b(path: str | os.PathLike[str]) -> str:
+    """The 16-byte blake2b of a file's content (what manifests record of shards), read 4 MiB at a time."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 class TokenShards:
     """A prepared corpus as one token stream: `read(start, stop)` and `document_starts(start, stop)`.
 
@@ -327,11 +336,7 @@ class TokenShards:
                 want = shard.get(key)
                 if want is None:
                     continue
-                h = hashlib.blake2b(digest_size=16)
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 22), b""):
-                        h.update(block)
-                if h.hexdigest() != want:
+                if file_blake2b(path) != want:
                     raise DataError(
                         f"shard file {path} does not match the digest in the manifest: it changed after "
                         f"preparation; {_reprepare_hint(self.directory)}"

@@ -341,17 +341,17 @@ class Trainer:
         if s.in_backward is not None:
             s.in_backward.begin()
         total = self.forward_backward(micro_batches, n_tokens)
+        rewards = self.preference.take_figures() if self.preference is not None else None
         if s.dims.dp > 1:
-            total = all_reduce(total, s.meshes["dp"])
+            if rewards is None:
+                total = all_reduce(total, s.meshes["dp"])
+            else:  # the reward figures travel with the loss: one collective
+                both = all_reduce(torch.cat([total.double().reshape(1), rewards]), s.meshes["dp"])
+                total, rewards = both[0].to(total.dtype), both[1:]
         if 1 < cfg.parallel.expert_parallel < s.dims.dp:
             for part in s.parts:  # expert parallelism below the data-parallel degree: the replicas' gradients summed
                 reduce_expert_gradients(part)
         load = self._expert_load()
-        rewards = None
-        if self.preference is not None:
-            rewards = self.preference.take_figures()
-            if s.dims.dp > 1:
-                rewards = all_reduce(rewards, s.meshes["dp"])
         self._enter("optimizer step")  # from here: master copies, unscale, clipping, the update
         if s.in_backward is not None:
             return self._stepped_in_backward(step, total, tokens, load)
@@ -575,11 +575,10 @@ class Trainer:
         device = device or (s.device if in_layout else next(model.parameters()).device)
         plan = plan or (s.plan if s is not None else precision_plan(cfg.optimize.mixed_precision, cfg.optimize.level()))
         how = dict(batch_size=cfg.train.micro_batch_size, limit=cfg.train.eval_batches, device=device, plan=plan,
-                   loss_chunk=cfg.optimize.loss_chunk(), pipeline=self.pipeline if in_layout else None,
                    dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
         if self.preference is not None:
-            del how["loss_chunk"], how["pipeline"]
             return self.preference.evaluate(model, self.eval_dataset, **how)
+        how.update(loss_chunk=cfg.optimize.loss_chunk(), pipeline=self.pipeline if in_layout else None)
         if isinstance(self.eval_dataset, Mapping):  # a mixture's held-out data by source
             return evaluate_sources(model, self.eval_dataset, **how)
         return evaluate_held_out(model, self.eval_dataset, **how)
