@@ -248,3 +248,14 @@ def test_boilerplate_lines_are_removed_and_real_lines_kept(tmp_path: Path, engli
     assert {s["text"] for s in samples if s["rule"] == "boilerplate_line"} == set(footer)
     with pytest.raises(DataError, match="boilerplate_lines must be 0"):
         prepare_corpus(files, tiny_tokenizer, tmp_path / "bad", boilerplate_lines=-1)
+
+
+def test_parts_without_deduplication_merge(tmp_path: Path, english: list[str], tiny_tokenizer) -> None:
+    """dedup none: the parts keep no keys, and the merge keeps every document, as one process does."""
+    files = _write_jsonl(tmp_path / "in", english[:60] + english[:5], 3)
+    one = prepare_corpus(files, tiny_tokenizer, tmp_path / "one", dedup="none", workers=1)
+    for i in range(2):
+        prepare_part(files, tiny_tokenizer, tmp_path / "merged", f"{i}/2", dedup="none", workers=1)
+    merged = merge_parts(tmp_path / "merged", tiny_tokenizer)
+    assert merged["num_documents"] == one["num_documents"] == 65
+    assert [s["blake2b"] for s in merged["shards"]] == [s["blake2b"] for s in one["shards"]]

@@ -421,11 +421,11 @@ class HashedFile:
         self.path, self.file, self.hash, self.bytes = path, open(path, "wb"), hashlib.blake2b(digest_size=16), 0
 
     def write(self, values: np.ndarray) -> None:
-        """Append `values` (8-byte integers, C order)."""
-        data = memoryview(np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"))).cast("B")
+        """Append `values` (8-byte integers, C order; an empty array writes nothing)."""
+        data = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes()
         self.file.write(data)
         self.hash.update(data)
-        self.bytes += data.nbytes
+        self.bytes += len(data)
 
     def close(self) -> dict[str, Any]:
         """Flush to disk; the file's entry for the manifest."""
@@ -620,8 +620,9 @@ def _write_corpus(
             for f in files
         ],
         "shards": shards,
-        **({"part": {**part, "key_columns": int(1 + near["bands"] if near else 1), "files": side_files}}
-           if part else {}),
+        # key columns as the workers wrote them: none without deduplication
+        **({"part": {**part, "key_columns": (1 + near["bands"] if near else 1) if options["dedup"] else 0,
+                     "files": side_files}} if part else {}),
     }
 
 

@@ -17,6 +17,7 @@ A part is not training data (it still holds the duplicates across parts): `Token
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -160,7 +161,7 @@ def _open_part(path: Path, tokenizer: Any) -> tuple[TokenShards, dict[str, Any]]
     shards.verify()
     columns = info.get("key_columns")
     files = info.get("files")
-    if not isinstance(columns, int) or not isinstance(files, dict) or columns < 1:
+    if not isinstance(columns, int) or not isinstance(files, dict) or columns < 0:
         raise DataError(f"{path / MANIFEST_FILE}: its part entry is malformed; prepare the part again")
     for name, per_document in ((KEYS_FILE, 8 * columns), (TRUNCATED_FILE, None)):
         entry = files.get(name)
@@ -331,7 +332,7 @@ def _write_merged(paths: list[Path], parts: list[TokenShards], manifests: list[d
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "created": manifests[-1]["created"],
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shardwise_version": shardwise_version(),
         "tokenizer": tokenizer_info(tokenizer),
         "dtype": dtype_name,
