@@ -93,6 +93,27 @@ def test_the_loss_scales_with_its_upstream_gradient(in_forward: bool) -> None:
         assert _rel(b, a * 128.0) <= 1e-6
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_row_sums_and_their_gradients_equal_the_plain_per_row_losses(chunk: int, dtype: torch.dtype) -> None:
+    """per_row (preference tuning): each row's sum, and in backward each token's gradient scaled by its
+    row's upstream gradient (here a different weight per row, as DPO's are); against torch's cross-entropy
+    per token on the whole logits, summed per row. A chunk that spans rows (7, 64) scales token by token."""
+    h, w, labels = _head_inputs(dtype=dtype)
+    weights = torch.tensor([0.5, -2.0, 3.0])
+    ref = torch.nn.functional.cross_entropy((h @ w.t()).float().flatten(0, 1), labels.flatten(),
+                                            reduction="none").view(3, -1).sum(dim=1)
+    ref_h, ref_w = _grads((ref * weights).sum() / 50.0, h, w)
+    got = chunked_token_loss_sum(h, w, labels, chunk, per_row=True)
+    got_h, got_w = _grads((got * weights).sum() / 50.0, h, w)
+    assert got.shape == (3,) and got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=LOSS_RTOL, atol=0)
+    # fp16: the weight's gradient accumulates chunk by chunk in fp16 (1.8e-3 relative measured with chunks of 1)
+    bar_h, bar_w = (GRAD_RTOL, GRAD_RTOL) if dtype == torch.float32 else (1e-4, 5e-3)
+    assert _rel(got_h, ref_h) <= bar_h and _rel(got_w, ref_w) <= bar_w, (_rel(got_h, ref_h), _rel(got_w, ref_w))
+    assert not got_h[0, :10].any() and not got_h[2, -3:].any()
+
+
 def test_16_bit_weights_give_the_plain_loss_and_close_gradients() -> None:
     """bf16 / fp16 weights (precision O2/O3): the logits are computed and upcast as the plain path
     does, so the loss is the plain one. The gradients: bf16 scales them by the upstream gradient after

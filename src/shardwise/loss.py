@@ -98,15 +98,31 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, per_token, 0.0).sum()
 
 
+def row_token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of next-token cross-entropy over its labelled positions [R], fp32: minus the row's
+    log-probability of its labels (preference tuning). `logits` [R, T, V] a plain tensor or a DTensor
+    (gathered whole), `labels` [R, T]."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    if isinstance(labels, DTensor):
+        labels = labels.full_tensor()
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(labels.shape).sum(dim=1)
+
+
 # --- the loss without the full logits ------------------------------------------------------------
 
 
 def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, compiled: bool = False,
-                           gradients_in_forward: bool = True) -> torch.Tensor:
+                           gradients_in_forward: bool = True, per_row: bool = False) -> torch.Tensor:
     """`token_loss_sum(hidden @ weight.T, labels)` without materialising the [tokens, vocab] logits
     or their gradient: `chunk_tokens` tokens at a time, in forward (and again in backward where it
     recomputes the logits, see `gradients_in_forward`).
+
+    `per_row`: instead of one sum, each row's sum [R] (labels [R, T]): minus each row's log-probability
+    of its labelled tokens, as preference tuning needs. Its backward scales each token's gradient by
+    its row's upstream gradient, so it always recomputes the logits (never `gradients_in_forward`).
 
     `hidden` [..., H] are the final (normed) hidden states, `weight` [V, H] the output projection's
     weight (a tied embedding matrix works alike), `labels` [...] the targets. Each chunk's logits are
@@ -160,15 +176,16 @@ def chunked_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: t
         hidden = hidden.full_tensor()
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(h.device)
+    rows = labels.reshape(-1, labels.shape[-1]).shape[0] if per_row else 0
     device_type = h.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         h, weight = h.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        if (gradients_in_forward and mesh is None and h.dtype != torch.float16 and torch.is_grad_enabled()
-                and (h.requires_grad or weight.requires_grad)):
+        if (gradients_in_forward and not per_row and mesh is None and h.dtype != torch.float16
+                and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             return _GradientsInForward.apply(h, weight, y, int(chunk_tokens), compiled)
-        return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start, compiled)
+        return _ChunkedLinearCrossEntropy.apply(h, weight, y, int(chunk_tokens), mesh, start, compiled, rows)
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -187,11 +204,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     gradients bit for bit. Every [c, V] block lives only inside one chunk. Under TP (`mesh`) the weight
     holds vocabulary rows [start, start + V_local); the largest logit, the exp-sum and the target logit of
     each token are reduced across the mesh, so backward's softmax is one device's but for the exp-sum's
-    rounding."""
+    rounding.
+
+    `rows` > 0: the sums of `rows` equal runs of tokens (the rows of a batch) [rows], each token's
+    gradient in backward scaled by its row's upstream gradient; 0: one sum."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                mesh: Any, start: int, compiled: bool) -> torch.Tensor:  # noqa: D102
+                mesh: Any, start: int, compiled: bool, rows: int = 0) -> torch.Tensor:  # noqa: D102
         n, n_local = h.shape[0], weight.shape[0]
         top = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)  # -inf: no vocabulary here
         total = torch.ones(n, dtype=torch.float32, device=h.device)
@@ -207,10 +227,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             top, total, target = biggest, both[0], both[1]
         lse = total.log().add_(top)
         valid = labels != IGNORE_INDEX
-        loss = torch.where(valid, lse - target, 0.0).sum()
+        token_losses = torch.where(valid, lse - target, 0.0)
+        loss = token_losses.view(rows, -1).sum(dim=1) if rows else token_losses.sum()
         total.masked_fill_(~valid, float("inf"))
         ctx.save_for_backward(h, weight, labels, top, total)
-        ctx.chunk_tokens, ctx.start, ctx.compiled = chunk_tokens, start, compiled
+        ctx.chunk_tokens, ctx.start, ctx.compiled, ctx.rows = chunk_tokens, start, compiled, rows
         return loss
 
     @staticmethod
@@ -222,8 +243,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = None
         g = grad_loss.float()
         # fp16 scales each chunk's gradient by the loss scale before its cast to 16 bits (no underflow);
-        # the others scale the gradients at the end, as `_GradientsInForward` does.
-        scale = g if weight.dtype == torch.float16 else None
+        # the others scale the gradients at the end, as `_GradientsInForward` does. Per row: each token's
+        # by its row's, in the chunk.
+        per_token = g.repeat_interleave(n // ctx.rows).unsqueeze(1) if ctx.rows else None
+        scale = g if weight.dtype == torch.float16 and per_token is None else None
         logit_grad = _compiled("backward") if ctx.compiled else _chunk_logit_grad
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_tokens):
@@ -232,14 +255,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     if need_h:
                         grad_h[s:e] = 0
                     continue
-                p = logit_grad(h[s:e], weight, labels[s:e], top[s:e], total[s:e], scale, ctx.start, n_local)
+                chunk_scale = per_token[s:e] if per_token is not None else scale
+                p = logit_grad(h[s:e], weight, labels[s:e], top[s:e], total[s:e], chunk_scale, ctx.start, n_local)
                 grad_w = _add_chunk_gradients(p, weight, h[s:e], grad_h, s, grad_w, need_w)
                 del p
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(weight)
-        if scale is None:
+        if scale is None and per_token is None:
             _scale_in_place((grad_h, grad_w), g)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 class _GradientsInForward(torch.autograd.Function):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, row_token_loss_sums
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 NEEDS_REFERENCE = ("dpo", "ipo")
@@ -59,16 +59,16 @@ class PreferenceObjective:
 def row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed log-probability of its labelled tokens [R] (fp32) and their count [R].
 
-    `logits` [R, T, V] (a plain tensor or a replicated DTensor), `labels` [R, T] with IGNORE_INDEX where a
-    position carries no label (the prompt, padding)."""
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
+    `logits` [R, T, V] (a plain tensor or a DTensor, gathered whole), `labels` [R, T] with IGNORE_INDEX where
+    a position carries no label (the prompt, padding)."""
+    return -row_token_loss_sums(logits, labels), answer_tokens(labels)
+
+
+def answer_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's count of labelled tokens [R] (`labels` [R, T], a plain tensor or a DTensor)."""
     if isinstance(labels, DTensor):
         labels = labels.full_tensor()
-    rows, width = labels.shape
-    token = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="none").view(rows, width)
-    return token.sum(dim=1), (labels != IGNORE_INDEX).sum(dim=1)
+    return (labels != IGNORE_INDEX).sum(dim=1)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -116,4 +116,4 @@ def pair_losses(
     raise ValueError(f"unknown preference loss {o.loss!r}; expected one of {', '.join(LOSSES)}")
 
 
-__all__ = ["LOSSES", "NEEDS_REFERENCE", "PreferenceObjective", "pair_losses", "row_logps"]
+__all__ = ["LOSSES", "NEEDS_REFERENCE", "PreferenceObjective", "answer_tokens", "pair_losses", "row_logps"]

@@ -178,13 +178,13 @@ def test_losses_match_the_formulas_on_transformers_log_probabilities(tmp_path: P
     assert policy.grad is not None and policy.grad.abs().sum() > 0
 
 
-def _preference_run(tmp_path: Path, tokenizer_dir: Path, steps: int, **changes) -> "object":
+def _preference_run(tmp_path: Path, tokenizer_dir: Path, steps: int, data: dict | None = None, **changes) -> "object":
     tmp_path.mkdir(parents=True, exist_ok=True)
     train = _write(tmp_path / "train.jsonl", _pairs(48))
     held_out = _write(tmp_path / "eval.jsonl", _pairs(12, seed=1))
     cfg = tiny_config(tmp_path, max_steps=steps, micro_batch_size=8, lr=3e-3, eval_steps=steps)
     data = {"kind": "preference", "train_files": [train], "eval_files": [held_out], "tokenizer": str(tokenizer_dir),
-            "template": "default", "seq_length": 32}
+            "template": "default", "seq_length": 32, **(data or {})}
     return with_changes(cfg, data=data, **changes)
 
 
@@ -225,13 +225,18 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path: Path, tokenizer_
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_resume_continues_exactly_with_the_stored_reference(tmp_path: Path, tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("precompute", [True, False], ids=["precomputed", "frozen_copy"])
+def test_resume_continues_exactly_with_the_starting_reference(tmp_path: Path, tokenizer_dir: Path,
+                                                              precompute: bool) -> None:
+    """The reference stays the starting weights' on a resume: the stored log-probabilities read back, or the
+    frozen copy taking the starting weights before the checkpoint replaces the policy's."""
     import shutil
 
     from shardwise.checkpoint.storage import list_checkpoints
     from shardwise.errors import TrainingError
 
-    cfg = _preference_run(tmp_path, tokenizer_dir, 6, train={"save_steps": 3})
+    cfg = _preference_run(tmp_path, tokenizer_dir, 6, train={"save_steps": 3},
+                          preference={"precompute_reference": precompute})
     full = Trainer(cfg).train().losses
     run = Path(cfg.train.output_dir)
     newest = list_checkpoints(run)[-1]
@@ -239,8 +244,10 @@ def test_resume_continues_exactly_with_the_stored_reference(tmp_path: Path, toke
     shutil.rmtree(newest)  # as if the run had stopped after step 3
     resumed = Trainer(cfg).train(resume="auto").losses
     assert sorted(resumed) == [4, 5, 6]
-    for step in (4, 5, 6):  # the reference is the starting weights', read back, not the resumed ones'
+    for step in (4, 5, 6):  # the reference is the starting weights', not the resumed ones'
         assert resumed[step] == pytest.approx(full[step], abs=1e-6, rel=0)
+    if not precompute:
+        return
     shutil.rmtree(list_checkpoints(run)[-1])
     (run / "reference_logps.npz").unlink()
     with pytest.raises(TrainingError, match="reference_logps.npz cannot be read"):
@@ -281,3 +288,18 @@ def test_dpo_on_a_mixture_of_experts_model(tmp_path: Path, tokenizer_dir: Path) 
     losses = Trainer(cfg).train().losses
     assert losses[1] == pytest.approx(math.log(2), abs=1e-6)  # routing is the same for the reference pass
     assert all(math.isfinite(v) for v in losses.values())
+
+
+@pytest.mark.parametrize("parallel, multiple", [
+    ({"tensor_parallel": 2, "sequence_parallel": True}, 2),
+    ({"context_parallel": 2}, 2),
+    ({"context_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True}, 4),
+])
+def test_a_batch_width_the_layout_cannot_split_is_refused_by_name(tmp_path: Path, tokenizer_dir: Path,
+                                                                  parallel: dict, multiple: int) -> None:
+    """Preference batches are as wide as their longest row rounded up to data.pad_to_multiple_of: the rows'
+    split over sequence-parallel and context-parallel ranks needs that multiple, and the message names it."""
+    with pytest.raises(Exception, match=f"pad_to_multiple_of to a multiple of {multiple}"):
+        _preference_run(tmp_path, tokenizer_dir, 2, parallel=parallel, data={"pad_to_multiple_of": 1})
+    cfg = _preference_run(tmp_path, tokenizer_dir, 2, parallel=parallel, data={"pad_to_multiple_of": 8})
+    assert cfg.parallel.context_parallel == parallel.get("context_parallel", 1)

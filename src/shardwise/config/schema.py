@@ -774,16 +774,16 @@ class RunConfig(_Section):
         return self
 
     def _check_preference(self) -> None:
-        """Layouts preference tuning does not run with yet, and a reference the loss does not use."""
+        """Batch widths the layout cannot split, a reference the loss does not use."""
         p, pref = self.parallel, self.preference
-        for name, value in (("pipeline_parallel", p.pipeline_parallel), ("context_parallel", p.context_parallel)):
-            if value > 1:
-                raise ValueError(f"data.kind preference with parallel.{name} {value} is not supported yet; use data "
-                                 "parallelism, ZeRO or tensor parallelism for preference tuning")
-        if p.tensor_parallel > 1 and p.sequence_parallel and self.data.pad_to_multiple_of % p.tensor_parallel:
-            raise ValueError(f"sequence parallel splits each row over tensor_parallel {p.tensor_parallel} ranks, but "
-                             f"preference batches are data.pad_to_multiple_of {self.data.pad_to_multiple_of}-token "
-                             f"multiples wide; set data.pad_to_multiple_of to a multiple of {p.tensor_parallel}")
+        split = p.context_parallel * (p.tensor_parallel if p.tensor_parallel > 1 and p.sequence_parallel else 1)
+        if split > 1 and self.data.pad_to_multiple_of % split:
+            what = " x ".join(f"{name} {n}" for name, n in (("context_parallel", p.context_parallel),
+                                                            ("tensor_parallel", p.tensor_parallel)) if n > 1)
+            raise ValueError(f"{'sequence parallelism' if p.context_parallel == 1 else 'context parallelism'} splits "
+                             f"each row over {what} ranks, but preference batches are data.pad_to_multiple_of "
+                             f"{self.data.pad_to_multiple_of}-token multiples wide; set data.pad_to_multiple_of to a "
+                             f"multiple of {split}")
         if pref.loss in ("simpo", "orpo") and pref.precompute_reference:
             raise ValueError(f"preference.loss {pref.loss} uses no reference model, so precompute_reference has "
                              "nothing to compute; leave it null")

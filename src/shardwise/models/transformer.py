@@ -320,6 +320,7 @@ class Transformer(nn.Module):
         document_ids: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        loss_per_row: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for tokens [B, T] (or hidden states in and out on a pipeline's middle stages).
 
@@ -332,6 +333,8 @@ class Transformer(nn.Module):
         positions with a label (`shardwise.loss.chunked_token_loss_sum`), computed `loss_chunk_tokens`
         tokens at a time from the output projection's weight, never the [B*T, vocab] logits; a
         pipeline stage without the output projection ignores the labels and returns hidden states.
+        `loss_per_row`: with `labels`, each row's sum [B] instead (minus its answer's log-probability in
+        preference tuning).
         """
         past = kv_cache.length if kv_cache is not None else 0
         seqlen = tokens.shape[1]
@@ -386,7 +389,8 @@ class Transformer(nn.Module):
                 # The weight is read inside forward, so FSDP2 has gathered it and its gradient is reduced.
                 return chunked_token_loss_sum(h, self.output.weight, labels, loss_chunk_tokens,
                                               compiled=self.compile_loss_head,
-                                              gradients_in_forward=self.loss_gradients_in_forward)
+                                              gradients_in_forward=self.loss_gradients_in_forward,
+                                              per_row=loss_per_row)
             h = self.output(h)
         return h
 

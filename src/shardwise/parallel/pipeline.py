@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -74,7 +75,7 @@ from torch.distributed.pipelining import (
 )
 
 from ..errors import ConfigError
-from ..loss import IGNORE_INDEX, token_loss_sum
+from ..loss import IGNORE_INDEX, row_token_loss_sums, token_loss_sum
 from ..models.moe import moe_layers
 from ..models.transformer import materialize
 from .collectives import broadcast_, exchange
@@ -293,14 +294,19 @@ class _StepLoss:
     """The schedule's loss: a micro-batch's token-loss sum over the step's global target-token count
     (`global_tokens`, set by `pipeline_step` before each schedule step). The sum is `loss_sum(logits,
     labels)`, or, with the chunked loss (`in_stage`, also set by `pipeline_step`), the last stage's
-    own output: its forward got the labels and returned the sum without ever holding the logits."""
+    own output: its forward got the labels and returned the sum without ever holding the logits.
+    With a `row_loss` (set by `pipeline_step` for the step), that function of the last stage's output
+    (its rows' token-loss sums, or the logits) and the target makes the micro-batch's sum instead."""
 
     def __init__(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.loss_sum = loss_sum
         self.global_tokens: Any = 1.0
         self.in_stage = False
+        self.row_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.row_loss is not None:
+            return self.row_loss(output, target) / self.global_tokens
         return (output if self.in_stage else self.loss_sum(output, target)) / self.global_tokens
 
 
@@ -528,14 +534,27 @@ def _check_batch(pipe: Pipeline, input_ids: torch.Tensor, extras: dict[str, torc
 
 def _broadcast_loss(pipe: Pipeline, local: Optional[torch.Tensor]) -> torch.Tensor:
     value = local.detach().float().reshape(()) if local is not None else torch.zeros((), device=pipe.device)
+    return broadcast_from_last(pipe, value)
+
+
+def broadcast_from_last(pipe: Pipeline, value: torch.Tensor) -> torch.Tensor:
+    """The last stage's `value` on every pipeline rank (the others pass a tensor of its shape and dtype)."""
     value = value.to(pipe.device).clone()
     if pipe.pp_size > 1:
         broadcast_(value, dist.get_global_rank(pipe.group, pipe.last_rank), pipe.group)
     return value
 
 
-def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Micro-batches as the one batch a pipeline step takes (the schedule splits it into them again)."""
+def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]],
+                         pad_to: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Micro-batches as the one batch a pipeline step takes (the schedule splits it into them again).
+    `pad_to` (rows of tokens and labels alone: preference pairs): every row padded on the right to that
+    width, the tokens with 0, the labels with IGNORE_INDEX, so that every step has one shape (causal
+    attention keeps the padding out of the earlier tokens)."""
+    if pad_to is not None:
+        width = pad_to
+        micro_batches = [{**mb, "input_ids": _pad_right(mb["input_ids"], width, 0),
+                          "labels": _pad_right(mb["labels"], width, IGNORE_INDEX)} for mb in micro_batches]
     shapes = sorted({tuple(mb["input_ids"].shape) for mb in micro_batches})
     if len(shapes) > 1:
         raise ConfigError(
@@ -545,10 +564,16 @@ def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]]) -> dict[s
     return {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
 
 
+def _pad_right(rows: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return F.pad(rows, (0, width - rows.shape[1]), value=value) if rows.shape[1] < width else rows
+
+
 def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
                   position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, global_tokens: Any = None,
-                  finish_step: bool = True, loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                  finish_step: bool = True, loss_chunk_tokens: Optional[int] = None,
+                  row_loss: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                  target: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Forward and backward of one step's batch ([micro_batch_num x micro-batch rows, T]) through the
     pipeline, accumulating gradients; return the step's loss on every pipeline rank.
 
@@ -562,6 +587,10 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     `loss_chunk_tokens`: the chunked loss (`shardwise.loss.chunked_token_loss_sum`): the labels go to
     the stages' forward with the other per-sample inputs, and the last stage returns the token-loss
     sum itself instead of logits. None: the last stage's logits go to the schedule's loss function.
+    `row_loss(output, target)` (preference tuning): the micro-batch's loss sum from its rows' token-loss
+    sums (with `loss_chunk_tokens`: the last stage returns them, `loss_per_row`) or from its logits, and
+    its slice of `target` (rows first, as the batch; default `labels`); `global_tokens` then counts what
+    that loss sums over.
     """
     extras = _extras(position_ids, document_ids, attention_mask)
     _check_batch(pipe, input_ids, extras)
@@ -572,6 +601,8 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     extras = {k: v.to(device) for k, v in extras.items()}
     if loss_chunk_tokens is not None:  # split into micro-batches like the inputs; stages without the head ignore it
         extras.update(labels=labels, loss_chunk_tokens=loss_chunk_tokens)
+        if row_loss is not None:
+            extras.update(loss_per_row=True)
     args = (input_ids.to(device),) if pipe.has_first else ()
     shape = (tuple(input_ids.shape), tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v)
                                            for k, v in sorted(extras.items())))
@@ -581,7 +612,9 @@ def pipeline_step(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     losses: list[torch.Tensor] = []
     pipe.step_loss.global_tokens = global_tokens
     pipe.step_loss.in_stage = loss_chunk_tokens is not None
-    pipe.schedule.step(*args, target=labels if pipe.has_last else None, losses=losses if pipe.has_last else None,
+    pipe.step_loss.row_loss = row_loss
+    target = (labels if target is None else target.to(device)) if pipe.has_last else None
+    pipe.schedule.step(*args, target=target, losses=losses if pipe.has_last else None,
                        **pipe.step_kwargs, **extras)
     if finish_step:
         pipe.sync_tied_grads()
@@ -620,11 +653,12 @@ def _empty_from(header: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def pipeline_eval_batches(pipe: Pipeline, batches: list[dict[str, torch.Tensor]],
-                          loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
+                          loss_chunk_tokens: Optional[int] = None, per_row: bool = False) -> torch.Tensor:
     """Forward only over the micro-batches `batches` ({"input_ids", "labels"} and any of position_ids,
     document_ids, attention_mask; shapes may differ between them): each one's SUM of token losses,
     float32 [len(batches)], on every pipeline rank. With `loss_chunk_tokens` the last stage computes
     the sums chunk by chunk (see `pipeline_step`). Call it on every pipeline rank with the same batches.
+    `per_row`: each row's sum instead, the batches' rows one after another (float32 [rows]).
 
     A GPipe fill in lock-step ticks over the pipeline's segments (`stage_segments`): at tick t,
     segment j runs micro-batch t - j, so stage s works on micro-batch m while the next works on m - 1,
@@ -659,9 +693,9 @@ def pipeline_eval_batches(pipe: Pipeline, batches: list[dict[str, torch.Tensor]]
                 m = tick - j
                 if 0 <= m < n:
                     out = _run_segment(pipe, by_stage, segments[j], batches[m], inbox.pop(j, None), device,
-                                       loss_chunk_tokens)
+                                       loss_chunk_tokens, per_row)
                     if j == len(segments) - 1:
-                        sums[m] = out.detach().float().reshape(())
+                        sums[m] = out.detach().float().reshape(-1 if per_row else ())
                     else:
                         outbox.append((j, out))
             # Neighbouring segments have different owners: every output goes to another rank, and
@@ -675,17 +709,19 @@ def pipeline_eval_batches(pipe: Pipeline, batches: list[dict[str, torch.Tensor]]
     finally:
         for c, mode in zip(pipe.chunks, was_training):
             c.train(mode)
-    local = torch.stack(sums) if pipe.has_last else torch.zeros(n, device=device)
-    if pipe.pp_size > 1:
-        broadcast_(local, dist.get_global_rank(group, pipe.last_rank), group)
-    return local
+    if pipe.has_last:
+        local = torch.cat(sums) if per_row else torch.stack(sums)
+    else:
+        local = torch.zeros(sum(b["input_ids"].shape[0] for b in batches) if per_row else n, device=device)
+    return broadcast_from_last(pipe, local)
 
 
 def _run_segment(pipe: Pipeline, by_stage: dict[int, nn.Module], segment: tuple[int, int],
                  batch: dict[str, torch.Tensor], h: Optional[torch.Tensor], device: torch.device,
-                 loss_chunk_tokens: Optional[int]) -> torch.Tensor:
+                 loss_chunk_tokens: Optional[int], per_row: bool = False) -> torch.Tensor:
     """One micro-batch through a segment's stages: its output activation, or at the end of the
-    pipeline the micro-batch's token-loss sum. `h`: the segment's input (None at stage 0)."""
+    pipeline the micro-batch's token-loss sum (`per_row`: its rows'). `h`: the segment's input (None at
+    stage 0)."""
     extras = {k: batch[k].to(device) for k in _MODEL_EXTRAS if k in batch}
     first, last = segment
     if first == 0:
@@ -694,10 +730,29 @@ def _run_segment(pipe: Pipeline, by_stage: dict[int, nn.Module], segment: tuple[
         if s < pipe.num_stages - 1:
             h = by_stage[s](h, **extras)
         elif loss_chunk_tokens is not None:
-            return by_stage[s](h, labels=batch["labels"].to(device), loss_chunk_tokens=loss_chunk_tokens, **extras)
+            return by_stage[s](h, labels=batch["labels"].to(device), loss_chunk_tokens=loss_chunk_tokens,
+                               loss_per_row=per_row, **extras)
+        elif per_row:
+            return row_token_loss_sums(by_stage[s](h, **extras), batch["labels"].to(device))
         else:
             return pipe.step_loss.loss_sum(by_stage[s](h, **extras), batch["labels"].to(device))
     return h
+
+
+def pipeline_row_losses(pipe: Pipeline, batch: dict[str, torch.Tensor],
+                        loss_chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Forward only: each row's token-loss sum of `batch` (any number of rows) [rows], float32, on every
+    pipeline rank, the batch split into up to `micro_batch_num` micro-batches (as `pipeline_eval`)."""
+    return pipeline_eval_batches(pipe, _eval_pieces(pipe, batch), loss_chunk_tokens, per_row=True)
+
+
+def _eval_pieces(pipe: Pipeline, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """`batch`'s model inputs and labels split by rows into up to `micro_batch_num` micro-batches."""
+    keys = ("input_ids", "labels", *_MODEL_EXTRAS)
+    given = {k: batch[k] for k in keys if batch.get(k) is not None}
+    pieces = max(1, min(batch["input_ids"].shape[0], pipe.micro_batch_num))
+    split = {k: torch.tensor_split(v, pieces) for k, v in given.items()}
+    return [{k: parts[i] for k, parts in split.items()} for i in range(pieces)]
 
 
 def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -709,9 +764,5 @@ def pipeline_eval(pipe: Pipeline, input_ids: torch.Tensor, labels: torch.Tensor,
     The batch is split into up to `micro_batch_num` micro-batches of rows that go through
     `pipeline_eval_batches`, the stages overlapping. Call it on every pipeline rank with the same batch.
     """
-    given = {"input_ids": input_ids, "labels": labels,
-             **_extras(position_ids, document_ids, attention_mask)}
-    pieces = max(1, min(input_ids.shape[0], pipe.micro_batch_num))
-    split = {k: torch.tensor_split(v, pieces) for k, v in given.items()}
-    batches = [{k: parts[i] for k, parts in split.items()} for i in range(pieces)]
-    return pipeline_eval_batches(pipe, batches, loss_chunk_tokens).sum()
+    given = {"input_ids": input_ids, "labels": labels, **_extras(position_ids, document_ids, attention_mask)}
+    return pipeline_eval_batches(pipe, _eval_pieces(pipe, given), loss_chunk_tokens).sum()

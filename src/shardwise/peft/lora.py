@@ -225,10 +225,11 @@ class LoRAExperts(GroupedExperts):
 # ----------------------------------------------------------------- names ----
 
 @contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """Within the block, `model` computes as its base: every adapter's scaling is 0 (its update adds exact
-    zeros), and restored after. Preference tuning's reference model with LoRA: no second copy in memory."""
-    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+def adapters_off(*models: nn.Module) -> Iterator[None]:
+    """Within the block, the `models` (a model, or a pipeline rank's chunks) compute as their base: every
+    adapter's scaling is 0 (its update adds exact zeros), and restored after. Preference tuning's reference
+    model with LoRA: no second copy in memory."""
+    adapted = [m for model in models for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
     scalings = [m.scaling for m in adapted]
     for m in adapted:
         m.scaling = 0.0

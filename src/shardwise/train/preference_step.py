@@ -2,9 +2,23 @@
 figures and held-out evaluation.
 
 A preference batch holds B pairs as 2B rows (data/preference.py). `PreferenceTuning.micro_loss` runs the
-policy on them, takes each row's answer log-probability (`preference.row_logps`), gets the reference's
-(below) and returns the sum of the pairs' losses (`preference.pair_losses`); the trainer divides by the
-step's pairs over all data-parallel ranks (`pairs`), so every layout gives one process's loss.
+policy on them, takes each row's answer log-probability (`forward_logps`), gets the reference's (below)
+and returns the sum of the pairs' losses (`preference.pair_losses`); the trainer divides by the step's
+pairs over all data-parallel ranks (`pairs`), so every layout gives one process's loss.
+
+Each row's log-probability comes, with the chunked loss (optimize.chunked_loss, the default), from the
+model's forward itself (`loss_per_row`): chunk by chunk, never the whole [rows, T, vocab] logits, and
+under context parallelism summed over the ranks that hold the row's parts, each keeping its own part's
+gradient. Without it, from the whole logits (`preference.row_logps`).
+
+Under pipeline parallelism (`pipeline_step`) the schedule's loss function on the last stage makes each
+micro-batch's pair losses from its rows' sums; the reference's log-probabilities reach it inside the
+schedule's target (`_with_reference`), and the step's figures are sent from the last stage to every
+pipeline rank (`take_figures`). The reference there is precomputed, or the pipeline run forward only
+before each step (`pipeline.pipeline_row_losses`): with LoRA's adapters off, or on the frozen copy's
+chunks. The stages keep one activation shape, so every row is padded to data.seq_length there
+(`width`, `pipeline.concat_micro_batches`: the padding carries no label, and causal attention keeps it
+out of the answers).
 
 The reference model is the run's starting weights (`RunConfig.reference_mode`):
 - `precompute`: before the first step the model, untouched yet, computes every pair's log-probabilities
@@ -12,7 +26,9 @@ The reference model is the run's starting weights (`RunConfig.reference_mode`):
   for a resume (`reference_logps.npz`) and carried by the batches: no second model in memory;
 - `adapters_off`: with LoRA, the same model with its adapters switched off (`peft.lora.adapters_off`),
   forward only, in every micro-batch: no second model either;
-- `frozen_copy`: a frozen copy of the starting model, forward only.
+- `frozen_copy`: a frozen copy of the starting model in the run's layout (its parts sharded, split and
+  hooked as the policy's: `keep_frozen_parts`), holding the starting weights (`copy_starting_weights`, also
+  before a resume's checkpoint replaces the policy's), forward only.
 
 A step's figures (summed over its micro-batches, then over the data-parallel ranks by the trainer) are
 [loss sum, reward margin sum, pairs ranked right, chosen reward sum, rejected reward sum, pairs]; the step
@@ -21,7 +37,7 @@ record shows their means (`figures_record`).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import io
 import logging
 from pathlib import Path
@@ -35,8 +51,9 @@ from ..config import RunConfig
 from ..errors import TrainingError
 from ..files import write_bytes_atomic
 from ..parallel.collectives import all_reduce
+from ..parallel.pipeline import broadcast_from_last, pipeline_row_losses, pipeline_step
 from ..peft.lora import adapters_off
-from ..preference import PreferenceObjective, pair_losses, row_logps
+from ..preference import PreferenceObjective, answer_tokens, pair_losses, row_logps
 from .evaluation import model_inputs
 
 log = logging.getLogger(__name__)
@@ -53,21 +70,37 @@ class PreferenceTuning:
         p = cfg.preference
         self.objective = PreferenceObjective(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, p.orpo_lambda)
         self.mode = cfg.reference_mode()
-        self.frozen: Optional[nn.Module] = None
+        self.chunk = cfg.optimize.loss_chunk()  # None: the whole logits
+        self.width = cfg.data.seq_length or cfg.model.max_position_embeddings  # the rows' width under a pipeline
+        self.frozen: Optional[list[nn.Module]] = None  # frozen_copy: the reference's parts
         self._figures: Optional[torch.Tensor] = None
 
     # --- the reference --------------------------------------------------------------------------
 
-    def keep_frozen_copy(self, model: nn.Module) -> None:
-        """reference frozen_copy: a copy of the starting `model`, frozen, for forward passes only."""
-        self.frozen = copy.deepcopy(model).eval()
-        for p in self.frozen.parameters():
-            p.requires_grad_(False)
+    def keep_frozen_parts(self, parts: list[nn.Module]) -> None:
+        """reference frozen_copy: the reference's `parts` (built and parallelised as the policy's), frozen,
+        for forward passes only; their weights come from `copy_starting_weights`."""
+        self.frozen = parts
+        for part in parts:
+            part.eval()
+            for p in part.parameters():
+                p.requires_grad_(False)
+
+    @torch.no_grad()
+    def copy_starting_weights(self, policy: list[nn.Module]) -> None:
+        """The frozen parts take the `policy` parts' weights and buffers as they are now (the starting ones)."""
+        assert self.frozen is not None, "keep_frozen_parts was not called"
+        for mine, theirs in zip(self.frozen, policy):
+            for (name, a), (other, b) in zip([*mine.named_parameters(), *mine.named_buffers()],
+                                             [*theirs.named_parameters(), *theirs.named_buffers()]):
+                assert name == other, (name, other)
+                a.copy_(b)
 
     @torch.no_grad()
     def reference_logps(self, model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor,
-                        labels: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
-        """The reference's log-probability of each row's answer [2B], or None (simpo, orpo)."""
+                        labels: torch.Tensor, device: torch.device, pipeline: Any = None) -> Optional[torch.Tensor]:
+        """The reference's log-probability of each row's answer [2B], or None (simpo, orpo); with a
+        `pipeline`, through its stages (every pipeline rank gets them)."""
         if self.mode is None:
             return None
         if self.mode == "precompute":
@@ -75,10 +108,20 @@ class PreferenceTuning:
                 raise TrainingError("the batch carries no reference log-probabilities: they were not precomputed")
             return mb["reference_logps"].to(device, non_blocking=True)
         if self.mode == "adapters_off":
-            with adapters_off(model):
-                return row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
-        assert self.frozen is not None, "keep_frozen_copy was not called"
-        return row_logps(self.frozen(ids, **model_inputs(mb, device)), labels)[0]
+            with adapters_off(*(pipeline.chunks if pipeline is not None else [model])):
+                return self.logps(model, mb, ids, labels, device, pipeline)
+        assert self.frozen is not None, "keep_frozen_parts was not called"
+        if pipeline is not None:  # the frozen chunks in the pipeline's places
+            return self.logps(None, mb, ids, labels, device, dataclasses.replace(pipeline, chunks=self.frozen))
+        return forward_logps(self.frozen[0], mb, ids, labels, device, self.chunk)
+
+    def logps(self, model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
+              device: torch.device, pipeline: Any = None) -> torch.Tensor:
+        """Each row's answer log-probability under `model` (`forward_logps`), or with a `pipeline` its
+        stages, forward only (every pipeline rank gets them)."""
+        if pipeline is None:
+            return forward_logps(model, mb, ids, labels, device, self.chunk)
+        return -pipeline_row_losses(pipeline, {**mb, "input_ids": ids, "labels": labels}, self.chunk)
 
     # --- a step ---------------------------------------------------------------------------------
 
@@ -92,15 +135,42 @@ class PreferenceTuning:
         """The sum of the micro-batch's pair losses (its figures added to the step's). The reference's forward
         (no gradient) runs first, so its logits are gone before the policy's activations build up."""
         reference = self.reference_logps(model, mb, ids, labels, device)
-        policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
+        policy = forward_logps(model, mb, ids, labels, device, self.chunk)
+        return self._pair_loss_sum(policy, answer_tokens(labels), reference)
+
+    def _pair_loss_sum(self, policy: torch.Tensor, counts: torch.Tensor,
+                       reference: Optional[torch.Tensor]) -> torch.Tensor:
+        """The pairs' loss sum from their rows' log-probabilities; their figures added to the step's."""
         losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
         figures = _figures(losses.detach(), chosen, rejected)
         self._figures = figures if self._figures is None else self._figures + figures
         return losses.sum()
 
-    def take_figures(self) -> torch.Tensor:
-        """The step's figures so far (float64, on the device), and a fresh start for the next step."""
+    def pipeline_step(self, pipe: Any, batch: dict[str, torch.Tensor], global_pairs: Any, finish_step: bool,
+                      device: torch.device) -> torch.Tensor:
+        """One pipeline step over `batch` (micro_batch_num micro-batches' rows, concatenated): the pairs'
+        losses over `global_pairs`, summed, on every pipeline rank (`parallel.pipeline.pipeline_step`)."""
+        ids, labels = batch["input_ids"], batch["labels"]
+        reference = self.reference_logps(None, batch, ids.to(device), labels.to(device), device, pipe)
+        return pipeline_step(pipe, ids, labels, global_tokens=global_pairs, finish_step=finish_step,
+                             loss_chunk_tokens=self.chunk, row_loss=self._schedule_loss,
+                             target=_with_reference(labels.to(device), reference), **model_inputs(batch, device))
+
+    def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The pipeline schedule's loss of a micro-batch on the last stage: its pairs' loss sum from its
+        rows' token-loss sums (chunked loss) or logits, and its target (`_with_reference`)."""
+        labels, reference = (target[:, :-1], target[:, -1].contiguous().view(torch.float64)
+                             ) if self.mode is not None else (target, None)
+        policy = -output.float() if self.chunk is not None else row_logps(output, labels)[0]
+        return self._pair_loss_sum(policy, answer_tokens(labels), reference)
+
+    def take_figures(self, pipe: Any = None) -> torch.Tensor:
+        """The step's figures so far (float64, on the device), and a fresh start for the next step; under
+        pipeline parallelism the last stage's, on every pipeline rank."""
         figures, self._figures = self._figures, None
+        if pipe is not None:
+            return broadcast_from_last(pipe, figures if pipe.has_last else
+                                       torch.zeros(len(FIGURES) + 1, dtype=torch.float64, device=pipe.device))
         assert figures is not None, "no micro-batch ran this step"
         return figures
 
@@ -108,20 +178,40 @@ class PreferenceTuning:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset: Any, *, batch_size: int, limit: Optional[int],
-                 device: torch.device, plan: Any, dp_mesh: Any = None) -> dict[str, float]:
+                 device: torch.device, plan: Any, dp_mesh: Any = None, pipeline: Any = None) -> dict[str, float]:
         """Mean pair loss, reward accuracy and margin over the held-out pairs (the first `limit` batches),
-        the data-parallel ranks sharing the batches; every rank gets the same result."""
+        the data-parallel ranks sharing the batches (through the `pipeline`'s stages when given); every
+        rank gets the same result."""
         totals = torch.zeros(len(FIGURES) + 1, dtype=torch.float64, device=device)
         for _, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, limit, device, dp_mesh):
             with plan.autocast(device.type):
-                policy, counts = row_logps(model(ids, **model_inputs(mb, device)), labels)
-                reference = self.reference_logps(model, mb, ids, labels, device)
-            losses, chosen, rejected = pair_losses(self.objective, policy, counts, reference)
+                policy = self.logps(model, mb, ids, labels, device, pipeline)
+                reference = self.reference_logps(model, mb, ids, labels, device, pipeline)
+            losses, chosen, rejected = pair_losses(self.objective, policy, answer_tokens(labels), reference)
             if counted:  # a padding forward only keeps the collectives in step
                 totals += _figures(losses, chosen, rejected)
         if dp_mesh is not None and dp_mesh.size() > 1:
             totals = all_reduce(totals, dp_mesh)
         return {**figures_record(totals), "pairs": int(totals[-1])}
+
+
+def forward_logps(model: nn.Module, mb: dict[str, torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
+                  device: torch.device, chunk: Optional[int]) -> torch.Tensor:
+    """Each row's answer log-probability under `model` [rows], fp32, with a gradient where autograd records:
+    with `chunk` (the chunked loss's tokens per chunk) from the model's forward (`loss_per_row`), never
+    the whole logits; None: from the whole logits."""
+    if chunk is None:
+        return row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
+    return -model(ids, labels=labels, loss_chunk_tokens=chunk, loss_per_row=True, **model_inputs(mb, device)).float()
+
+
+def _with_reference(labels: torch.Tensor, reference: Optional[torch.Tensor]) -> torch.Tensor:
+    """The schedule's target under pipeline parallelism: the labels [R, T] and, when there is a reference,
+    its log-probabilities' float64 bits as one more column [R, T + 1] (the schedule splits one tensor into
+    micro-batches; `_schedule_loss` takes them apart bit for bit)."""
+    if reference is None:
+        return labels
+    return torch.cat([labels, reference.to(labels.device, torch.float64).view(torch.int64).unsqueeze(1)], dim=1)
 
 
 def _figures(losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -169,14 +259,15 @@ def _batches_in_eval_mode(model: nn.Module, dataset: Any, batch_size: int, limit
 
 
 @torch.no_grad()
-def precompute_reference(model: nn.Module, dataset: Any, *, batch_size: int, device: torch.device, plan: Any,
-                         dp_mesh: Any = None) -> np.ndarray:
-    """Every pair's (chosen, rejected) answer log-probability under `model` as it is: [pairs, 2], float64;
-    the data-parallel ranks share the pairs and every rank gets all of them."""
+def precompute_reference(tuning: PreferenceTuning, model: nn.Module, dataset: Any, *, batch_size: int,
+                         device: torch.device, plan: Any, dp_mesh: Any = None, pipeline: Any = None) -> np.ndarray:
+    """Every pair's (chosen, rejected) answer log-probability under `model` as it is (through the
+    `pipeline`'s stages when given; `tuning.logps`): [pairs, 2], float64; the data-parallel ranks share the
+    pairs and every rank gets all of them."""
     out = torch.zeros(2 * len(dataset), dtype=torch.float64, device=device)
     for pairs, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, None, device, dp_mesh):
         with plan.autocast(device.type):
-            logps = row_logps(model(ids, **model_inputs(mb, device)), labels)[0]
+            logps = tuning.logps(model, mb, ids, labels, device, pipeline)
         if counted:
             rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
             out[rows] = logps.double()

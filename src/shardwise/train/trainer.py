@@ -15,6 +15,7 @@ through `add_phase_hook(fn)`: `fn(phase)` is called as the trainer enters each o
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -306,8 +307,15 @@ class Trainer:
                 checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
             for part in parts:
                 quantize_base(part, cfg.lora.quantize_base)
+        loaded = False
+        if resume is not None and self.preference is not None and self.preference.mode == "frozen_copy":
+            # The reference is the starting weights: copied before the checkpoint replaces them.
+            if pretrained:
+                checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
+            self.preference.copy_starting_weights(parts)
+            loaded = pretrained
         state.start = checkpointer.load(resume, overwrite) if resume is not None else 0
-        if state.start == 0 and pretrained and not quantized:
+        if state.start == 0 and pretrained and not quantized and not loaded:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
         if self.preference is not None:
             self._reference_model(state, run_dir)
@@ -341,7 +349,7 @@ class Trainer:
         if s.in_backward is not None:
             s.in_backward.begin()
         total = self.forward_backward(micro_batches, n_tokens)
-        rewards = self.preference.take_figures() if self.preference is not None else None
+        rewards = self.preference.take_figures(s.pipeline) if self.preference is not None else None
         if s.dims.dp > 1:
             if rewards is None:
                 total = all_reduce(total, s.meshes["dp"])
@@ -509,10 +517,15 @@ class Trainer:
             per_step = s.pipeline.micro_batch_num
             rounds = len(micro_batches) // per_step  # the config makes it a whole number
             for r in range(rounds):
-                batch = concat_micro_batches(micro_batches[r * per_step:(r + 1) * per_step])
+                batch = concat_micro_batches(micro_batches[r * per_step:(r + 1) * per_step],
+                                             pad_to=self.preference.width if self.preference is not None else None)
                 with s.plan.autocast(s.device.type):
                     # The schedule's loss is sum(token losses) / global_tokens: dividing by n_tokens /
                     # scale also applies the fp16 loss scale to the backward.
+                    if self.preference is not None:  # the sum of the pairs' losses
+                        total += self.preference.pipeline_step(s.pipeline, batch, n_tokens / scale,
+                                                               r == rounds - 1, s.device)
+                        continue
                     total += pipeline_step(s.pipeline, batch["input_ids"], batch["labels"],
                                            global_tokens=n_tokens / scale, finish_step=r == rounds - 1,
                                            loss_chunk_tokens=chunk, **model_inputs(batch, s.device))
@@ -577,7 +590,8 @@ class Trainer:
         how = dict(batch_size=cfg.train.micro_batch_size, limit=cfg.train.eval_batches, device=device, plan=plan,
                    dp_mesh=s.meshes["dp"] if in_layout and s.dims.dp > 1 else None)
         if self.preference is not None:
-            return self.preference.evaluate(model, self.eval_dataset, **how)
+            return self.preference.evaluate(model, self.eval_dataset, pipeline=self.pipeline if in_layout else None,
+                                            **how)
         how.update(loss_chunk=cfg.optimize.loss_chunk(), pipeline=self.pipeline if in_layout else None)
         if isinstance(self.eval_dataset, Mapping):  # a mixture's held-out data by source
             return evaluate_sources(model, self.eval_dataset, **how)
@@ -590,11 +604,8 @@ class Trainer:
         log-probabilities computed now and kept in the run directory (read back on a resume), or a frozen copy."""
         pref, cfg = self.preference, self.config
         if pref.mode == "frozen_copy":
-            if state.start:
-                raise TrainingError("a preference run with a frozen reference copy cannot resume yet (the copy would "
-                                    "be of the resumed weights, not the starting ones); set "
-                                    "preference.precompute_reference: true")
-            pref.keep_frozen_copy(state.parts[0])
+            if not state.start:  # a resume copied them before loading the checkpoint
+                pref.copy_starting_weights(state.parts)
             return
         if pref.mode != "precompute":
             return
@@ -603,8 +614,9 @@ class Trainer:
             logps = load_reference(run_dir)
         else:
             dp_mesh = state.meshes["dp"] if state.dims.dp > 1 else None
-            logps = {name: precompute_reference(state.parts[0], d, batch_size=cfg.train.micro_batch_size,
-                                                device=state.device, plan=state.plan, dp_mesh=dp_mesh)
+            logps = {name: precompute_reference(pref, state.parts[0], d, batch_size=cfg.train.micro_batch_size,
+                                                device=state.device, plan=state.plan, dp_mesh=dp_mesh,
+                                                pipeline=state.pipeline)
                      for name, d in datasets.items()}
             if state.ctx.is_main:
                 save_reference(run_dir, logps["train"], logps.get("eval"))
@@ -644,9 +656,13 @@ class Trainer:
         what = describe_finetuning(model, cfg.lora, cfg.freeze)
         if what:
             log.info("%s: %s", what, trainable_summary(model))
+        # Preference tuning's frozen reference: a second model in the same layout (weights copied in setup).
+        frozen = copy.deepcopy(model) if self.preference is not None and self.preference.mode == "frozen_copy" else None
         parts = parallelize_parts(model, cfg, dims, meshes, fsdp_dtype)
+        if frozen is not None:
+            self.preference.keep_frozen_parts(parallelize_parts(frozen, cfg, dims, meshes, fsdp_dtype))
         if meta:
-            for part in parts:
+            for part in parts + (self.preference.frozen if frozen is not None else []):
                 allocate(part, device, on_host=cfg.optimize.params_on_host if offloaded else lambda _: False)
         # Without a pipeline the model is the one part; with one, this rank's first chunk.
         for part in parts:  # MoE balance losses: a mean over the step's sequences, whatever the layout

@@ -30,7 +30,10 @@ def head_bytes(cfg: Any, sh: Shape, prec: Precision, flags: dict[int, dict[str, 
         hidden_grad = input_grad or cfg.lora is None  # the final norm's weight trains in a full fine-tune
         if not head_recomputes_logits(cfg) and (hidden_grad or out_trains):
             return _head_with_forward_gradients(sh, s, saved, hidden_grad, out_trains, min(chunk, bt), autocast)
-        return _chunked_head(sh, s, saved, out_trains, min(chunk, bt), autocast)
+        head = _chunked_head(sh, s, saved, out_trains, min(chunk, bt), autocast)
+        if cfg.data.kind == "preference":  # each token's upstream gradient (its row's), fp32, in backward
+            head["bwd_extra"] += bt * 4
+        return head
     if out_trains or autocast:
         saved += bt * sh.h * s  # the norm output (its 16-bit cast under autocast), kept by the output projection
     logits = bt * sh.v * s  # referenced until the backward is done (see logits_kept)
@@ -76,12 +79,13 @@ def _chunked_head(sh: Shape, s: int, norm: int, weight_grad: bool, chunk: int, a
 def head_recomputes_logits(cfg: Any) -> bool:
     """Whether the chunked loss (`shardwise.loss.chunked_token_loss_sum`) computes its logits again in
     backward: under a pipeline (`split_model` turns its gradients_in_forward off), tensor parallelism (a
-    vocabulary-sharded weight) or fp16 matmuls; elsewhere it makes its gradients in forward. Preference
-    tuning computes whole logits (each row's log-probability), never the chunked loss."""
+    vocabulary-sharded weight), fp16 matmuls or preference tuning (each row's sum, its gradient scaled
+    token by token in backward); elsewhere it makes its gradients in forward."""
     p = cfg.parallel
-    if not cfg.optimize.chunked_loss or cfg.data.kind == "preference":
+    if not cfg.optimize.chunked_loss:
         return False
-    return p.pipeline_parallel > 1 or p.tensor_parallel > 1 or cfg.optimize.mixed_precision == "fp16"
+    return (p.pipeline_parallel > 1 or p.tensor_parallel > 1 or cfg.optimize.mixed_precision == "fp16"
+            or cfg.data.kind == "preference")
 
 
 def _loss_chunk_bytes(sh: Shape, s: int, chunk: int) -> int:

@@ -86,15 +86,14 @@ def estimate_all_ranks(cfg: Any, devices: Optional[int] = None, device: str = "c
 
 def _as_counted(cfg: Any) -> Any:
     """A preference run as the estimate counts it: each pair is two rows (micro-batches of twice
-    micro_batch_size rows, padded to at most seq_length) and the logits are whole (the pair losses need each
-    row's log-probability, so the chunked loss does not run). The reference model costs nothing more when
+    micro_batch_size rows, padded to at most seq_length); the head's loss is each row's sum, chunked or from
+    whole logits as for any run (`head.head_bytes`). The reference model costs nothing more when
     precomputed, and with LoRA its no-grad forward runs before the policy's and is smaller than its peak; a
     frozen copy adds its weights (`_estimate_rank`)."""
     if cfg.data.kind != "preference":
         return cfg
     return cfg.model_copy(update={
-        "train": cfg.train.model_copy(update={"micro_batch_size": 2 * cfg.train.micro_batch_size}),
-        "optimize": cfg.optimize.model_copy(update={"chunked_loss": False})})
+        "train": cfg.train.model_copy(update={"micro_batch_size": 2 * cfg.train.micro_batch_size})})
 
 
 def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, ...], pp_rank: int,
