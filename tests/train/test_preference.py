@@ -303,3 +303,24 @@ def test_a_batch_width_the_layout_cannot_split_is_refused_by_name(tmp_path: Path
         _preference_run(tmp_path, tokenizer_dir, 2, parallel=parallel, data={"pad_to_multiple_of": 1})
     cfg = _preference_run(tmp_path, tokenizer_dir, 2, parallel=parallel, data={"pad_to_multiple_of": 8})
     assert cfg.parallel.context_parallel == parallel.get("context_parallel", 1)
+
+
+def test_the_lora_reference_pass_does_not_count_in_the_expert_load(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """With LoRA the reference pass runs the policy's own modules (adapters off) in training mode: its routing
+    must not count in the load that moves the routers' correction bias, only the policy's forward does."""
+    from shardwise.builder import build_run_model
+    from shardwise.models.moe import take_expert_load
+    from shardwise.resolve import resolve_config
+    from shardwise.train.preference_step import PreferenceTuning
+
+    raw = _preference_run(tmp_path, tokenizer_dir, 2, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}).model_dump()
+    raw["model"] = {"preset": "tiny_qwen3_moe", "router_bias": True, "moe_bias_update_rate": 0.01}
+    cfg = resolve_config(raw)
+    assert cfg.reference_mode() == "adapters_off"
+    model = build_run_model(cfg, "cpu").train()
+    data = PreferenceDataset(cfg.data.train_files, load_tokenizer(tokenizer_dir), 32, template="default")
+    mb = data.get_batch([0, 1, 2])
+    PreferenceTuning(cfg).micro_loss(model, mb, mb["input_ids"], mb["labels"], torch.device("cpu"))
+    routed = mb["input_ids"].numel() * cfg.model.num_experts_per_tok  # one forward's copies per MoE block
+    load = take_expert_load(model)
+    assert load and all(float(counts.sum()) == routed for counts in load.values())

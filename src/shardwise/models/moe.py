@@ -30,7 +30,8 @@ moves `expert_bias` towards balance after each step, `update_expert_bias`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -283,6 +284,21 @@ def set_aux_loss_scale(model: nn.Module, sequences_per_step: int) -> None:
     """Make each MoE layer's balance losses a mean over the step's `sequences_per_step` sequences."""
     for m in moe_layers(model).values():
         m.aux_loss_scale = 1.0 / max(1, sequences_per_step)
+
+
+@contextlib.contextmanager
+def routing_uncounted(*models: nn.Module) -> Iterator[None]:
+    """Within the block, training-mode forwards of the `models` leave the expert load counters as they were:
+    forwards that are not the policy's training (a pipeline stage's shape inference, preference tuning's
+    reference pass with LoRA's adapters off) do not move the routers' correction bias."""
+    counters = [m.tokens_per_expert for model in models for m in moe_layers(model).values()]
+    before = [c.clone() for c in counters]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for c, b in zip(counters, before):
+                c.copy_(b)
 
 
 @torch.no_grad()

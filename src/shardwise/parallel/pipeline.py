@@ -76,7 +76,7 @@ from torch.distributed.pipelining import (
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, row_token_loss_sums, token_loss_sum
-from ..models.moe import moe_layers
+from ..models.moe import routing_uncounted
 from ..models.transformer import materialize
 from .collectives import broadcast_, exchange
 from .dtensors import local_tensor
@@ -359,13 +359,8 @@ class _Stage(PipelineStage):
         # The stage learns its shapes by running a micro-batch forward (the first step's, or an uninitialised
         # one on a later stage) outside the schedule. Its routing must not count in the experts' load, which
         # moves the routers' correction bias (model.moe_bias_update_rate): the counters are put back.
-        counters = [m.tokens_per_expert for m in moe_layers(self.submod).values()]
-        before = [c.clone() for c in counters]
-        out = super()._forward_metadata_inference(*args, **kwargs)
-        with torch.no_grad():
-            for c, b in zip(counters, before):
-                c.copy_(b)
-        return out
+        with routing_uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
 
 def _own_grad(param: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from torch import nn
 from ..config import RunConfig
 from ..errors import TrainingError
 from ..files import write_bytes_atomic
+from ..models.moe import routing_uncounted
 from ..parallel.collectives import all_reduce
 from ..parallel.pipeline import broadcast_from_last, pipeline_row_losses, pipeline_step
 from ..peft.lora import adapters_off
@@ -107,8 +108,9 @@ class PreferenceTuning:
             if "reference_logps" not in mb:
                 raise TrainingError("the batch carries no reference log-probabilities: they were not precomputed")
             return mb["reference_logps"].to(device, non_blocking=True)
-        if self.mode == "adapters_off":
-            with adapters_off(*(pipeline.chunks if pipeline is not None else [model])):
+        if self.mode == "adapters_off":  # the policy's modules: their routing is not the step's expert load
+            parts = pipeline.chunks if pipeline is not None else [model]
+            with adapters_off(*parts), routing_uncounted(*parts):
                 return self.logps(model, mb, ids, labels, device, pipeline)
         assert self.frozen is not None, "keep_frozen_parts was not called"
         if pipeline is not None:  # the frozen chunks in the pipeline's places

@@ -665,8 +665,10 @@ class Trainer:
             for part in parts + (self.preference.frozen if frozen is not None else []):
                 allocate(part, device, on_host=cfg.optimize.params_on_host if offloaded else lambda _: False)
         # Without a pipeline the model is the one part; with one, this rank's first chunk.
-        for part in parts:  # MoE balance losses: a mean over the step's sequences, whatever the layout
-            set_aux_loss_scale(part, cfg.global_batch_size(dims.world_size))
+        # MoE balance losses: a mean over the step's sequences, whatever the layout (a preference pair is two)
+        sequences = cfg.global_batch_size(dims.world_size) * (2 if cfg.data.kind == "preference" else 1)
+        for part in parts:
+            set_aux_loss_scale(part, sequences)
         self.model, self.model_parts = parts[0], parts
         return parts
 
