@@ -528,3 +528,24 @@ def test_a_run_with_only_eval_records(tmp_path: Path) -> None:
     (row,) = page.table("summary")
     assert (row["final loss"], row["final eval loss"]) == ("\u2013", g(4.3))
     assert "holds no training record yet" in path.read_text(encoding="utf-8")
+
+
+def test_a_preference_run_shows_its_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preference tuning: reward accuracy and margin against the step, train and held out, the records' values."""
+    lines: dict[str, list[list[float]]] = {}
+    finish = plots._finish
+
+    def spy(fig, ax, has_data):
+        lines[ax.get_title()] = [list(line.get_ydata()) for line in ax.get_lines()]
+        finish(fig, ax, has_data)
+
+    monkeypatch.setattr(plots, "_finish", spy)
+    records = [record(10, 0.69, reward_accuracy=0.5, reward_margin=0.01),
+               record(20, 0.6, reward_accuracy=0.75, reward_margin=0.3),
+               {"step": 20, "eval_loss": 0.65, "eval_reward_accuracy": 0.625, "eval_reward_margin": 0.2}]
+    page, _ = report_page([make_run(tmp_path, "dpo", records)], tmp_path / "out")
+    assert {"plot-reward_accuracy", "plot-reward_margin"} <= set(page.images)
+    assert lines["Reward accuracy (pairs ranked right) (train; eval dashed)"] == [[0.5, 0.75], [0.625]]
+    assert lines["Reward margin (chosen minus rejected) (train; eval dashed)"] == [[0.01, 0.3], [0.2]]
+    plain, _ = report_page([make_run(tmp_path, "sft", RECORDS)], tmp_path / "out_sft")
+    assert "plot-reward_accuracy" not in plain.images

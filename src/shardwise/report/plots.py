@@ -84,6 +84,10 @@ def all_plots(runs: list[Run]) -> list[Plot]:
             continue  # constant for every run that logged it: the page names it instead
         ylabel = peak_memory_label(runs) if key == "peak_memory_gb" else ylabel
         plots.append(against_step(figure, runs, plot_id, title, key, ylabel))
+    if any(run.series("reward_accuracy")[0] for run in runs):  # preference tuning
+        plots += [train_and_eval(figure, runs, plot_id, title, key, ylabel) for plot_id, title, key, ylabel in (
+            ("reward_accuracy", "Reward accuracy (pairs ranked right)", "reward_accuracy", "share of pairs"),
+            ("reward_margin", "Reward margin (chosen minus rejected)", "reward_margin", "mean margin"))]
     if len(runs) > 1:
         plots.append(loss_differences(figure, runs))
     if any(r.memory is not None or r.max_peak_memory_gb() is not None for r in runs):
@@ -195,20 +199,25 @@ def against_step(figure: Any, runs: list[Run], plot_id: str, title: str, key: st
 
 def loss_against_step(figure: Any, runs: list[Run]) -> Plot:
     """Training loss (line) and evaluation loss (dashed, circles) against the step."""
-    fig, ax = _axes(figure, "Loss against step (train; eval dashed)", "step", "loss")
+    return train_and_eval(figure, runs, "loss_step", "Loss against step", "loss", "loss")
+
+
+def train_and_eval(figure: Any, runs: list[Run], plot_id: str, title: str, key: str, ylabel: str) -> Plot:
+    """A training figure (line) and its evaluation one (eval_<key>: dashed, circles) against the step."""
+    fig, ax = _axes(figure, f"{title} (train; eval dashed)", "step", ylabel)
     has_data = False
     for i, run in enumerate(runs):
-        steps, values = run.series("loss")
+        steps, values = run.series(key)
         if steps:
             has_data = True
             ax.plot(steps, values, color=colour(i), label=f"{text(run.name)} train")
             _marks(ax, run, i, steps, values)
-        e_steps, e_values = run.eval_series()
+        e_steps, e_values = run.eval_series(key)
         if e_steps:
             has_data = True
             ax.plot(e_steps, e_values, color=colour(i), linestyle="--", marker="o", label=f"{text(run.name)} eval")
     _finish(fig, ax, has_data)
-    return Plot("loss_step", "Loss against step", _png(fig))
+    return Plot(plot_id, title, _png(fig))
 
 
 def loss_against_tokens(figure: Any, runs: list[Run]) -> Plot:

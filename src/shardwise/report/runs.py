@@ -77,8 +77,9 @@ class Run:
         pairs = [(r["step"], float(r[key])) for r in self.records if _finite(r.get(key))]
         return [s for s, _ in pairs], [v for _, v in pairs]
 
-    def eval_series(self) -> tuple[list[int], list[float]]:
-        pairs = [(r["step"], float(r["eval_loss"])) for r in self.evals if _finite(r.get("eval_loss"))]
+    def eval_series(self, key: str = "loss") -> tuple[list[int], list[float]]:
+        """(steps, values) of an evaluation figure (eval_<key>) of the evaluation records."""
+        pairs = [(r["step"], float(r[f"eval_{key}"])) for r in self.evals if _finite(r.get(f"eval_{key}"))]
         return [s for s, _ in pairs], [v for _, v in pairs]
 
     def non_finite(self, key: str) -> list[int]:
