@@ -9,7 +9,9 @@ micro_batch_size rows a micro-batch; DPO (`data.kind: preference`) on the pairs,
 pairs a micro-batch: the same rows and tokens a step. With --lora both train LoRA adapters (r 16 on every
 linear of the blocks) and DPO's reference is the base with adapters off (one more forward, no gradient);
 without it every weight trains and the reference's log-probabilities are computed before the first step
-(not timed: a forward over the data, once).
+(not timed: a forward over the data, once). A third side, `dpo_whole`, is DPO with optimize.chunked_loss
+false: each row's log-probability from the whole [rows, seq, vocab] logits instead of chunk by chunk,
+what the chunked per-row loss saves and costs.
 
 Memory: the peak of live tensor storages over two steps (`train.probe.measure_training`; exact on CPU).
 Speed: tokens/s of the steps after the first (`metrics.jsonl`), the two sides interleaved round by round
@@ -69,6 +71,7 @@ def side_config(base: Any, side: str, files: dict[str, Any], out: Path, steps: i
     else:
         raw["data"] = {**common, "kind": "preference", "train_files": [files["pairs"]]}
         raw["train"]["micro_batch_size"] = rows // 2
+        raw["optimize"]["chunked_loss"] = side == "dpo"
     raw["train"].update(output_dir=str(out), max_steps=steps, log_steps=1, save_steps=None, eval_steps=None,
                         progress_bar=False, tensorboard=False, loggers=[])
     if lora:
@@ -96,19 +99,22 @@ def main(argv: list[str] | None = None) -> int:
         files = write_data(root, 4 * base.train.micro_batch_size * (args.steps + 2), base.data.seq_length)
         result: dict[str, Any] = {"bench": "preference_cost", "config": args.config, "lora": args.lora,
                                   "seq_length": base.data.seq_length, "rows_per_step": base.train.micro_batch_size}
-        for side in ("sft", "dpo"):
+        sides = ("sft", "dpo", "dpo_whole")
+        for side in sides:
             cfg = side_config(base, side, files, root / f"probe_{side}", 2, args.lora)
             result[f"{side}_peak_bytes"] = measure_training(cfg, None).as_dict()["peak"]
-        rates: dict[str, list[float]] = {"sft": [], "dpo": []}
+        rates: dict[str, list[float]] = {side: [] for side in sides}
         for r in range(args.rounds):
-            for side in ("sft", "dpo") if r % 2 == 0 else ("dpo", "sft"):
+            for side in sides if r % 2 == 0 else sides[::-1]:
                 out = root / f"{side}_{r}"
                 Trainer(side_config(base, side, files, out, args.steps, args.lora)).train()
                 rates[side].append(tokens_per_s(out))
                 print(f"round {r} {side}: {rates[side][-1]:,.0f} tokens/s", file=sys.stderr)
         result.update({f"{side}_tokens_per_s": [round(x) for x in v] for side, v in rates.items()})
-        result["dpo_over_sft_speed"] = round(statistics.median(rates["dpo"]) / statistics.median(rates["sft"]), 3)
-        result["dpo_over_sft_memory"] = round(result["dpo_peak_bytes"] / result["sft_peak_bytes"], 3)
+        for side in sides[1:]:
+            speed = statistics.median(rates[side]) / statistics.median(rates["sft"])
+            result[f"{side}_over_sft_speed"] = round(speed, 3)
+            result[f"{side}_over_sft_memory"] = round(result[f"{side}_peak_bytes"] / result["sft_peak_bytes"], 3)
     print(json.dumps(result, indent=1))
     return 0
 

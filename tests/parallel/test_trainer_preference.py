@@ -1,14 +1,15 @@
 """Preference tuning (DPO) through the Trainer under data parallelism with ZeRO-3, tensor parallelism,
 LoRA under ZeRO-1, pipeline parallelism (with and without LoRA), context parallelism and expert parallelism
-(a mixture of experts with adapters on its experts), against one process, with the parity matrix's strict checks (test_trainer_parity.py): first-step gradients,
-parameters after the steps with plain SGD, every step's loss and gradient norm.
+(a mixture of experts with adapters on its experts), against one process, with the parity matrix's strict
+checks (test_trainer_parity.py): first-step gradients, parameters after the steps with plain SGD, every
+step's loss and gradient norm.
 
 The reference log-probabilities are precomputed by the ranks together (each data-parallel rank a share
 of the pairs; under a pipeline through its stages), come from the base with adapters off (LoRA; under a
-pipeline a forward-only pass through the stages before each step), or from a frozen copy (context
-parallelism: each rank's part of a row summed over the ranks). The loss is a mean over the step's pairs
-on every rank, so a normalisation by a rank's own pairs, a row's log-probability from one rank's part of
-it, or a reference of the wrong weights, shows."""
+pipeline a forward-only pass through the stages before each step), or from a frozen copy in the run's
+layout (under a pipeline its own chunks; under context parallelism each rank's part of a row summed over
+the ranks). The loss is a mean over the step's pairs on every rank, so a normalisation by a rank's own
+pairs, a row's log-probability from one rank's part of it, or a reference of the wrong weights, shows."""
 
 from __future__ import annotations
 

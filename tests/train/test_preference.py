@@ -225,18 +225,19 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path: Path, tokenizer_
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("precompute", [True, False], ids=["precomputed", "frozen_copy"])
-def test_resume_continues_exactly_with_the_starting_reference(tmp_path: Path, tokenizer_dir: Path,
-                                                              precompute: bool) -> None:
-    """The reference stays the starting weights' on a resume: the stored log-probabilities read back, or the
-    frozen copy taking the starting weights before the checkpoint replaces the policy's."""
+@pytest.mark.parametrize("mode", ["precompute", "frozen_copy", "adapters_off"])
+def test_resume_continues_exactly_with_the_starting_reference(tmp_path: Path, tokenizer_dir: Path, mode: str) -> None:
+    """The reference stays the starting weights' on a resume: the stored log-probabilities read back, the
+    frozen copy taking the starting weights before the checkpoint replaces the policy's, or LoRA's base."""
     import shutil
 
     from shardwise.checkpoint.storage import list_checkpoints
     from shardwise.errors import TrainingError
 
+    lora = {"lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}} if mode == "adapters_off" else {}
     cfg = _preference_run(tmp_path, tokenizer_dir, 6, train={"save_steps": 3},
-                          preference={"precompute_reference": precompute})
+                          preference={"precompute_reference": mode == "precompute"}, **lora)
+    assert cfg.reference_mode() == mode
     full = Trainer(cfg).train().losses
     run = Path(cfg.train.output_dir)
     newest = list_checkpoints(run)[-1]
@@ -246,7 +247,7 @@ def test_resume_continues_exactly_with_the_starting_reference(tmp_path: Path, to
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):  # the reference is the starting weights', not the resumed ones'
         assert resumed[step] == pytest.approx(full[step], abs=1e-6, rel=0)
-    if not precompute:
+    if mode != "precompute":
         return
     shutil.rmtree(list_checkpoints(run)[-1])
     (run / "reference_logps.npz").unlink()
@@ -313,7 +314,8 @@ def test_the_lora_reference_pass_does_not_count_in_the_expert_load(tmp_path: Pat
     from shardwise.resolve import resolve_config
     from shardwise.train.preference_step import PreferenceTuning
 
-    raw = _preference_run(tmp_path, tokenizer_dir, 2, lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}).model_dump()
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    raw = _preference_run(tmp_path, tokenizer_dir, 2, lora=lora).model_dump()
     raw["model"] = {"preset": "tiny_qwen3_moe", "router_bias": True, "moe_bias_update_rate": 0.01}
     cfg = resolve_config(raw)
     assert cfg.reference_mode() == "adapters_off"

@@ -31,7 +31,9 @@ Loss. The schedule's loss function returns, per micro-batch, the sum of its toke
 the number of target tokens of the whole step (`global_tokens`, all micro-batches and, with data
 parallel, all replicas), and the schedule does not rescale gradients, so the gradients are those of
 one process computing sum(token losses) / global_tokens. `pipeline_step` returns that step loss on
-every pipeline rank (broadcast from the rank that holds the last stage).
+every pipeline rank (broadcast from the rank that holds the last stage). Preference tuning gives its own
+`row_loss`: the last stage returns each row's token-loss sum, and the function makes the micro-batch's
+pair losses from them and the schedule's target (the labels, and the reference's log-probabilities).
 
 Tied embeddings (`tie_embeddings`). The first stage's embedding and the last stage's output
 projection are separate copies of the shared matrix (on different ranks, or both on rank 0 for a V
@@ -547,9 +549,8 @@ def concat_micro_batches(micro_batches: list[dict[str, torch.Tensor]],
     width, the tokens with 0, the labels with IGNORE_INDEX, so that every step has one shape (causal
     attention keeps the padding out of the earlier tokens)."""
     if pad_to is not None:
-        width = pad_to
-        micro_batches = [{**mb, "input_ids": _pad_right(mb["input_ids"], width, 0),
-                          "labels": _pad_right(mb["labels"], width, IGNORE_INDEX)} for mb in micro_batches]
+        micro_batches = [{**mb, "input_ids": _pad_right(mb["input_ids"], pad_to, 0),
+                          "labels": _pad_right(mb["labels"], pad_to, IGNORE_INDEX)} for mb in micro_batches]
     shapes = sorted({tuple(mb["input_ids"].shape) for mb in micro_batches})
     if len(shapes) > 1:
         raise ConfigError(

@@ -125,6 +125,24 @@ class PreferenceTuning:
             return forward_logps(model, mb, ids, labels, device, self.chunk)
         return -pipeline_row_losses(pipeline, {**mb, "input_ids": ids, "labels": labels}, self.chunk)
 
+    @torch.no_grad()
+    def precompute_reference(self, model: nn.Module, dataset: Any, *, batch_size: int, device: torch.device,
+                             plan: Any, dp_mesh: Any = None, pipeline: Any = None) -> np.ndarray:
+        """Every pair's (chosen, rejected) answer log-probability under `model` as it is (through the
+        `pipeline`'s stages when given): [pairs, 2], float64; the data-parallel ranks share the pairs and every
+        rank gets all of them."""
+        out = torch.zeros(2 * len(dataset), dtype=torch.float64, device=device)
+        for pairs, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, None, device,
+                                                                     dp_mesh):
+            with plan.autocast(device.type):
+                logps = self.logps(model, mb, ids, labels, device, pipeline)
+            if counted:
+                rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
+                out[rows] = logps.double()
+        if dp_mesh is not None and dp_mesh.size() > 1:
+            out = all_reduce(out, dp_mesh)
+        return out.cpu().numpy().reshape(-1, 2)
+
     # --- a step ---------------------------------------------------------------------------------
 
     @staticmethod
@@ -260,24 +278,6 @@ def _batches_in_eval_mode(model: nn.Module, dataset: Any, batch_size: int, limit
         model.train(was_training)
 
 
-@torch.no_grad()
-def precompute_reference(tuning: PreferenceTuning, model: nn.Module, dataset: Any, *, batch_size: int,
-                         device: torch.device, plan: Any, dp_mesh: Any = None, pipeline: Any = None) -> np.ndarray:
-    """Every pair's (chosen, rejected) answer log-probability under `model` as it is (through the
-    `pipeline`'s stages when given; `tuning.logps`): [pairs, 2], float64; the data-parallel ranks share the
-    pairs and every rank gets all of them."""
-    out = torch.zeros(2 * len(dataset), dtype=torch.float64, device=device)
-    for pairs, counted, mb, ids, labels in _batches_in_eval_mode(model, dataset, batch_size, None, device, dp_mesh):
-        with plan.autocast(device.type):
-            logps = tuning.logps(model, mb, ids, labels, device, pipeline)
-        if counted:
-            rows = torch.from_numpy(np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)).to(device)
-            out[rows] = logps.double()
-    if dp_mesh is not None and dp_mesh.size() > 1:
-        out = all_reduce(out, dp_mesh)
-    return out.cpu().numpy().reshape(-1, 2)
-
-
 def save_reference(run_dir: Path, train: np.ndarray, held_out: Optional[np.ndarray]) -> None:
     """The precomputed log-probabilities beside the checkpoints (npz, no pickles), for a resume."""
     buffer = io.BytesIO()
@@ -300,4 +300,4 @@ def load_reference(run_dir: Path) -> dict[str, np.ndarray]:
 
 
 __all__ = ["FIGURES", "REFERENCE_FILE", "PreferenceTuning", "figures_record", "load_reference",
-           "precompute_reference", "save_reference"]
+           "save_reference"]

@@ -76,7 +76,7 @@ from .optim import (
     state_dtype_of,
     step_unless,
 )
-from .preference_step import REFERENCE_FILE, PreferenceTuning, load_reference, precompute_reference, save_reference
+from .preference_step import REFERENCE_FILE, PreferenceTuning, load_reference, save_reference
 from .run_dir import available_host_memory, check_host_memory, check_run_dir, prepare_run_dir
 from .shared_storage import check_shared_run_dir
 from .step_result import StepResult
@@ -614,9 +614,9 @@ class Trainer:
             logps = load_reference(run_dir)
         else:
             dp_mesh = state.meshes["dp"] if state.dims.dp > 1 else None
-            logps = {name: precompute_reference(pref, state.parts[0], d, batch_size=cfg.train.micro_batch_size,
-                                                device=state.device, plan=state.plan, dp_mesh=dp_mesh,
-                                                pipeline=state.pipeline)
+            logps = {name: pref.precompute_reference(state.parts[0], d, batch_size=cfg.train.micro_batch_size,
+                                                     device=state.device, plan=state.plan, dp_mesh=dp_mesh,
+                                                     pipeline=state.pipeline)
                      for name, d in datasets.items()}
             if state.ctx.is_main:
                 save_reference(run_dir, logps["train"], logps.get("eval"))
