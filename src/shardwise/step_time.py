@@ -118,6 +118,7 @@ class StepTime:
 
     compute: float = 0.0
     recompute: float = 0.0
+    reference: float = 0.0  # preference tuning's reference model's forward (LoRA's adapters off, a frozen copy)
     tp_comm: float = 0.0
     dp_comm: float = 0.0
     pp_comm: float = 0.0
@@ -132,8 +133,8 @@ class StepTime:
     peak_flops: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
 
-    PARTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "ep_comm", "bubble", "optimizer",
-             "offload")
+    PARTS = ("compute", "recompute", "reference", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "ep_comm", "bubble",
+             "optimizer", "offload")
 
     @property
     def total(self) -> float:
@@ -181,6 +182,7 @@ class RankLoad:
     routed_flops_per_token: float = 0.0   # ... of those, MoE routers' and routed experts': whole on every TP rank
     latent_down_flops_per_token: float = 0.0  # ... latent attention's down projections: whole on every TP rank
     recompute_flops_per_token: float = 0.0
+    reference_flops_per_token: float = 0.0  # preference tuning's reference model: a forward without gradient
     selective_flops_per_token: float = 0.0  # forward FLOPs of the selectively recomputed layers
     recompute_collectives: float = 0.0  # tensor-parallel collective volumes the recomputed forwards repeat
     float8_flops_per_token: float = 0.0  # optimize.float8: the part of flops_per_token in float8 matmuls
@@ -330,7 +332,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
         # Per layer of the chunk (full every `recompute_every`-th block of each chunk, from its first).
         for i, mode in zip(here, cfg.optimize.layer_recompute(list(here))):
             if reference_forward:  # preference tuning's reference model: one more forward, no gradient
-                load.recompute_flops_per_token += flops.layers_forward[i]
+                load.reference_flops_per_token += flops.layers_forward[i]
             if mode == "full":
                 load.recompute_flops_per_token += flops.layers_forward[i]
                 load.recompute_collectives += 2
@@ -354,7 +356,7 @@ def rank_loads(cfg: RunConfig, work: Work | None = None) -> list[RankLoad]:
             if head_recomputes_logits(cfg):
                 load.recompute_flops_per_token += 2 * head_weights
             if reference_forward:
-                load.recompute_flops_per_token += 2 * head_weights
+                load.reference_flops_per_token += 2 * head_weights
             head_params = m.hidden_size + (0 if (m.tie_embeddings and pp == 1) else head_weights)
             load.params += head_params
             load.trainable += 0 if cfg.lora is not None else head_params
@@ -513,6 +515,7 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
         compute = tokens_mb * (load.flops_per_token - load.routed_flops_per_token + whole) / tp / rate
         recompute = tokens_mb * (load.recompute_flops_per_token
                                  + SELECTIVE_COST * load.selective_flops_per_token) / tp / rate
+        reference = tokens_mb * load.reference_flops_per_token / tp / rate
         if rate8:  # optimize.float8: the converted linears at the float8 rate, and their casts
             compute += tokens_mb * load.float8_flops_per_token / tp * (1 / rate8 - 1 / rate) + float8_casts(load)
             recompute += tokens_mb * load.float8_recompute_flops_per_token / tp * (1 / rate8 - 1 / rate)
@@ -531,7 +534,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
             all_to_all_time(exchange, cp, cp_link)
         ep_comm = load.moe_layers * (4 + load.recompute_collectives / max(1, load.layers)) * \
             all_to_all_time(copies * work.expert_imbalance, ep, ep_link) if ep > 1 else 0.0
-        return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm + tp_host, "pp_comm": pp_comm,
+        return {"compute": compute, "recompute": recompute, "reference": reference, "tp_comm": tp_comm + tp_host,
+                "pp_comm": pp_comm,
                 "cp_comm": cp_comm, "ep_comm": ep_comm, "host": tp_host}
 
     per_rank = [rank_times(load) for load in loads]
@@ -540,7 +544,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
     t = per_rank[busiest]
     load = loads[busiest]
     micro_time = sum(t.values())  # one micro-batch on the slowest rank (all its chunks)
-    step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], tp_comm=ga * t["tp_comm"],
+    step = StepTime(compute=ga * t["compute"], recompute=ga * t["recompute"], reference=ga * t["reference"],
+                    tp_comm=ga * t["tp_comm"],
                     pp_comm=ga * t["pp_comm"], cp_comm=ga * t["cp_comm"], ep_comm=ga * t["ep_comm"],
                     tokens_per_step=cfg.global_batch_size(world) * seq, devices=world,
                     model_flops_per_token=work.flops.total, peak_flops=peak)
@@ -646,7 +651,8 @@ def _predict(cfg: RunConfig, devices: int, hw: Hardware, nodes: int, work: Work,
                    "dp_comm_total": comm, "micro_batch_time": micro_time, "loads": loads,
                    "float8": bool(rate8), "float8_cast_time": ga * float8_casts(load) if rate8 else 0.0,
                    # seconds a process computes per step, averaged over the pipeline ranks
-                   "busy": ga * sum(r["compute"] + r["recompute"] + h for r, h in zip(per_rank, host_work)) / pp
+                   "busy": ga * sum(r["compute"] + r["recompute"] + r["reference"] + h
+                                    for r, h in zip(per_rank, host_work)) / pp
                    + step.optimizer + (step.dp_comm + step.tp_comm if hw.kind == "cpu" else 0.0)}
     return step
 

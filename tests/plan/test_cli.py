@@ -50,3 +50,23 @@ def test_mistakes_exit_2_with_a_message(capsys: pytest.CaptureFixture, argv: lis
     code, _, err = run(capsys, *argv)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_a_config_that_starts_from_weights_is_planned_with_their_architecture(capsys: pytest.CaptureFixture,
+                                                                              tmp_path) -> None:  # noqa: ANN001
+    """model.init_from: the plan reads the weights' architecture as `shardwise train` and `estimate` do (it
+    stopped asking for a Python function before)."""
+    import transformers
+    import yaml
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "weights", safe_serialization=True)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"init_from": str(tmp_path / "weights")},
+                                      "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1,
+                                                "micro_batch_size": 1}}), encoding="utf-8")
+    code, out, err = run(capsys, str(config), "--devices", "2", "--hardware", "cpu", "--seq-length", "64",
+                         "--global-batch", "4", "--top", "1")
+    assert code == 0, err
+    assert "why #1" in out

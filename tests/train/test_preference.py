@@ -326,3 +326,31 @@ def test_the_lora_reference_pass_does_not_count_in_the_expert_load(tmp_path: Pat
     routed = mb["input_ids"].numel() * cfg.model.num_experts_per_tok  # one forward's copies per MoE block
     load = take_expert_load(model)
     assert load and all(float(counts.sum()) == routed for counts in load.values())
+
+
+def test_the_step_time_model_counts_the_reference_forward_as_its_own_part(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """LoRA's reference (adapters off) is one more forward, no gradient: the planner shows it as `reference`,
+    beside compute and recompute, which stay as with a precomputed reference (none per step)."""
+    from shardwise.hardware import get_hardware
+    from shardwise.step_time import predict_step
+
+    lora = {"r": 4, "alpha": 8, "target_modules": "all-linear"}
+    online = _preference_run(tmp_path, tokenizer_dir, 2, lora=lora)
+    stored = _preference_run(tmp_path, tokenizer_dir, 2, lora=lora, preference={"precompute_reference": True})
+    assert (online.reference_mode(), stored.reference_mode()) == ("adapters_off", "precompute")
+    h100 = get_hardware("H100")
+    a, b = predict_step(online, 1, h100), predict_step(stored, 1, h100)
+    assert b.reference == 0 < a.reference < a.compute
+    assert (a.compute, a.recompute) == (b.compute, b.recompute)
+    assert a.total > b.total
+
+
+def test_a_global_batch_in_pairs_is_estimated_in_rows(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """train.global_batch_size counts pairs as micro_batch_size does: the estimate (and the planner, which
+    calls it per layout) counts both in rows, not twice the micro-batch against the pairs' global batch."""
+    from shardwise.memory.estimate import estimate_memory
+
+    set_batch = _preference_run(tmp_path, tokenizer_dir, 2, train={"global_batch_size": 16})  # 8 pairs x 2
+    derived = _preference_run(tmp_path, tokenizer_dir, 2, optimize={"gradient_accumulation_steps": 2})
+    assert set_batch.gradient_accumulation(1) == derived.gradient_accumulation(1) == 2
+    assert estimate_memory(set_batch, 1, "cuda").peak == estimate_memory(derived, 1, "cuda").peak

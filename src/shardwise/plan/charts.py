@@ -27,9 +27,9 @@ from .search import Candidate, PlanResult
 
 MEMORY_PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
                 ("activations", "activations"), ("buffers", "buffers"), ("overhead", "allocator overhead"))
-STEP_COLOURS = {"compute": "#4878d0", "recompute": "#82c6e2", "tp_comm": "#ee854a", "dp_comm": "#d65f5f",
-                "pp_comm": "#956cb4", "cp_comm": "#dc7ec0", "ep_comm": "#d5bb67", "bubble": "#8c613c",
-                "optimizer": "#6acc64", "offload": "#797979"}
+STEP_COLOURS = {"compute": "#4878d0", "recompute": "#82c6e2", "reference": "#a1c9f4", "tp_comm": "#ee854a",
+                "dp_comm": "#d65f5f", "pp_comm": "#956cb4", "cp_comm": "#dc7ec0", "ep_comm": "#d5bb67",
+                "bubble": "#8c613c", "optimizer": "#6acc64", "offload": "#797979"}
 
 
 def chart_text(name: str) -> str:

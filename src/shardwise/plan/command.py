@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Optional
 
-from ..config import RunConfig, load_config, validate
+from ..config import RunConfig, validate
 from ..errors import ConfigError
 from ..hardware import CATALOGUE, Hardware, custom_hardware, get_hardware, known_names, load_hardware_file
+from ..resolve import load_run_config
 from .budget import BATCH_RULE, VOCAB_SIZE, BudgetPlan, default_global_batch, plan_budget
 from .charts import write_plan_report
 from .profile import profile_plan
@@ -175,7 +176,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.profile is not None and args.profile < 1:
         raise ConfigError(f"--profile {args.profile}: give at least 1 step")
     hw = hardware_from_args(args)
-    base = load_config(args.config) if args.config else None
+    base = load_run_config(args.config) if args.config else None  # init_from: the weights' architecture
     lora_rank = args.lora_rank if args.lora_rank is not None else (8 if args.lora else None)
     if lora_rank is not None and lora_rank < 1:
         raise ConfigError(f"--lora-rank {lora_rank}: give at least 1")

@@ -14,7 +14,8 @@ from ..units import GIB, gib, human
 from .budget import EXTRAPOLATION_WARNING, FIT_PARAMS, FIT_TOKENS, BudgetPlan, rule_of_20
 from .search import Candidate, PlanResult
 
-PART_NAMES = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
+PART_NAMES = {"compute": "compute", "recompute": "recomputation", "reference": "the reference model's forward",
+              "tp_comm": "tensor-parallel communication",
               "dp_comm": "data-parallel communication", "pp_comm": "pipeline sends",
               "cp_comm": "context-parallel all-to-alls", "ep_comm": "expert-parallel all-to-alls",
               "bubble": "the pipeline bubble",

@@ -92,8 +92,10 @@ def _as_counted(cfg: Any) -> Any:
     frozen copy adds its weights (`_estimate_rank`)."""
     if cfg.data.kind != "preference":
         return cfg
-    return cfg.model_copy(update={
-        "train": cfg.train.model_copy(update={"micro_batch_size": 2 * cfg.train.micro_batch_size})})
+    t = cfg.train
+    rows = {"micro_batch_size": 2 * t.micro_batch_size,  # and a global batch in pairs, when set, in rows too
+            **({"global_batch_size": 2 * t.global_batch_size} if t.global_batch_size else {})}
+    return cfg.model_copy(update={"train": t.model_copy(update=rows)})
 
 
 def _estimate_rank(cfg: Any, lay: Layout, prec: Precision, params: tuple[Param, ...], pp_rank: int,
