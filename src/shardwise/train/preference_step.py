@@ -170,11 +170,11 @@ class PreferenceTuning:
                       device: torch.device) -> torch.Tensor:
         """One pipeline step over `batch` (micro_batch_num micro-batches' rows, concatenated): the pairs'
         losses over `global_pairs`, summed, on every pipeline rank (`parallel.pipeline.pipeline_step`)."""
-        ids, labels = batch["input_ids"], batch["labels"]
-        reference = self.reference_logps(None, batch, ids.to(device), labels.to(device), device, pipe)
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        reference = self.reference_logps(None, batch, ids, labels, device, pipe)
         return pipeline_step(pipe, ids, labels, global_tokens=global_pairs, finish_step=finish_step,
                              loss_chunk_tokens=self.chunk, row_loss=self._schedule_loss,
-                             target=_with_reference(labels.to(device), reference), **model_inputs(batch, device))
+                             target=_with_reference(labels, reference), **model_inputs(batch, device))
 
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The pipeline schedule's loss of a micro-batch on the last stage: its pairs' loss sum from its

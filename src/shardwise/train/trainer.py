@@ -307,18 +307,16 @@ class Trainer:
                 checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
             for part in parts:
                 quantize_base(part, cfg.lora.quantize_base)
-        loaded = False
-        if resume is not None and self.preference is not None and self.preference.mode == "frozen_copy":
-            # The reference is the starting weights: copied before the checkpoint replaces them.
+        frozen_reference = self.preference is not None and self.preference.mode == "frozen_copy"
+        if frozen_reference:  # the reference is the starting weights: copied before a resume's checkpoint loads
             if pretrained:
                 checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
             self.preference.copy_starting_weights(parts)
-            loaded = pretrained
         state.start = checkpointer.load(resume, overwrite) if resume is not None else 0
-        if state.start == 0 and pretrained and not quantized and not loaded:
+        if state.start == 0 and pretrained and not quantized and not frozen_reference:
             checkpointer.load_pretrained(cfg.model.init_from, cfg.model)
         if self.preference is not None:
-            self._reference_model(state, run_dir)
+            self._precomputed_reference(state, run_dir)
         if ctx.is_main:
             # The config in force, in one rename: never written through a link to a file of the user's.
             write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
@@ -599,14 +597,11 @@ class Trainer:
 
     # --- pieces of setup --------------------------------------------------------------------------
 
-    def _reference_model(self, state: TrainState, run_dir: Path) -> None:
-        """Preference tuning's reference, from the starting weights (train/preference_step.py): the pairs'
-        log-probabilities computed now and kept in the run directory (read back on a resume), or a frozen copy."""
+    def _precomputed_reference(self, state: TrainState, run_dir: Path) -> None:
+        """Preference tuning's precomputed reference (train/preference_step.py): the pairs' log-probabilities
+        computed now from the starting weights and kept in the run directory (read back on a resume). A frozen
+        copy took the starting weights in `setup`, before any checkpoint loaded."""
         pref, cfg = self.preference, self.config
-        if pref.mode == "frozen_copy":
-            if not state.start:  # a resume copied them before loading the checkpoint
-                pref.copy_starting_weights(state.parts)
-            return
         if pref.mode != "precompute":
             return
         datasets = {"train": self.train_dataset, **({"eval": self.eval_dataset} if self.eval_dataset else {})}
